@@ -1,0 +1,1 @@
+"""The ``lowprec`` torch.compile backend."""
