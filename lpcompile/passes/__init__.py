@@ -1,0 +1,85 @@
+"""Graph rewrites and the one ordered driver that runs and records them."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch.fx
+
+from lpcompile.config import LowPrecConfig
+
+
+@dataclass
+class Site:
+    """One inserted lowprec node: what it quantizes and with which stream."""
+
+    offset: int
+    role: str
+    layer: str
+    fmt: str
+    rounding: str
+    overflow: str
+    op: str  # "quantize" (forward) or "quantize_grad" (quantizes in the backward)
+
+    def meta(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+@dataclass
+class PassRecord:
+    """What one pass did to one graph."""
+
+    name: str
+    graph: str
+    seconds: float
+    nodes_added: int
+    nodes_removed: int
+    code_before: str
+    code_after: str
+
+
+@dataclass
+class CompileContext:
+    """State shared by the passes over one Dynamo graph and its AOT graphs."""
+
+    config: LowPrecConfig
+    graph_id: int
+    sites: dict[int, Site] = field(default_factory=dict)
+    seed_node: torch.fx.Node | None = None
+    records: list[PassRecord] = field(default_factory=list)
+
+    def new_offset(self) -> int:
+        """A random-stream offset unique to this graph and site."""
+        return (self.graph_id << 16) | len(self.sites)
+
+
+GraphPass = Callable[[torch.fx.GraphModule, CompileContext], None]
+
+
+def run_passes(
+    gm: torch.fx.GraphModule, passes: Sequence[GraphPass], ctx: CompileContext, graph: str
+) -> torch.fx.GraphModule:
+    """Run ``passes`` over ``gm`` in order, recording each one in ``ctx.records``."""
+    for graph_pass in passes:
+        before = set(gm.graph.nodes)
+        code_before = gm.code
+        start = time.perf_counter()
+        graph_pass(gm, ctx)
+        gm.graph.lint()
+        gm.recompile()
+        after = set(gm.graph.nodes)
+        ctx.records.append(
+            PassRecord(
+                name=graph_pass.__name__,
+                graph=graph,
+                seconds=time.perf_counter() - start,
+                nodes_added=len(after - before),
+                nodes_removed=len(before - after),
+                code_before=code_before,
+                code_after=gm.code,
+            )
+        )
+    return gm

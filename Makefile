@@ -1,0 +1,20 @@
+# `make demo` and `make test` each set everything up on a fresh machine first.
+.PHONY: setup demo test test-all lint
+
+.venv/.installed: pyproject.toml scripts/setup.sh
+	bash scripts/setup.sh
+	touch $@
+
+setup: .venv/.installed
+
+demo: .venv/.installed
+	.venv/bin/lowprec demo
+
+test: .venv/.installed
+	.venv/bin/python -m pytest -q
+
+test-all: .venv/.installed
+	.venv/bin/python -m pytest -q -m "slow or not slow"
+
+lint: .venv/.installed
+	.venv/bin/ruff check .

@@ -1,0 +1,169 @@
+"""Configuration: frozen dataclasses, named recipes and ``options`` parsing."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any
+
+from lpcompile.formats import parse_format
+from lpcompile.ops import OVERFLOWS, ROUNDINGS
+
+
+class Role(str, Enum):
+    """What a quantized tensor is, in Mellempudi et al.'s terms."""
+
+    WEIGHT = "weight"
+    ACTIVATION = "activation"
+    ERROR = "error"  # gradient w.r.t. a layer's output, entering its backward
+    WEIGHT_GRAD = "weight_grad"
+
+
+ROLES = tuple(role.value for role in Role)
+EXECUTORS = ("inductor", "eager")
+
+
+@dataclass(frozen=True)
+class QuantSpec:
+    """How one role is quantized; ``fmt=None`` leaves it in higher precision."""
+
+    fmt: str | None = None
+    rounding: str = "nearest"
+    overflow: str = "saturate"
+
+    def __post_init__(self) -> None:
+        if self.fmt is not None:
+            object.__setattr__(self, "fmt", parse_format(self.fmt).name)
+        if self.rounding not in ROUNDINGS:
+            raise ValueError(f"rounding must be one of {ROUNDINGS}, got {self.rounding!r}")
+        if self.overflow not in OVERFLOWS:
+            raise ValueError(f"overflow must be one of {OVERFLOWS}, got {self.overflow!r}")
+
+    @property
+    def enabled(self) -> bool:
+        return self.fmt is not None
+
+
+OFF = QuantSpec()
+
+
+def _specs(fwd: QuantSpec, err: QuantSpec, wgrad: QuantSpec | None = None) -> dict[str, QuantSpec]:
+    return {"weight": fwd, "activation": fwd, "error": err, "weight_grad": wgrad or err}
+
+
+# Forward roles saturate (as torch's E4M3 cast and TransformerEngine do); backward
+# roles overflow to inf so that loss scaling sees the overflow and skips the step.
+_RECIPES: dict[str, tuple[str, dict[str, QuantSpec]]] = {
+    "fp32": ("no rewriting: the model as it is", _specs(OFF, OFF)),
+    "fp8-e5m2": (
+        "E5M2 everywhere, round to nearest even",
+        _specs(QuantSpec("e5m2"), QuantSpec("e5m2", overflow="inf")),
+    ),
+    "fp8-e5m2-sr": (
+        "Mellempudi et al. 2019: E5M2 everywhere, stochastic rounding on errors and weight gradients",
+        _specs(QuantSpec("e5m2"), QuantSpec("e5m2", "stochastic", "inf")),
+    ),
+    "fp8-hybrid": (
+        "E4M3 weights and activations, E5M2 errors and weight gradients (nearest even)",
+        _specs(QuantSpec("e4m3"), QuantSpec("e5m2", overflow="inf")),
+    ),
+    "fp16": (
+        "FP16 at every matmul/conv input and gradient",
+        _specs(QuantSpec("fp16"), QuantSpec("fp16", overflow="inf")),
+    ),
+    "bf16": (
+        "BF16 at every matmul/conv input and gradient",
+        _specs(QuantSpec("bf16"), QuantSpec("bf16", overflow="inf")),
+    ),
+}
+
+
+@dataclass(frozen=True)
+class LowPrecConfig:
+    """Everything the lowprec backend does to a graph.
+
+    ``exclude`` holds ``fnmatch`` patterns of layer names (module FQNs such as
+    ``"features.0"``) whose matmul/conv stay in higher precision;
+    ``keep_first_last`` does that for the first and last matmul/conv of each
+    graph, as Mellempudi et al. do.
+    """
+
+    recipe: str = "fp32"
+    weight: QuantSpec = OFF
+    activation: QuantSpec = OFF
+    error: QuantSpec = OFF
+    weight_grad: QuantSpec = OFF
+    exclude: tuple[str, ...] = ()
+    keep_first_last: bool = False
+    seed: int = 0
+    executor: str = "inductor"
+
+    def __post_init__(self) -> None:
+        if self.executor not in EXECUTORS:
+            raise ValueError(f"executor must be one of {EXECUTORS}, got {self.executor!r}")
+        if not isinstance(self.seed, int):
+            raise ValueError(f"seed must be an int, got {self.seed!r}")
+        for role in ROLES:
+            if not isinstance(getattr(self, role), QuantSpec):
+                raise ValueError(f"{role} must be a QuantSpec, got {getattr(self, role)!r}")
+
+    def spec(self, role: Role | str) -> QuantSpec:
+        return getattr(self, Role(role).value)
+
+    @property
+    def quantizes(self) -> bool:
+        return any(self.spec(role).enabled for role in ROLES)
+
+    @classmethod
+    def from_recipe(cls, name: str, **overrides: Any) -> LowPrecConfig:
+        if name not in _RECIPES:
+            raise ValueError(f"unknown recipe {name!r}; valid recipes: {', '.join(_RECIPES)}")
+        return cls(recipe=name, **{**_RECIPES[name][1], **overrides})
+
+    @classmethod
+    def from_options(cls, options: dict[str, Any] | None) -> LowPrecConfig:
+        """Build a config from ``torch.compile(..., options=...)``."""
+        options = dict(options or {})
+        valid = sorted(OPTION_KEYS)
+        unknown = sorted(set(options) - OPTION_KEYS)
+        if unknown:
+            raise ValueError(f"unknown lowprec option(s) {unknown}; valid options: {valid}")
+        base = cls.from_recipe(options.pop("recipe", "fp32"))
+        overrides: dict[str, Any] = {}
+        for key, value in options.items():
+            if key in ROLES:
+                overrides[key] = _parse_spec(key, value, base.spec(key))
+            elif key == "exclude":
+                overrides[key] = (value,) if isinstance(value, str) else tuple(value)
+            else:
+                overrides[key] = value
+        return dataclasses.replace(base, **overrides)
+
+
+OPTION_KEYS = {f.name for f in dataclasses.fields(LowPrecConfig)}
+
+
+def _parse_spec(role: str, value: Any, base: QuantSpec) -> QuantSpec:
+    """A role's spec from an option value; a dict overrides fields of ``base``."""
+    if isinstance(value, QuantSpec):
+        return value
+    if value is None or value is False:
+        return OFF
+    if isinstance(value, str):
+        return QuantSpec(value)
+    if isinstance(value, dict):
+        valid = {f.name for f in dataclasses.fields(QuantSpec)}
+        unknown = sorted(set(value) - valid)
+        if unknown:
+            raise ValueError(f"unknown key(s) {unknown} for {role}; valid keys: {sorted(valid)}")
+        spec = dataclasses.replace(base, **value)
+        if not spec.enabled and value:
+            raise ValueError(f"{role}: the recipe leaves it off, so the dict needs a 'fmt'")
+        return spec
+    raise ValueError(f"{role}: expected a format name, a dict, a QuantSpec or None, got {value!r}")
+
+
+def recipes() -> dict[str, str]:
+    """The named recipes with one-line descriptions."""
+    return {name: description for name, (description, _) in _RECIPES.items()}

@@ -1,0 +1,181 @@
+"""Quantize-node passes (Mellempudi et al. 2019).
+
+``insert_quantize`` runs on the Dynamo graph, where layers are still explicit
+calls (``linear``, ``conv2d``, ``matmul``) that carry their module's name.
+For each such call it inserts:
+
+* ``lowprec::quantize`` on every input: weights and activations are rounded
+  in the forward (straight-through gradient);
+* ``lowprec::quantize_grad`` on the weight, before its forward quantize: the
+  weight gradient is rounded in the backward;
+* ``lowprec::quantize_grad`` on the output: the error (gradient w.r.t. the
+  output) is rounded before the layer's backward matmuls read it.
+
+AOT autograd then traces these operators into the ATen forward graph and, for
+``quantize_grad``, a ``lowprec::quantize`` node into the backward graph at the
+error and weight-gradient positions. ``annotate_lowprec_nodes`` labels those
+ATen nodes. Products accumulate in FP32 (the matmul itself is untouched).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import operator
+import re
+
+import torch
+import torch.fx
+import torch.nn.functional as F
+
+from lpcompile.config import QuantSpec, Role
+from lpcompile.passes import CompileContext, Site
+
+LINEAR_TARGETS = {torch._C._nn.linear, F.linear}
+CONV_TARGETS = {torch.conv1d, torch.conv2d, torch.conv3d, F.conv1d, F.conv2d, F.conv3d}
+MATMUL_TARGETS = {torch.matmul, operator.matmul, torch.mm, torch.bmm}
+MATMUL_METHODS = {"matmul", "mm", "bmm", "__matmul__"}
+# Ops through which a parameter is still "the weight" (x @ self.w.t()).
+VIEW_METHODS = {"t", "transpose", "permute", "view", "reshape", "contiguous", "T", "mT"}
+VIEW_FUNCTIONS = {torch.t, torch.transpose, torch.permute, torch.reshape}
+
+LOWPREC_OPS = {
+    torch.ops.lowprec.quantize.default: "quantize",
+    torch.ops.lowprec.quantize_grad.default: "quantize_grad",
+}
+
+
+def is_layer_call(node: torch.fx.Node) -> bool:
+    """Whether ``node`` is a matmul or convolution the pass quantizes."""
+    if node.op == "call_function":
+        return node.target in LINEAR_TARGETS | CONV_TARGETS | MATMUL_TARGETS
+    return node.op == "call_method" and node.target in MATMUL_METHODS
+
+
+def layer_name(node: torch.fx.Node) -> str:
+    """The FQN of the module that made ``node`` (its own name at the root)."""
+    stack = node.meta.get("nn_module_stack") or {}
+    if not stack:
+        return node.name
+    path = list(stack.values())[-1][0]
+    path = re.sub(r"^L\['[^']*'\]", "", path)
+    path = re.sub(r"\._modules\['([^']*)'\]", r".\1", path)
+    path = re.sub(r"\[(\d+)\]", r".\1", path).strip(".")
+    return path or node.name
+
+
+def is_parameter(node: torch.fx.Node) -> bool:
+    """Whether ``node`` is a parameter, possibly seen through views."""
+    while True:
+        if node.op == "call_method" and node.target in VIEW_METHODS:
+            node = node.args[0]
+        elif node.op == "call_function" and node.target in VIEW_FUNCTIONS:
+            node = node.args[0]
+        elif node.op == "call_function" and node.target is getattr and node.args[1] in VIEW_METHODS:
+            node = node.args[0]
+        else:
+            break
+    if node.op == "placeholder":
+        grapharg = node.meta.get("grapharg")
+        return grapharg is not None and isinstance(grapharg.example, torch.nn.Parameter)
+    if node.op == "get_attr":
+        owner = node.graph.owning_module
+        return owner is not None and isinstance(owner.get_parameter(node.target), torch.nn.Parameter)
+    return False
+
+
+def _seed(gm: torch.fx.GraphModule, ctx: CompileContext) -> torch.fx.Node:
+    """The graph input that carries this step's random seed (added once)."""
+    if ctx.seed_node is None:
+        placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+        with gm.graph.inserting_after(placeholders[-1]):
+            ctx.seed_node = gm.graph.placeholder("lowprec_seed")
+        ctx.seed_node.meta["example_value"] = torch.zeros((), dtype=torch.int64)
+        ctx.seed_node._dynamo_source = None  # an input of ours, not of user code
+    return ctx.seed_node
+
+
+def _insert(
+    gm: torch.fx.GraphModule,
+    ctx: CompileContext,
+    value: torch.fx.Node,
+    role: Role,
+    layer: str,
+    spec: QuantSpec,
+    grad: bool,
+    before: torch.fx.Node | None = None,
+) -> torch.fx.Node:
+    """Insert a quantize (``grad=False``) or quantize_grad node of ``value``.
+
+    It goes right before ``before`` (the layer call that reads it) or, without
+    one, right after ``value``.
+    """
+    site = Site(
+        offset=ctx.new_offset(),
+        role=role.value,
+        layer=layer,
+        fmt=spec.fmt,
+        rounding=spec.rounding,
+        overflow=spec.overflow,
+        op="quantize_grad" if grad else "quantize",
+    )
+    ctx.sites[site.offset] = site
+    seed = _seed(gm, ctx) if spec.rounding == "stochastic" else None
+    args = (value, spec.fmt, spec.rounding, spec.overflow, seed, site.offset)
+    with gm.graph.inserting_before(before) if before is not None else gm.graph.inserting_after(value):
+        if grad:
+            node = gm.graph.call_function(torch.ops.lowprec.quantize_grad.default, args)
+        else:
+            node = gm.graph.call_function(torch.ops.lowprec.quantize.default, (*args, None))
+    node.meta["lowprec"] = site.meta()
+    if "example_value" in value.meta:
+        node.meta["example_value"] = value.meta["example_value"]
+    return node
+
+
+def _kept_layers(gm: torch.fx.GraphModule, ctx: CompileContext) -> list[torch.fx.Node]:
+    """The layer calls to quantize, after ``exclude`` and ``keep_first_last``."""
+    calls = [n for n in gm.graph.nodes if is_layer_call(n)]
+    if ctx.config.keep_first_last:
+        calls = calls[1:-1]
+    return [
+        n for n in calls if not any(fnmatch.fnmatchcase(layer_name(n), p) for p in ctx.config.exclude)
+    ]
+
+
+def insert_quantize(gm: torch.fx.GraphModule, ctx: CompileContext) -> None:
+    """Quantize the inputs, weight gradients and errors of every matmul/conv."""
+    config = ctx.config
+    for call in _kept_layers(gm, ctx):
+        layer = layer_name(call)
+        operands = call.args[:2]
+        for index, operand in enumerate(operands):
+            if not isinstance(operand, torch.fx.Node):
+                continue
+            weight = is_parameter(operand)
+            value = operand
+            if weight and config.weight_grad.enabled:
+                value = _insert(gm, ctx, value, Role.WEIGHT_GRAD, layer, config.weight_grad, True, call)
+            role = Role.WEIGHT if weight else Role.ACTIVATION
+            if config.spec(role).enabled:
+                value = _insert(gm, ctx, value, role, layer, config.spec(role), False, call)
+            if value is not operand:
+                call.update_arg(index, value)
+        if config.error.enabled:
+            users = list(call.users)
+            error = _insert(gm, ctx, call, Role.ERROR, layer, config.error, True)
+            for user in users:
+                user.replace_input_with(call, error)
+
+
+def annotate_lowprec_nodes(gm: torch.fx.GraphModule, ctx: CompileContext) -> None:
+    """Label each lowprec node of an ATen graph with the site it came from."""
+    for node in gm.graph.nodes:
+        if node.target in LOWPREC_OPS:
+            offset = node.args[5]
+            site = ctx.sites.get(offset)
+            if site is None:
+                continue
+            meta = site.meta()
+            # A quantize_grad site rounds in the backward; its forward node is a copy.
+            meta["phase"] = "backward" if LOWPREC_OPS[node.target] != site.op else "forward"
+            node.meta["lowprec"] = meta
