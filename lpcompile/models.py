@@ -1,0 +1,39 @@
+"""Small models for the demo, tests and benchmarks."""
+
+from __future__ import annotations
+
+import itertools
+
+from torch import nn
+
+
+class DigitsCNN(nn.Sequential):
+    """A small CNN for 8x8 digits, GroupNorm instead of BatchNorm.
+
+    Down-sampling is a strided convolution rather than max-pooling, whose
+    backward Inductor compiles slowly for CPUs.
+    """
+
+    def __init__(self, width: int = 16, classes: int = 10) -> None:
+        super().__init__(
+            nn.Conv2d(1, width, 3, padding=1),
+            nn.GroupNorm(4, width),
+            nn.ReLU(),
+            nn.Conv2d(width, 2 * width, 3, stride=2, padding=1),
+            nn.GroupNorm(4, 2 * width),
+            nn.ReLU(),
+            nn.Flatten(),
+            nn.Linear(2 * width * 4 * 4, 64),
+            nn.ReLU(),
+            nn.Linear(64, classes),
+        )
+
+
+class MLP(nn.Sequential):
+    """A plain ReLU MLP, e.g. ``MLP(784, 1024, 1024, 10)``."""
+
+    def __init__(self, *sizes: int) -> None:
+        layers: list[nn.Module] = [nn.Flatten()]
+        for fan_in, fan_out in itertools.pairwise(sizes):
+            layers += [nn.Linear(fan_in, fan_out), nn.ReLU()]
+        super().__init__(*layers[:-1])

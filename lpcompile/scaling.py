@@ -1,0 +1,392 @@
+"""Loss scaling with the ``torch.amp.GradScaler`` interface.
+
+:class:`LossScaler` multiplies the loss by a scale before ``backward`` so that
+small gradients survive low-precision formats, checks the gradients for
+inf/NaN, unscales them, skips the optimizer step when any is non-finite, and
+updates the scale. Modes (:data:`MODES`):
+
+* ``"static"``: a fixed scale; steps with non-finite gradients are still skipped.
+* ``"dynamic"``: ``GradScaler``'s rule: multiply the scale by ``backoff_factor``
+  (and skip) on overflow, by ``growth_factor`` after ``growth_interval``
+  consecutive clean steps.
+* ``"enhanced"``: Mellempudi et al. 2019: dynamic, but the scale never falls
+  below ``min_scale``; ``min_scale_schedule={iteration: new_min}`` raises the
+  floor during training (FP8's short subnormal range punishes a scale that
+  collapsed after a spurious overflow). ``iteration`` counts ``update()`` calls.
+* ``"adaptive"`` (per-layer scales, Zhao et al. 2019) is reserved: not built yet.
+
+Usage is ``GradScaler``'s::
+
+    scaler = LossScaler("enhanced", min_scale=2.0**10)
+    scaler.scale(loss).backward()
+    scaler.unscale_(opt)            # optional, e.g. before gradient clipping
+    scaler.step(opt)
+    scaler.update()
+
+Optimizers that set ``_step_supports_amp_scaling`` (torch's fused optimizers,
+:class:`lpcompile.optim.MasterWeightOptimizer`) unscale and skip by themselves:
+``step`` hands them ``optimizer.grad_scale`` and ``optimizer.found_inf``, as
+``GradScaler`` does.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections import defaultdict
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any
+
+import torch
+
+MODES = ("static", "dynamic", "enhanced")
+RESERVED_MODES = ("adaptive",)
+
+
+@dataclass(frozen=True)
+class LossScaleConfig:
+    """Validated loss-scaling settings; see the module docstring for the modes.
+
+    ``min_scale`` and ``min_scale_schedule`` apply to ``"enhanced"`` only
+    (``min_scale`` defaults to 1.0 there; the scale starts at
+    ``max(init_scale, min_scale_at(0))``). ``growth_factor``,
+    ``backoff_factor`` and ``growth_interval`` are ignored by ``"static"``.
+    """
+
+    mode: str = "dynamic"
+    init_scale: float = 2.0**16
+    growth_factor: float = 2.0
+    backoff_factor: float = 0.5
+    growth_interval: int = 2000
+    min_scale: float | None = None
+    min_scale_schedule: Mapping[int, float] | None = None
+
+    def __post_init__(self) -> None:
+        if self.mode in RESERVED_MODES:
+            raise NotImplementedError(
+                f"loss scaling mode {self.mode!r} (per-layer adaptive scaling) is not built yet; "
+                f"use one of {MODES}"
+            )
+        if self.mode not in MODES:
+            raise ValueError(f"loss scaling mode must be one of {MODES}, got {self.mode!r}")
+        _check_positive("init_scale", self.init_scale)
+        if not (math.isfinite(self.growth_factor) and self.growth_factor > 1.0):
+            raise ValueError(f"growth_factor must be a finite number > 1, got {self.growth_factor!r}")
+        if not 0.0 < self.backoff_factor < 1.0:
+            raise ValueError(f"backoff_factor must be in (0, 1), got {self.backoff_factor!r}")
+        if isinstance(self.growth_interval, bool) or not isinstance(self.growth_interval, int):
+            raise ValueError(f"growth_interval must be an int >= 1, got {self.growth_interval!r}")
+        if self.growth_interval < 1:
+            raise ValueError(f"growth_interval must be an int >= 1, got {self.growth_interval!r}")
+        if self.mode != "enhanced":
+            for name in ("min_scale", "min_scale_schedule"):
+                if getattr(self, name) is not None:
+                    raise ValueError(f"{name} applies to mode='enhanced' only, not {self.mode!r}")
+            return
+        if self.min_scale is None:
+            object.__setattr__(self, "min_scale", 1.0)
+        _check_positive("min_scale", self.min_scale)
+        schedule = dict(sorted((int(k), float(v)) for k, v in (self.min_scale_schedule or {}).items()))
+        floor = self.min_scale
+        for step, value in schedule.items():
+            if step < 0:
+                raise ValueError(f"min_scale_schedule steps must be >= 0, got {step}")
+            _check_positive(f"min_scale_schedule[{step}]", value)
+            if value < floor:
+                raise ValueError(
+                    f"min_scale_schedule must only raise the floor: {value} at step {step} is below {floor}"
+                )
+            floor = value
+        object.__setattr__(self, "min_scale_schedule", schedule or None)
+
+    def min_scale_at(self, iteration: int) -> float | None:
+        """The floor after ``iteration`` updates (``None`` outside ``"enhanced"``)."""
+        if self.mode != "enhanced":
+            return None
+        floor = self.min_scale
+        for step, value in (self.min_scale_schedule or {}).items():
+            if step <= iteration:
+                floor = value
+        return floor
+
+
+def _check_positive(name: str, value: float) -> None:
+    if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+        raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
+
+
+class _Stage(Enum):
+    READY = 0
+    UNSCALED = 1
+    STEPPED = 2
+
+
+def _fresh_state() -> dict[str, Any]:
+    return {"stage": _Stage.READY, "found_inf_per_device": {}}
+
+
+class LossScaler:
+    """Static, dynamic or enhanced loss scaling with ``GradScaler``'s interface.
+
+    Keyword arguments build a :class:`LossScaleConfig` (validated; bad values
+    raise ``ValueError`` naming the valid ones). With ``enabled=False`` every
+    method is a pass-through, as in ``GradScaler``. The scale is an FP32 tensor
+    on the device of the first tensor given to :meth:`scale`; gradients may be
+    on any devices.
+    """
+
+    def __init__(
+        self,
+        mode: str = "dynamic",
+        *,
+        init_scale: float = 2.0**16,
+        growth_factor: float = 2.0,
+        backoff_factor: float = 0.5,
+        growth_interval: int = 2000,
+        min_scale: float | None = None,
+        min_scale_schedule: Mapping[int, float] | None = None,
+        enabled: bool = True,
+    ) -> None:
+        config = LossScaleConfig(
+            mode, init_scale, growth_factor, backoff_factor, growth_interval, min_scale, min_scale_schedule
+        )
+        self._setup(config, enabled)
+
+    @classmethod
+    def from_config(cls, config: LossScaleConfig, enabled: bool = True) -> LossScaler:
+        """A scaler with the settings of ``config``."""
+        scaler = cls.__new__(cls)
+        scaler._setup(config, enabled)
+        return scaler
+
+    def _setup(self, config: LossScaleConfig, enabled: bool) -> None:
+        self._config = config
+        self._enabled = bool(enabled)
+        self._iteration = 0  # update() calls so far
+        self.skipped_steps = 0  # steps skipped for non-finite gradients
+        self._init_scale = max(config.init_scale, config.min_scale_at(0) or 0.0)
+        self._init_tracker = 0
+        self._scale: torch.Tensor | None = None
+        self._tracker: torch.Tensor | None = None
+        self._per_optimizer: dict[int, dict[str, Any]] = defaultdict(_fresh_state)
+
+    @property
+    def config(self) -> LossScaleConfig:
+        return self._config
+
+    @property
+    def mode(self) -> str:
+        return self._config.mode
+
+    def is_enabled(self) -> bool:
+        return self._enabled
+
+    def _lazy_init(self, device: torch.device) -> torch.Tensor:
+        if self._scale is None:
+            self._scale = torch.full((), self._init_scale, dtype=torch.float32, device=device)
+            self._tracker = torch.full((), self._init_tracker, dtype=torch.int32, device=device)
+        return self._scale
+
+    def _require_scale(self, what: str) -> torch.Tensor:
+        if self._scale is None:
+            raise RuntimeError(f"{what}() called before scale(): no loss was scaled this iteration")
+        return self._scale
+
+    def scale(self, outputs: torch.Tensor | Iterable[Any]) -> Any:
+        """Multiply a tensor (or nested lists/tuples of tensors) by the scale."""
+        if not self._enabled:
+            return outputs
+
+        def apply(value: Any) -> Any:
+            if isinstance(value, torch.Tensor):
+                scale = self._lazy_init(value.device)
+                return value * scale.to(device=value.device, non_blocking=True)
+            if isinstance(value, (list, tuple)):
+                return type(value)(apply(v) for v in value)
+            if isinstance(value, Iterable):
+                return map(apply, value)
+            raise ValueError("outputs must be a Tensor or an iterable of Tensors")
+
+        return apply(outputs)
+
+    def _unscale_grads(
+        self, optimizer: torch.optim.Optimizer, inv_scale: torch.Tensor
+    ) -> dict[torch.device, torch.Tensor]:
+        """Multiply every grad by ``inv_scale`` in place; one found-inf flag per device."""
+        grouped: dict[torch.device, dict[torch.dtype, list[torch.Tensor]]] = defaultdict(
+            lambda: defaultdict(list)
+        )
+        with torch.no_grad():
+            for group in optimizer.param_groups:
+                for param in group["params"]:
+                    if param.grad is None:
+                        continue
+                    grad = param.grad
+                    if grad.is_sparse:
+                        if grad.dtype is torch.float16:  # duplicates could overflow when summed
+                            param.grad = grad = grad.coalesce()
+                        grad = grad._values()
+                    grouped[grad.device][grad.dtype].append(grad)
+            found: dict[torch.device, torch.Tensor] = {}
+            for device, per_dtype in grouped.items():
+                flag = torch.zeros((), dtype=torch.float32, device=device)
+                local_inv = inv_scale.to(device)
+                for grads in per_dtype.values():
+                    torch._amp_foreach_non_finite_check_and_unscale_(grads, flag, local_inv)
+                found[device] = flag
+        return found
+
+    def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
+        """Divide ``optimizer``'s gradients by the scale in place and record inf/NaN.
+
+        Call at most once per optimizer between :meth:`update` calls (a second
+        call raises ``RuntimeError``). 16-bit gradients are unscaled in their
+        own dtype; letting :meth:`step` unscale a
+        :class:`~lpcompile.optim.MasterWeightOptimizer` unscales in FP32 instead.
+        """
+        if not self._enabled:
+            return
+        scale = self._require_scale("unscale_")
+        state = self._per_optimizer[id(optimizer)]
+        if state["stage"] is _Stage.UNSCALED:
+            raise RuntimeError("unscale_() was already called on this optimizer since the last update()")
+        if state["stage"] is _Stage.STEPPED:
+            raise RuntimeError("unscale_() is being called after step().")
+        inv_scale = scale.double().reciprocal().float()
+        state["found_inf_per_device"] = self._unscale_grads(optimizer, inv_scale)
+        state["stage"] = _Stage.UNSCALED
+
+    def _found_inf(self, state: dict[str, Any], device: torch.device) -> torch.Tensor:
+        flags = [f.to(device) for f in state["found_inf_per_device"].values()]
+        return sum(flags[1:], flags[0]) if flags else torch.zeros((), device=device)
+
+    def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
+        """Unscale (unless :meth:`unscale_` did) and step ``optimizer`` if all grads are finite.
+
+        Returns ``optimizer.step``'s result, or ``None`` for a skipped step
+        (weights and optimizer state untouched). Closures are not supported.
+        """
+        if not self._enabled:
+            return optimizer.step(*args, **kwargs)
+        if "closure" in kwargs:
+            raise RuntimeError("closure use is not supported while loss scaling is enabled")
+        scale = self._require_scale("step")
+        state = self._per_optimizer[id(optimizer)]
+        if state["stage"] is _Stage.STEPPED:
+            raise RuntimeError("step() has already been called since the last update().")
+        if getattr(optimizer, "_step_supports_amp_scaling", False):
+            # The optimizer unscales and skips by itself (GradScaler's protocol).
+            if state["stage"] is _Stage.READY:
+                state["found_inf_per_device"] = self._unscale_grads(optimizer, torch.ones_like(scale))
+            optimizer.grad_scale = None if state["stage"] is _Stage.UNSCALED else scale
+            optimizer.found_inf = self._found_inf(state, scale.device)
+            self.skipped_steps += int(optimizer.found_inf.item())
+            try:
+                retval = optimizer.step(*args, **kwargs)
+            finally:
+                del optimizer.grad_scale, optimizer.found_inf
+            state["stage"] = _Stage.STEPPED
+            return retval
+        if state["stage"] is _Stage.READY:
+            self.unscale_(optimizer)
+        if not state["found_inf_per_device"]:
+            raise RuntimeError("step() found no gradients on this optimizer's parameters")
+        retval = None
+        if not self._found_inf(state, scale.device).item():
+            retval = optimizer.step(*args, **kwargs)
+        else:
+            self.skipped_steps += 1
+        state["stage"] = _Stage.STEPPED
+        return retval
+
+    def update(self, new_scale: float | torch.Tensor | None = None) -> None:
+        """End the iteration: adjust the scale by the mode's rule (or set ``new_scale``).
+
+        In ``"enhanced"`` mode the result, ``new_scale`` included, is raised
+        to the current floor (``min_scale``, or the schedule's value).
+        """
+        if not self._enabled:
+            return
+        scale = self._require_scale("update")
+        if new_scale is not None:
+            if isinstance(new_scale, torch.Tensor):
+                if new_scale.numel() != 1 or new_scale.requires_grad:
+                    raise ValueError("new_scale must be a float or a 1-element tensor without grad")
+                scale.copy_(new_scale.reshape(()))
+            else:
+                scale.fill_(float(new_scale))
+        else:
+            flags = [
+                flag.to(scale.device)
+                for state in self._per_optimizer.values()
+                for flag in state["found_inf_per_device"].values()
+            ]
+            if not flags:
+                raise RuntimeError("update() found no inf checks: call step() (or unscale_()) first")
+            if self.mode != "static":
+                torch._amp_update_scale_(
+                    scale,
+                    self._tracker,
+                    sum(flags[1:], flags[0]),
+                    self._config.growth_factor,
+                    self._config.backoff_factor,
+                    self._config.growth_interval,
+                )
+        self._iteration += 1
+        floor = self._config.min_scale_at(self._iteration)
+        if floor is not None:
+            scale.clamp_(min=floor)
+        self._per_optimizer = defaultdict(_fresh_state)
+
+    def get_scale(self) -> float:
+        """The current scale as a Python float (1.0 when disabled)."""
+        if not self._enabled:
+            return 1.0
+        return self._init_scale if self._scale is None else float(self._scale.item())
+
+    def get_min_scale(self) -> float | None:
+        """The current floor of ``"enhanced"`` mode, else ``None``."""
+        return self._config.min_scale_at(self._iteration)
+
+    def _growth_tracker(self) -> int:
+        return self._init_tracker if self._tracker is None else int(self._tracker.item())
+
+    def state_dict(self) -> dict[str, Any]:
+        """The scaler's state (``GradScaler``'s keys plus mode, floor and iteration); ``{}`` if disabled."""
+        if not self._enabled:
+            return {}
+        cfg = self._config
+        return {
+            "scale": self.get_scale(),
+            "growth_factor": cfg.growth_factor,
+            "backoff_factor": cfg.backoff_factor,
+            "growth_interval": cfg.growth_interval,
+            "_growth_tracker": self._growth_tracker(),
+            "mode": cfg.mode,
+            "min_scale": cfg.min_scale,
+            "min_scale_schedule": dict(cfg.min_scale_schedule) if cfg.min_scale_schedule else None,
+            "iteration": self._iteration,
+        }
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Restore :meth:`state_dict`'s output (a ``GradScaler`` state dict also loads)."""
+        if not self._enabled:
+            return
+        if not state_dict:
+            raise RuntimeError("the state dict is empty: it was saved from a disabled scaler")
+        mode = state_dict.get("mode", self.mode)
+        if mode != self.mode:
+            raise ValueError(f"state dict is for mode {mode!r}, this scaler's mode is {self.mode!r}")
+        changes = {k: state_dict[k] for k in ("growth_factor", "backoff_factor", "growth_interval")}
+        if self.mode == "enhanced":
+            changes["min_scale"] = state_dict.get("min_scale", self._config.min_scale)
+            changes["min_scale_schedule"] = state_dict.get("min_scale_schedule")
+        self._config = dataclasses.replace(self._config, **changes)
+        self._iteration = int(state_dict.get("iteration", 0))
+        self._init_scale = float(state_dict["scale"])
+        self._init_tracker = int(state_dict["_growth_tracker"])
+        if self._scale is not None:
+            self._scale.fill_(self._init_scale)
+            self._tracker.fill_(self._init_tracker)

@@ -1,0 +1,102 @@
+"""Training loop for the demo, the accuracy tests and the benchmarks."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lpcompile.data import Split, load_digits
+from lpcompile.models import DigitsCNN
+from lpcompile.scaling import LossScaler
+
+
+@dataclass
+class TrainResult:
+    """What one training run reached, and how long its steps took."""
+
+    name: str
+    test_accuracy: float  # percent
+    final_loss: float  # mean training loss of the last epoch
+    step_time: float  # median seconds per step, compile excluded
+    compile_time: float  # extra seconds of the first step over the median
+    skipped_steps: int = 0
+    losses: list[float] = field(default_factory=list)
+
+
+def evaluate(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
+    """Accuracy of ``model`` on ``(x, y)`` in percent."""
+    with torch.no_grad():
+        return (model(x).argmax(dim=1) == y).float().mean().item() * 100.0
+
+
+def train_digits(
+    name: str,
+    options: dict[str, Any] | None = None,
+    *,
+    compiled: bool = True,
+    epochs: int = 8,
+    batch_size: int = 64,
+    lr: float = 0.05,
+    momentum: float = 0.9,
+    seed: int = 0,
+    loss_scale: str = "none",
+    model: nn.Module | None = None,
+    data: Split | None = None,
+    progress: bool = False,
+) -> TrainResult:
+    """Train a model (default :class:`DigitsCNN`) on the digits set with SGD.
+
+    ``options`` go to ``torch.compile(backend="lowprec")`` when ``compiled``;
+    ``loss_scale`` is ``"none"`` or a :class:`LossScaler` mode.
+    """
+    torch.manual_seed(seed)
+    data = data or load_digits()
+    model = model or DigitsCNN()
+    run = torch.compile(model, backend="lowprec", options=options) if compiled else model
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum)
+    scaler = LossScaler(mode=loss_scale) if loss_scale != "none" else LossScaler(enabled=False)
+    order = torch.Generator().manual_seed(seed)
+    n = len(data.train_y)
+    steps_per_epoch = n // batch_size
+    times: list[float] = []
+    losses: list[float] = []
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=epochs * steps_per_epoch, desc=f"{name:>14}", leave=False, unit="step")
+    for _ in range(epochs):
+        perm = torch.randperm(n, generator=order)
+        for step in range(steps_per_epoch):
+            idx = perm[step * batch_size : (step + 1) * batch_size]
+            start = time.perf_counter()
+            optimizer.zero_grad(set_to_none=True)
+            loss = F.cross_entropy(run(data.train_x[idx]), data.train_y[idx])
+            scaler.scale(loss).backward()
+            scaler.step(optimizer)
+            scaler.update()
+            times.append(time.perf_counter() - start)
+            losses.append(loss.item())
+            if bar is not None:
+                bar.update()
+    if bar is not None:
+        bar.close()
+    median = statistics.median(times[1:]) if len(times) > 1 else times[0]
+    model.eval()
+    accuracy = evaluate(run, data.test_x, data.test_y)
+    model.train()
+    return TrainResult(
+        name=name,
+        test_accuracy=accuracy,
+        final_loss=statistics.fmean(losses[-steps_per_epoch:]),
+        step_time=median,
+        compile_time=max(times[0] - median, 0.0),
+        skipped_steps=scaler.skipped_steps,
+        losses=losses,
+    )
