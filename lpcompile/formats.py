@@ -32,10 +32,13 @@ _NAMED = {
     "bf16": (8, 7, "ieee"),
     "fp32": (8, 23, "ieee"),
 }
-_GENERIC = re.compile(r"^e(\d+)m(\d+)(fn)?$")
+_GENERIC = re.compile(r"^e(\d+)m(\d+)(fn|-ieee|-finite)?(?:-bias(-?\d+))?$")
+_SUFFIX_SPECIAL = {None: "ieee", "-ieee": "ieee", "fn": "fn", "-finite": "finite"}
 VALID_NAMES = (
-    "e5m2, e4m3 (alias e4m3fn), fp16, bf16, fp32, 'eXmY' (IEEE inf/NaN) or 'eXmYfn' "
-    "(no inf, all-ones is NaN) with X in 2..8 and Y in 0..23"
+    "e5m2, e4m3 (alias e4m3fn), fp16, bf16, fp32, 'eXmY' (IEEE inf/NaN), 'eXmYfn' "
+    "(no inf, all-ones is NaN) or 'eXmY-finite' (no inf/NaN) with X in 2..8 and Y in 0..23, "
+    "optionally followed by '-biasB' for a non-default exponent bias "
+    "('eXmY-ieee' names the IEEE variant where 'eXmY' is taken, as e4m3 is)"
 )
 
 
@@ -66,13 +69,16 @@ class FloatFormat:
 
     @property
     def name(self) -> str:
+        """A name that :func:`parse_format` maps back to this format."""
+        default_bias = self.bias == (1 << (self.exp_bits - 1)) - 1
         for name, spec in _NAMED.items():
-            if spec == (self.exp_bits, self.man_bits, self.special) and self.bias == (
-                1 << (self.exp_bits - 1)
-            ) - 1:
+            if spec == (self.exp_bits, self.man_bits, self.special) and default_bias:
                 return name
+        base = f"e{self.exp_bits}m{self.man_bits}"
+        if default_bias and self.special == "ieee" and base in _NAMED:
+            return base + "-ieee"  # plain 'e4m3' is taken by the fn variant
         suffix = {"ieee": "", "fn": "fn", "finite": "-finite"}[self.special]
-        return f"e{self.exp_bits}m{self.man_bits}{suffix}"
+        return base + suffix + ("" if default_bias else f"-bias{self.bias}")
 
     @property
     def has_inf(self) -> bool:
@@ -133,8 +139,14 @@ def parse_format(spec: str | FloatFormat) -> FloatFormat:
     match = _GENERIC.match(key)
     if match:
         exp_bits, man_bits = int(match[1]), int(match[2])
+        bias = None if match[4] is None else int(match[4])
         if 2 <= exp_bits <= 8 and 0 <= man_bits <= 23:
-            return FloatFormat(exp_bits, man_bits, special="fn" if match[3] else "ieee")
+            try:
+                return FloatFormat(exp_bits, man_bits, bias, _SUFFIX_SPECIAL[match[3]])
+            except ValueError as err:
+                raise ValueError(
+                    f"invalid float format {spec!r}: {err}; valid names: {VALID_NAMES}"
+                ) from None
     raise ValueError(f"unknown float format {spec!r}; valid names: {VALID_NAMES}")
 
 

@@ -58,6 +58,15 @@ def check_args(x: torch.Tensor, fmt: str, rounding: str, overflow: str) -> Float
     return target
 
 
+def exact_power_steps(exponent: int) -> list[int]:
+    """Split ``2**exponent`` into factors that FP32 holds (exponents ≤ 127)."""
+    steps = []
+    while exponent > 127:
+        steps.append(127)
+        exponent -= 127
+    return [*steps, exponent]
+
+
 def round_bits(
     bits: torch.Tensor, fmt: FloatFormat, rounding: str, overflow: str, random: torch.Tensor | None
 ) -> torch.Tensor:
@@ -90,7 +99,9 @@ def round_bits(
             magic = 2.0 ** (spacing_exp + 23)
             sub = (absx + magic) - magic
         else:
-            units = absx * 2.0 ** (-spacing_exp)
+            units = absx
+            for step in exact_power_steps(-spacing_exp):
+                units = units * 2.0**step
             whole = torch.floor(units)
             uniform = torch.bitwise_and(torch.bitwise_right_shift(random, 8), 0xFFFFFF)
             up = (units - whole) > uniform.to(torch.float32) * 2.0**-24
@@ -119,7 +130,9 @@ def quantize_reference(
 ) -> torch.Tensor:
     """Reference implementation of ``lowprec::quantize`` in plain torch ops."""
     target = check_args(x, fmt, rounding, overflow)
-    xf = x.to(torch.float32)
+    # Contiguous, as the fake kernel promises (a transposed input would otherwise
+    # give a transposed result); element indices are row-major anyway.
+    xf = x.to(torch.float32).contiguous()
     if scale is not None:
         xf = xf * scale
     random = None

@@ -1,0 +1,161 @@
+"""Throughput of E5M2 quantize-dequantize on the CPU, next to a same-run copy.
+
+Rounds 16M FP32 values to E5M2 and back to FP32 (round-to-nearest-even and
+stochastic rounding), eager and compiled with Inductor, and reports GB/s as
+bytes read plus bytes written (8 bytes per element for every row, whatever the
+implementation moves in between) and the ratio to ``x.clone()`` timed in the
+same run. All rows are timed round-robin, so a busy machine slows them alike.
+
+    python benchmarks/bench_quantize.py [--numel N] [--repeats R] [--out FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib.util
+import os
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from lpcompile import quantize
+
+TARGET = 0.30  # compiled SR at >= 30% of copy bandwidth (the issue's target)
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def load_average() -> str:
+    try:
+        return " ".join(f"{v:.1f}" for v in os.getloadavg())
+    except OSError:
+        return "n/a"
+
+
+def rne(x):
+    return quantize(x, "e5m2", "nearest")
+
+
+def sr(x, seed):
+    return quantize(x, "e5m2", "stochastic", seed=seed)
+
+
+def torch_cast(x):
+    return x.to(torch.float8_e5m2).float()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--numel", type=int, default=1 << 24)
+    parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "quantize.md")
+    args = parser.parse_args()
+
+    x = torch.randn(args.numel, generator=torch.Generator().manual_seed(0)) * 100
+    seed = torch.tensor(1234, dtype=torch.int64)
+    rne_c = torch.compile(rne, fullgraph=True)
+    sr_c = torch.compile(sr, fullgraph=True)
+    cast_c = torch.compile(torch_cast, fullgraph=True)
+
+    rows = {  # label -> (callable, is it the target row)
+        "x.clone() (copy bandwidth)": (lambda: x.clone(), False),
+        "torch x.to(float8_e5m2).float(), eager": (lambda: torch_cast(x), False),
+        "torch x.to(float8_e5m2).float(), compiled": (lambda: cast_c(x), False),
+        "lowprec RNE, eager": (lambda: rne(x), False),
+        "lowprec RNE, compiled": (lambda: rne_c(x), False),
+        "lowprec SR, eager": (lambda: sr(x, seed), False),
+        "lowprec SR, compiled": (lambda: sr_c(x, seed), True),
+    }
+    qtorch_note = "not installed"
+    if importlib.util.find_spec("qtorch") is not None:
+        from qtorch.quant import float_quantize
+
+        rows["qtorch float_quantize(exp=5, man=2, 'stochastic'), eager"] = (
+            lambda: float_quantize(x, exp=5, man=2, rounding="stochastic"),
+            False,
+        )
+        qtorch_note = "installed (row above)"
+
+    compile_start = time.perf_counter()
+    per_round = {}  # fast rows are timed several times per round: more samples, same wall time
+    for label, (fn, _) in rows.items():
+        for _ in range(args.warmup):
+            start = time.perf_counter()
+            fn()
+        per_round[label] = max(1, min(5, int(0.3 / (time.perf_counter() - start))))
+    warm_s = time.perf_counter() - compile_start
+    # The compiled kernels must compute what the eager reference computes.
+    assert torch.equal(rne_c(x).view(torch.int32), rne(x).view(torch.int32)), "compiled RNE differs"
+    assert torch.equal(sr_c(x, seed).view(torch.int32), sr(x, seed).view(torch.int32)), "compiled SR differs"
+    assert torch.equal(rne(x), torch_cast(x.clamp(-57344, 57344))), "RNE differs from torch's cast"
+
+    load_before = load_average()
+    times: dict[str, list[float]] = {label: [] for label in rows}
+    for _ in range(args.repeats):
+        for label, (fn, _) in rows.items():
+            for _ in range(per_round[label]):
+                start = time.perf_counter()
+                fn()
+                times[label].append(time.perf_counter() - start)
+    load_after = load_average()
+
+    nbytes = 8 * args.numel  # 4 read + 4 written per element
+    clone = times["x.clone() (copy bandwidth)"]
+    clone_med, clone_best = statistics.median(clone), min(clone)
+    lines = [
+        "| operation | median ms | GB/s | of clone | best ms | of clone, best "
+        "| target: compiled SR >= 30% of clone (median) |",
+        "|---|---:|---:|---:|---:|---:|---|",
+    ]
+    for label, (_, is_target) in rows.items():
+        med, best = statistics.median(times[label]), min(times[label])
+        ratio = clone_med / med
+        verdict = ("met" if ratio >= TARGET else "not met") if is_target else ""
+        lines.append(
+            f"| {label} | {med * 1e3:.1f} | {nbytes / med / 1e9:.2f} | {ratio:.2f} "
+            f"| {best * 1e3:.1f} | {clone_best / best:.2f} | {verdict} |"
+        )
+    if "qtorch" not in " ".join(rows):
+        lines.append("| qtorch float_quantize stochastic | — | — | — | — | — | not installed |")
+    table = "\n".join(lines)
+
+    report = f"""# E5M2 quantize throughput (CPU)
+
+Generated by `python benchmarks/bench_quantize.py` on {datetime.date.today().isoformat()}.
+
+- Machine: {cpu_model()}, {os.cpu_count()} logical cores, torch {torch.__version__} \
+({torch.get_num_threads()} threads), Python {platform.python_version()}
+- Workload: {args.numel:,} FP32 values (randn * 100) rounded to E5M2 and back to FP32;
+  bytes = 4 read + 4 written per element for every row.
+- Timing: median over {args.repeats} round-robin rounds (1 call per round for the slow
+  eager rows, up to 5 for the fast ones) after {args.warmup} warm-up calls
+  (warm-up incl. compiles {warm_s:.0f} s). Load average before/after timing:
+  {load_before} / {load_after} (the machine is shared; the ratio to the same-run clone
+  is the figure to compare, the absolute GB/s move with the load; "best" is the
+  fastest repeat, the least disturbed by other processes).
+- Compiled results were checked bit-identical to eager before timing.
+- qtorch: {qtorch_note}.
+
+{table}
+"""
+    print(table)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(report)
+    print(f"\nwrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
