@@ -13,23 +13,36 @@ lowprec operators into its own fused C++ or Triton) or runs them as plain FX
 from __future__ import annotations
 
 import copy
+import functools
+import hashlib
 import itertools
+import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.fx
 from functorch.compile import make_boxed_func
 from torch._dynamo.backends.common import aot_autograd
+from torch._inductor.custom_graph_pass import CustomGraphPass
+from torch.utils.weak import WeakIdKeyDictionary
 
+from lpcompile import dump
+from lpcompile.adaptive import AdaptiveScaleState
+from lpcompile.codegen import fuse_lowprec_kernels
 from lpcompile.config import LowPrecConfig
 from lpcompile.passes import CompileContext, PassRecord, Site, run_passes
-from lpcompile.passes.quantize import annotate_lowprec_nodes, insert_quantize
+from lpcompile.passes.loss_scale import insert_loss_scale
+from lpcompile.passes.pipeline import PIPELINE_ATEN_PASSES, PIPELINE_GRAPH_PASSES
+from lpcompile.passes.quantize import SEED_INPUT, annotate_lowprec_nodes, insert_quantize
 
 # The ordered pass lists: graph-level rewrites, then passes over each AOT graph.
-GRAPH_PASSES = (insert_quantize,)
+GRAPH_PASSES = (insert_loss_scale, insert_quantize)
 ATEN_PASSES = (annotate_lowprec_nodes,)
+# codegen="triton": after the passes, each fusion group becomes one generated Triton kernel.
+CODEGEN_PASSES = (fuse_lowprec_kernels,)
 
 _graph_ids = itertools.count()
 
@@ -39,10 +52,20 @@ class CompiledGraph:
     """What the backend did to one Dynamo graph."""
 
     graph_id: int
+    stream: int
     config: LowPrecConfig
     sites: dict[int, Site]
     records: list[PassRecord]
     aten_graphs: dict[str, torch.fx.GraphModule] = field(default_factory=dict)
+    # Adaptive loss scaling: one state per model that runs this graph (Dynamo shares a
+    # compiled graph between instances of a module class), keyed by its first weight.
+    adaptive: WeakIdKeyDictionary | None = None  # first weight -> AdaptiveScaleState
+    fused: list = field(default_factory=list)  # codegen.KernelRecord of every generated kernel
+
+    @property
+    def kernels(self) -> dict[str, str]:
+        """The generated kernels, name -> Triton source (what ``lowprec dump`` writes)."""
+        return {k.name: k.source for k in self.fused}
 
 
 COMPILED_GRAPHS: list[CompiledGraph] = []
@@ -56,9 +79,18 @@ class SeedStepper:
         self.step = 0
 
     def next(self) -> torch.Tensor:
-        value = torch.tensor(((self.seed & 0xFFFFFFFF) << 32 | (self.step & 0xFFFFFFFF)) - (1 << 63))
+        value = torch.tensor((self.seed << 32 | (self.step & 0xFFFFFFFF)) - (1 << 63))
         self.step += 1
         return value
+
+
+def graph_stream(gm: torch.fx.GraphModule) -> int:
+    """A 15-bit id of the captured graph's code, the high bits of its sites' offsets.
+
+    It depends on the graph alone, not on what the process compiled before, so the
+    same model and seed give the same bits (and Inductor's cache keys stay stable).
+    """
+    return zlib.crc32(gm.code.encode()) & 0x7FFF
 
 
 def step_seed(seed: int, step: int) -> torch.Tensor:
@@ -87,26 +119,74 @@ def own_copy(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     return copied
 
 
+class SourceStamp(CustomGraphPass):
+    """A post-grad pass that does nothing; its uuid hashes lpcompile's sources.
+
+    Inductor's and AOT autograd's caches key on the graph and on Inductor's
+    config, not on the Python of lowprec's decompositions and autograd rules:
+    without this, editing ``lpcompile/ops.py`` would keep serving code compiled
+    from the old numerics.
+    """
+
+    def __call__(self, graph: torch.fx.Graph) -> None:
+        return None
+
+    def uuid(self) -> str:
+        return _package_hash()
+
+
+@functools.cache
+def _package_hash() -> str:
+    return source_hash(Path(__file__).parent)
+
+
+def source_hash(package: Path) -> str:
+    """Hash of the modules whose Python AOT autograd traces: the operators
+    (``*ops*.py``: decompositions and autograd rules) and what they call."""
+    digest = hashlib.sha256()
+    for path in sorted(package.glob("*.py")):
+        if "ops" in path.stem or path.stem in ("rng", "formats"):
+            digest.update(path.read_bytes())
+    return digest.hexdigest()
+
+
+def _source_stamp() -> dict[str, Any]:
+    return {"post_grad_custom_post_pass": SourceStamp()}
+
+
 def _aten_compiler(ctx: CompileContext, record: CompiledGraph, kind: str) -> Callable:
     def compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]):
-        run_passes(gm, ATEN_PASSES, ctx, graph=kind)
+        pipeline = PIPELINE_ATEN_PASSES if ctx.config.pipeline is not None else ()
+        codegen = CODEGEN_PASSES if ctx.config.codegen == "triton" else ()
+        gm.meta["lowprec_graph"] = kind
+        run_passes(gm, (*ATEN_PASSES, *pipeline, *codegen), ctx, graph=kind)
         record.aten_graphs[kind] = gm
         return make_boxed_func(gm)
 
     return compile_graph
 
 
-def _execute(gm: torch.fx.GraphModule, example_inputs: list, ctx: CompileContext, record: CompiledGraph):
-    if ctx.config.executor == "eager":
+def _execute(
+    gm: torch.fx.GraphModule, example_inputs: list, ctx: CompileContext, record: CompiledGraph, tag: str = ""
+):
+    # codegen="triton" generates its own fused kernels: the AOT graphs then run as FX
+    # (the eager executor) whatever `executor` says, or Inductor would fuse them again.
+    if ctx.config.executor == "eager" or ctx.config.codegen == "triton":
         backend = aot_autograd(
-            fw_compiler=_aten_compiler(ctx, record, "forward"),
-            bw_compiler=_aten_compiler(ctx, record, "backward"),
-            inference_compiler=_aten_compiler(ctx, record, "inference"),
+            fw_compiler=_aten_compiler(ctx, record, "forward" + tag),
+            bw_compiler=_aten_compiler(ctx, record, "backward" + tag),
+            inference_compiler=_aten_compiler(ctx, record, "inference" + tag),
         )
-        return backend(gm, example_inputs)
-    from torch._inductor.compile_fx import compile_fx
+        compiled = backend(gm, example_inputs)
+    else:
+        from torch._inductor.compile_fx import compile_fx
 
-    return compile_fx(gm, example_inputs)
+        with dump.capture_inductor(record, tag) as inner_compile:  # Inductor's own unless dumping
+            compiled = compile_fx(
+                gm, example_inputs, inner_compile=inner_compile, config_patches=_source_stamp()
+            )
+    dump.graph_compiled(record, gm, tag)  # LOWPREC_DUMP: write what was done to this graph
+    return compiled
 
 
 def lowprec(
@@ -114,19 +194,49 @@ def lowprec(
 ) -> Callable:
     """The backend: rewrite ``gm`` for low-precision training and compile it."""
     config = LowPrecConfig.from_options(options)
-    ctx = CompileContext(config=config, graph_id=next(_graph_ids))
-    record = CompiledGraph(ctx.graph_id, config, ctx.sites, ctx.records)
+    ctx = CompileContext(config=config, graph_id=next(_graph_ids), stream=graph_stream(gm))
+    record = CompiledGraph(ctx.graph_id, ctx.stream, config, ctx.sites, ctx.records, fused=ctx.kernels)
     COMPILED_GRAPHS.append(record)
-    if config.quantizes:
+    if config.pipeline is not None:
+        gm = run_passes(own_copy(gm), (*GRAPH_PASSES, *PIPELINE_GRAPH_PASSES), ctx, graph="dynamo")
+    elif config.quantizes:
         gm = run_passes(own_copy(gm), GRAPH_PASSES, ctx, graph="dynamo")
     inputs = list(example_inputs)
-    if ctx.seed_node is None:
+    if not ctx.inputs:
         return _execute(gm, inputs, ctx, record)
     stepper = SeedStepper(config.seed)
-    compiled = _execute(gm, [*inputs, stepper.next()], ctx, record)
-    stepper.step = 0
+    layout = ctx.adaptive
+
+    def extras(adaptive: dict[str, torch.Tensor]) -> list[torch.Tensor]:
+        values = {**adaptive, SEED_INPUT: stepper.next()} if SEED_INPUT in ctx.inputs else adaptive
+        values = {**values, **{name: read() for name, read in ctx.readers.items()}}
+        return [values[name] for name in ctx.inputs]
+
+    def compile_variant(graph: torch.fx.GraphModule, adaptive: dict[str, torch.Tensor], tag: str = ""):
+        compiled = _execute(graph, [*inputs, *extras(adaptive)], ctx, record, tag)
+        stepper.step = 0
+        return compiled
+
+    if layout is None:
+        compiled = compile_variant(gm, {})
+        return lambda *args: compiled(*args, *extras({}))
+    # Adaptive loss scaling: refresh calls run a variant that records gradient statistics.
+    states = record.adaptive = WeakIdKeyDictionary()
+    key_input = next((i for i in layout.weight_inputs if i is not None), None)
+    default_key = torch.empty(0)  # for graphs whose layers read no parameter
+
+    def state_for(args: Sequence[Any]) -> AdaptiveScaleState:
+        key = default_key if key_input is None else args[key_input]
+        if key not in states:
+            states[key] = layout.new_state(tuple(args))
+        return states[key]
+
+    first = state_for(inputs)
+    recording = compile_variant(own_copy(gm), first.example_inputs(True), "[stats]")
+    plain = compile_variant(gm, first.example_inputs(False))
 
     def run(*args: Any) -> Any:
-        return compiled(*args, stepper.next())
+        adaptive, refresh = state_for(args).next_inputs()
+        return (recording if refresh else plain)(*args, *extras(adaptive))
 
     return run

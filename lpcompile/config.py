@@ -7,8 +7,10 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 
+from lpcompile.adaptive import AdaptiveScaleConfig
 from lpcompile.formats import parse_format
 from lpcompile.ops import OVERFLOWS, ROUNDINGS
+from lpcompile.ops_pipeline import PREDICTIONS
 
 
 class Role(str, Enum):
@@ -22,6 +24,17 @@ class Role(str, Enum):
 
 ROLES = tuple(role.value for role in Role)
 EXECUTORS = ("inductor", "eager")
+LOSS_SCALES = ("none", "adaptive")
+CODEGENS = ("inductor", "triton")
+# options key -> AdaptiveScaleConfig field
+ADAPTIVE_KEYS = {
+    "loss_scale_rule": "rule",
+    "loss_scale_interval": "interval",
+    "loss_scale_underflow": "underflow",
+    "loss_scale_max": "max_scale",
+    "loss_scale_max_cumulative": "max_cumulative",
+    "loss_scale_init": "init",
+}
 
 
 @dataclass(frozen=True)
@@ -54,7 +67,7 @@ def _specs(fwd: QuantSpec, err: QuantSpec, wgrad: QuantSpec | None = None) -> di
 
 # Forward roles saturate (as torch's E4M3 cast and TransformerEngine do); backward
 # roles overflow to inf so that loss scaling sees the overflow and skips the step.
-_RECIPES: dict[str, tuple[str, dict[str, QuantSpec]]] = {
+_RECIPES: dict[str, tuple[str, dict[str, Any]]] = {
     "fp32": ("no rewriting: the model as it is", _specs(OFF, OFF)),
     "fp8-e5m2": (
         "E5M2 everywhere, round to nearest even",
@@ -77,6 +90,51 @@ _RECIPES: dict[str, tuple[str, dict[str, QuantSpec]]] = {
         _specs(QuantSpec("bf16"), QuantSpec("bf16", overflow="inf")),
     ),
 }
+_ALS = {"loss_scale": "adaptive"}
+_RECIPES["fp8-e5m2-als"] = (
+    "fp8-e5m2-sr with per-layer adaptive loss scaling (Zhao et al. 2019)",
+    {**_RECIPES["fp8-e5m2-sr"][1], **_ALS},
+)
+_RECIPES["fp16-als"] = ("fp16 with per-layer adaptive loss scaling", {**_RECIPES["fp16"][1], **_ALS})
+
+
+@dataclass(frozen=True)
+class PipelineConfig:
+    """Pipeline stages and weight prediction (``options={"pipeline": {...}}``).
+
+    ``stages``: ``None`` (the model's ``pipe_split()`` markers), an int S
+    (S stages balanced by a cost model) or ``"layer"`` (one stage per
+    matmul/conv). ``prediction``: ``"none"``, ``"lwp_v"`` or ``"lwp_w"``:
+    each parameter read at stage s goes through ``lowprec::predict_weight``
+    with that stage's delay. See ``lpcompile.pipeline``.
+    """
+
+    stages: int | str | None = None
+    prediction: str = "none"
+
+    def __post_init__(self) -> None:
+        stages = self.stages
+        if not (stages is None or stages == "layer" or (type(stages) is int and stages >= 1)):
+            raise ValueError(f"pipeline stages must be None, an int >= 1 or 'layer', got {stages!r}")
+        if self.prediction not in PREDICTIONS:
+            raise ValueError(f"pipeline prediction must be one of {PREDICTIONS}, got {self.prediction!r}")
+
+    @classmethod
+    def from_option(cls, value: Any) -> PipelineConfig | None:
+        """``None``/``False``: no pipeline; ``True``: the defaults; a dict: those fields."""
+        if value is None or value is False:
+            return None
+        if value is True:
+            return cls()
+        if isinstance(value, cls):
+            return value
+        if isinstance(value, dict):
+            valid = sorted(f.name for f in dataclasses.fields(cls))
+            unknown = sorted(set(value) - set(valid))
+            if unknown:
+                raise ValueError(f"unknown key(s) {unknown} for pipeline; valid keys: {valid}")
+            return cls(**value)
+        raise ValueError(f"pipeline: expected None, True, a dict or a PipelineConfig, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -86,7 +144,8 @@ class LowPrecConfig:
     ``exclude`` holds ``fnmatch`` patterns of layer names (module FQNs such as
     ``"features.0"``) whose matmul/conv stay in higher precision;
     ``keep_first_last`` does that for the first and last matmul/conv of each
-    graph, as Mellempudi et al. do.
+    graph, as Mellempudi et al. do. ``loss_scale="adaptive"`` scales each
+    layer's error by its own power of two (``adaptive`` holds the settings).
     """
 
     recipe: str = "fp32"
@@ -98,12 +157,27 @@ class LowPrecConfig:
     keep_first_last: bool = False
     seed: int = 0
     executor: str = "inductor"
+    loss_scale: str = "none"
+    adaptive: AdaptiveScaleConfig = AdaptiveScaleConfig()
+    codegen: str = "inductor"
+    pipeline: PipelineConfig | None = None
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "pipeline", PipelineConfig.from_option(self.pipeline))
+        if self.loss_scale not in LOSS_SCALES:
+            raise ValueError(f"loss_scale must be one of {LOSS_SCALES}, got {self.loss_scale!r}")
+        if self.loss_scale == "adaptive" and not self.error.enabled:
+            raise ValueError("loss_scale='adaptive' scales quantized errors: the error role needs a format")
+        if self.codegen not in CODEGENS:
+            raise ValueError(f"codegen must be one of {CODEGENS}, got {self.codegen!r}")
         if self.executor not in EXECUTORS:
             raise ValueError(f"executor must be one of {EXECUTORS}, got {self.executor!r}")
-        if not isinstance(self.seed, int):
-            raise ValueError(f"seed must be an int, got {self.seed!r}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed < 2**32:
+            raise ValueError(f"seed must be an int in [0, 2**32), got {self.seed!r}")
+        if not isinstance(self.keep_first_last, bool):
+            raise ValueError(f"keep_first_last must be a bool, got {self.keep_first_last!r}")
+        if not all(isinstance(p, str) for p in self.exclude):
+            raise ValueError(f"exclude must be layer-name patterns (str), got {self.exclude!r}")
         for role in ROLES:
             if not isinstance(getattr(self, role), QuantSpec):
                 raise ValueError(f"{role} must be a QuantSpec, got {getattr(self, role)!r}")
@@ -130,18 +204,21 @@ class LowPrecConfig:
         if unknown:
             raise ValueError(f"unknown lowprec option(s) {unknown}; valid options: {valid}")
         base = cls.from_recipe(options.pop("recipe", "fp32"))
-        overrides: dict[str, Any] = {}
+        adaptive = {ADAPTIVE_KEYS[k]: options.pop(k) for k in list(options) if k in ADAPTIVE_KEYS}
+        overrides: dict[str, Any] = {"adaptive": AdaptiveScaleConfig(**adaptive)} if adaptive else {}
         for key, value in options.items():
             if key in ROLES:
                 overrides[key] = _parse_spec(key, value, base.spec(key))
             elif key == "exclude":
+                if not isinstance(value, (str, list, tuple)):
+                    raise ValueError(f"exclude must be a pattern or a list of patterns, got {value!r}")
                 overrides[key] = (value,) if isinstance(value, str) else tuple(value)
             else:
                 overrides[key] = value
         return dataclasses.replace(base, **overrides)
 
 
-OPTION_KEYS = {f.name for f in dataclasses.fields(LowPrecConfig)}
+OPTION_KEYS = {f.name for f in dataclasses.fields(LowPrecConfig)} - {"adaptive"} | set(ADAPTIVE_KEYS)
 
 
 def _parse_spec(role: str, value: Any, base: QuantSpec) -> QuantSpec:
@@ -150,8 +227,8 @@ def _parse_spec(role: str, value: Any, base: QuantSpec) -> QuantSpec:
         return value
     if value is None or value is False:
         return OFF
-    if isinstance(value, str):
-        return QuantSpec(value)
+    if isinstance(value, str):  # a format name: keep the recipe's rounding and overflow
+        return dataclasses.replace(base, fmt=value) if base.enabled else QuantSpec(value)
     if isinstance(value, dict):
         valid = {f.name for f in dataclasses.fields(QuantSpec)}
         unknown = sorted(set(value) - valid)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 
+import torch
 from torch import nn
 
 
@@ -37,3 +38,24 @@ class MLP(nn.Sequential):
         for fan_in, fan_out in itertools.pairwise(sizes):
             layers += [nn.Linear(fan_in, fan_out), nn.ReLU()]
         super().__init__(*layers[:-1])
+
+
+class DeepTanhMLP(nn.Sequential):
+    """A deep, narrow tanh MLP whose backward errors shrink layer by layer.
+
+    With ``gain`` 1.2 on PyTorch's default Linear init, each layer scales the
+    error by roughly 0.6 going down: the lowest layers' errors sit several
+    binades below the top ones, the case per-layer loss scaling exists for.
+    """
+
+    def __init__(
+        self, depth: int = 12, width: int = 32, inputs: int = 64, classes: int = 10, gain: float = 1.2
+    ) -> None:
+        layers: list[nn.Module] = [nn.Flatten(), nn.Linear(inputs, width), nn.Tanh()]
+        for _ in range(depth - 2):
+            layers += [nn.Linear(width, width), nn.Tanh()]
+        super().__init__(*layers, nn.Linear(width, classes))
+        with torch.no_grad():
+            for layer in self:
+                if isinstance(layer, nn.Linear):
+                    layer.weight.mul_(gain)

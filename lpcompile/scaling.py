@@ -13,7 +13,11 @@ updates the scale. Modes (:data:`MODES`):
   below ``min_scale``; ``min_scale_schedule={iteration: new_min}`` raises the
   floor during training (FP8's short subnormal range punishes a scale that
   collapsed after a spurious overflow). ``iteration`` counts ``update()`` calls.
-* ``"adaptive"`` (per-layer scales, Zhao et al. 2019) is reserved: not built yet.
+* ``"adaptive"``: for models compiled with ``loss_scale="adaptive"`` (per-layer
+  scales in the graph, Zhao et al. 2019). The loss itself is not scaled
+  (``init_scale`` defaults to 1); steps with non-finite gradients are skipped
+  and ``update`` halves the scale of each layer whose gradients overflowed.
+  ``state_dict`` carries the per-layer scales and telemetry.
 
 Usage is ``GradScaler``'s::
 
@@ -41,8 +45,9 @@ from typing import Any
 
 import torch
 
-MODES = ("static", "dynamic", "enhanced")
-RESERVED_MODES = ("adaptive",)
+from lpcompile.telemetry import adaptive_states
+
+MODES = ("static", "dynamic", "enhanced", "adaptive")
 
 
 @dataclass(frozen=True)
@@ -56,7 +61,7 @@ class LossScaleConfig:
     """
 
     mode: str = "dynamic"
-    init_scale: float = 2.0**16
+    init_scale: float | None = None  # 2**16, or 1 in "adaptive" mode
     growth_factor: float = 2.0
     backoff_factor: float = 0.5
     growth_interval: int = 2000
@@ -64,13 +69,10 @@ class LossScaleConfig:
     min_scale_schedule: Mapping[int, float] | None = None
 
     def __post_init__(self) -> None:
-        if self.mode in RESERVED_MODES:
-            raise NotImplementedError(
-                f"loss scaling mode {self.mode!r} (per-layer adaptive scaling) is not built yet; "
-                f"use one of {MODES}"
-            )
         if self.mode not in MODES:
             raise ValueError(f"loss scaling mode must be one of {MODES}, got {self.mode!r}")
+        if self.init_scale is None:
+            object.__setattr__(self, "init_scale", 1.0 if self.mode == "adaptive" else 2.0**16)
         _check_positive("init_scale", self.init_scale)
         if not (math.isfinite(self.growth_factor) and self.growth_factor > 1.0):
             raise ValueError(f"growth_factor must be a finite number > 1, got {self.growth_factor!r}")
@@ -141,7 +143,7 @@ class LossScaler:
         self,
         mode: str = "dynamic",
         *,
-        init_scale: float = 2.0**16,
+        init_scale: float | None = None,
         growth_factor: float = 2.0,
         backoff_factor: float = 0.5,
         growth_interval: int = 2000,
@@ -325,7 +327,10 @@ class LossScaler:
             ]
             if not flags:
                 raise RuntimeError("update() found no inf checks: call step() (or unscale_()) first")
-            if self.mode != "static":
+            if self.mode == "adaptive":
+                for state in adaptive_states():
+                    state.back_off()
+            elif self.mode != "static":
                 torch._amp_update_scale_(
                     scale,
                     self._tracker,
@@ -368,6 +373,9 @@ class LossScaler:
             "min_scale": cfg.min_scale,
             "min_scale_schedule": dict(cfg.min_scale_schedule) if cfg.min_scale_schedule else None,
             "iteration": self._iteration,
+            "adaptive": (
+                [state.state_dict() for state in adaptive_states()] if cfg.mode == "adaptive" else None
+            ),
         }
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
@@ -385,6 +393,13 @@ class LossScaler:
             changes["min_scale_schedule"] = state_dict.get("min_scale_schedule")
         self._config = dataclasses.replace(self._config, **changes)
         self._iteration = int(state_dict.get("iteration", 0))
+        if self.mode == "adaptive":
+            states = adaptive_states()
+            saved = state_dict.get("adaptive") or []
+            if len(saved) != len(states):
+                raise ValueError(f"state dict has {len(saved)} adaptive graphs, {len(states)} are compiled")
+            for state, entry in zip(states, saved, strict=True):
+                state.load_state_dict(entry)
         self._init_scale = float(state_dict["scale"])
         self._init_tracker = int(state_dict["_growth_tracker"])
         if self._scale is not None:

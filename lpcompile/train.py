@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -11,8 +12,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lpcompile import dump
 from lpcompile.data import Split, load_digits
 from lpcompile.models import DigitsCNN
+from lpcompile.report import RunTelemetry, telemetry_path
 from lpcompile.scaling import LossScaler
 
 
@@ -44,22 +47,34 @@ def train_digits(
     batch_size: int = 64,
     lr: float = 0.05,
     momentum: float = 0.9,
+    optimizer: str = "sgd",
     seed: int = 0,
     loss_scale: str = "none",
     model: nn.Module | None = None,
     data: Split | None = None,
     progress: bool = False,
+    telemetry: str | os.PathLike | None = None,
 ) -> TrainResult:
-    """Train a model (default :class:`DigitsCNN`) on the digits set with SGD.
+    """Train a model (default :class:`DigitsCNN`) on the digits set with SGD or Adam.
 
     ``options`` go to ``torch.compile(backend="lowprec")`` when ``compiled``;
-    ``loss_scale`` is ``"none"`` or a :class:`LossScaler` mode.
+    ``loss_scale`` is ``"none"`` or a :class:`LossScaler` mode. Per-step
+    telemetry (loss, step time, loss scale) goes to the JSON file
+    ``telemetry``, or to ``$LOWPREC_DUMP/telemetry/<name>.json`` when that is
+    set (see :mod:`lpcompile.report`).
     """
+    record_path = telemetry_path(name, telemetry)
+    record = RunTelemetry(name, meta={"options": options, "compiled": compiled, "loss_scale": loss_scale})
     torch.manual_seed(seed)
     data = data or load_digits()
     model = model or DigitsCNN()
     run = torch.compile(model, backend="lowprec", options=options) if compiled else model
-    optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum)
+    if optimizer == "sgd":
+        opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum)
+    elif optimizer == "adam":
+        opt = torch.optim.Adam(model.parameters(), lr=lr)
+    else:
+        raise ValueError(f"optimizer must be 'sgd' or 'adam', got {optimizer!r}")
     scaler = LossScaler(mode=loss_scale) if loss_scale != "none" else LossScaler(enabled=False)
     order = torch.Generator().manual_seed(seed)
     n = len(data.train_y)
@@ -76,13 +91,18 @@ def train_digits(
         for step in range(steps_per_epoch):
             idx = perm[step * batch_size : (step + 1) * batch_size]
             start = time.perf_counter()
-            optimizer.zero_grad(set_to_none=True)
+            opt.zero_grad(set_to_none=True)
             loss = F.cross_entropy(run(data.train_x[idx]), data.train_y[idx])
             scaler.scale(loss).backward()
-            scaler.step(optimizer)
+            scale = scaler.get_scale() if record_path and scaler.is_enabled() else None
+            skipped = scaler.skipped_steps
+            scaler.step(opt)
             scaler.update()
             times.append(time.perf_counter() - start)
             losses.append(loss.item())
+            if record_path:
+                skip = scaler.skipped_steps > skipped
+                record.step(loss=losses[-1], step_time=times[-1], loss_scale=scale, skipped=skip)
             if bar is not None:
                 bar.update()
     if bar is not None:
@@ -91,7 +111,7 @@ def train_digits(
     model.eval()
     accuracy = evaluate(run, data.test_x, data.test_y)
     model.train()
-    return TrainResult(
+    result = TrainResult(
         name=name,
         test_accuracy=accuracy,
         final_loss=statistics.fmean(losses[-steps_per_epoch:]),
@@ -100,3 +120,8 @@ def train_digits(
         skipped_steps=scaler.skipped_steps,
         losses=losses,
     )
+    if record_path:
+        record.result = {k: v for k, v in result.__dict__.items() if k != "losses"}
+        record.write(record_path)
+    dump.flush()  # the backward graphs compiled since the dump was written
+    return result

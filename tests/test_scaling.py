@@ -224,8 +224,3 @@ def test_bad_config_raises(kwargs, match):
 def test_bad_mode_lists_valid_modes():
     with pytest.raises(ValueError, match=r"static.*dynamic.*enhanced"):
         LossScaler("dynamc")
-
-
-def test_adaptive_mode_is_reserved():
-    with pytest.raises(NotImplementedError, match="per-layer adaptive"):
-        LossScaler("adaptive")

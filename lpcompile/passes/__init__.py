@@ -9,6 +9,7 @@ from typing import Any
 
 import torch.fx
 
+from lpcompile.adaptive import AdaptiveLayout
 from lpcompile.config import LowPrecConfig
 
 
@@ -46,14 +47,33 @@ class CompileContext:
     """State shared by the passes over one Dynamo graph and its AOT graphs."""
 
     config: LowPrecConfig
-    graph_id: int
+    graph_id: int  # order of compilation in this process (names in dumps)
+    stream: int  # from the graph's code: keys its random streams, whatever was compiled before
     sites: dict[int, Site] = field(default_factory=dict)
-    seed_node: torch.fx.Node | None = None
+    inputs: dict[str, torch.fx.Node] = field(default_factory=dict)
+    # inputs whose value is read afresh at every call (e.g. an optimizer's buffers)
+    readers: dict[str, Callable[[], Any]] = field(default_factory=dict)
+    adaptive: AdaptiveLayout | None = None
     records: list[PassRecord] = field(default_factory=list)
+    kernels: list[Any] = field(default_factory=list)  # lpcompile.codegen.KernelRecord, one per fused kernel
 
     def new_offset(self) -> int:
         """A random-stream offset unique to this graph and site."""
-        return (self.graph_id << 16) | len(self.sites)
+        return (self.stream << 16) | len(self.sites)
+
+    def add_input(self, gm: torch.fx.GraphModule, name: str, example: torch.Tensor) -> torch.fx.Node:
+        """A graph input of lowprec's own (once per name), after the existing ones.
+
+        The backend passes these after the user's inputs, in the order added.
+        """
+        if name not in self.inputs:
+            placeholders = gm.graph.find_nodes(op="placeholder")
+            with gm.graph.inserting_after(placeholders[-1]):
+                node = gm.graph.placeholder(name)
+            node.meta["example_value"] = example
+            node._dynamo_source = None  # an input of ours, not of user code
+            self.inputs[name] = node
+        return self.inputs[name]
 
 
 GraphPass = Callable[[torch.fx.GraphModule, CompileContext], None]

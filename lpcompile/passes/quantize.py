@@ -27,6 +27,7 @@ import torch
 import torch.fx
 import torch.nn.functional as F
 
+import lpcompile.adaptive_ops  # noqa: F401  (registers lowprec::scale_grad)
 from lpcompile.config import QuantSpec, Role
 from lpcompile.passes import CompileContext, Site
 
@@ -38,6 +39,7 @@ MATMUL_METHODS = {"matmul", "mm", "bmm", "__matmul__"}
 VIEW_METHODS = {"t", "transpose", "permute", "view", "reshape", "contiguous", "T", "mT"}
 VIEW_FUNCTIONS = {torch.t, torch.transpose, torch.permute, torch.reshape}
 
+SCALE_GRAD = torch.ops.lowprec.scale_grad.default
 LOWPREC_OPS = {
     torch.ops.lowprec.quantize.default: "quantize",
     torch.ops.lowprec.quantize_grad.default: "quantize_grad",
@@ -63,35 +65,33 @@ def layer_name(node: torch.fx.Node) -> str:
     return path or node.name
 
 
-def is_parameter(node: torch.fx.Node) -> bool:
-    """Whether ``node`` is a parameter, possibly seen through views."""
+def base_of(node: torch.fx.Node) -> torch.fx.Node:
+    """The node ``node`` reads through views and scale_grad nodes."""
     while True:
         if node.op == "call_method" and node.target in VIEW_METHODS:
             node = node.args[0]
-        elif node.op == "call_function" and node.target in VIEW_FUNCTIONS:
+        elif node.op == "call_function" and node.target in VIEW_FUNCTIONS | {SCALE_GRAD}:
             node = node.args[0]
         elif node.op == "call_function" and node.target is getattr and node.args[1] in VIEW_METHODS:
             node = node.args[0]
         else:
-            break
+            return node
+
+
+def parameter_of(node: torch.fx.Node) -> torch.nn.Parameter | None:
+    """The parameter ``node`` reads, possibly through views and scale_grad nodes."""
+    node = base_of(node)
     if node.op == "placeholder":
         grapharg = node.meta.get("grapharg")
-        return grapharg is not None and isinstance(grapharg.example, torch.nn.Parameter)
-    if node.op == "get_attr":
-        owner = node.graph.owning_module
-        return owner is not None and isinstance(owner.get_parameter(node.target), torch.nn.Parameter)
-    return False
+        example = grapharg.example if grapharg is not None else None
+    elif node.op == "get_attr":
+        example = node.graph.owning_module.get_parameter(node.target)
+    else:
+        example = None
+    return example if isinstance(example, torch.nn.Parameter) else None
 
 
-def _seed(gm: torch.fx.GraphModule, ctx: CompileContext) -> torch.fx.Node:
-    """The graph input that carries this step's random seed (added once)."""
-    if ctx.seed_node is None:
-        placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-        with gm.graph.inserting_after(placeholders[-1]):
-            ctx.seed_node = gm.graph.placeholder("lowprec_seed")
-        ctx.seed_node.meta["example_value"] = torch.zeros((), dtype=torch.int64)
-        ctx.seed_node._dynamo_source = None  # an input of ours, not of user code
-    return ctx.seed_node
+SEED_INPUT = "lowprec_seed"
 
 
 def _insert(
@@ -119,7 +119,9 @@ def _insert(
         op="quantize_grad" if grad else "quantize",
     )
     ctx.sites[site.offset] = site
-    seed = _seed(gm, ctx) if spec.rounding == "stochastic" else None
+    seed = None
+    if spec.rounding == "stochastic":
+        seed = ctx.add_input(gm, SEED_INPUT, torch.zeros((), dtype=torch.int64))
     args = (value, spec.fmt, spec.rounding, spec.overflow, seed, site.offset)
     with gm.graph.inserting_before(before) if before is not None else gm.graph.inserting_after(value):
         if grad:
@@ -132,7 +134,7 @@ def _insert(
     return node
 
 
-def _kept_layers(gm: torch.fx.GraphModule, ctx: CompileContext) -> list[torch.fx.Node]:
+def kept_layers(gm: torch.fx.GraphModule, ctx: CompileContext) -> list[torch.fx.Node]:
     """The layer calls to quantize, after ``exclude`` and ``keep_first_last``."""
     calls = [n for n in gm.graph.nodes if is_layer_call(n)]
     if ctx.config.keep_first_last:
@@ -145,13 +147,13 @@ def _kept_layers(gm: torch.fx.GraphModule, ctx: CompileContext) -> list[torch.fx
 def insert_quantize(gm: torch.fx.GraphModule, ctx: CompileContext) -> None:
     """Quantize the inputs, weight gradients and errors of every matmul/conv."""
     config = ctx.config
-    for call in _kept_layers(gm, ctx):
+    for call in kept_layers(gm, ctx):
         layer = layer_name(call)
         operands = call.args[:2]
         for index, operand in enumerate(operands):
             if not isinstance(operand, torch.fx.Node):
                 continue
-            weight = is_parameter(operand)
+            weight = parameter_of(operand) is not None
             value = operand
             if weight and config.weight_grad.enabled:
                 value = _insert(gm, ctx, value, Role.WEIGHT_GRAD, layer, config.weight_grad, True, call)

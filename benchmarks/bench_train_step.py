@@ -1,0 +1,85 @@
+"""Training-step time: fp32 eager, fp32 Inductor, lowprec FP8 compiled, FP8 eager.
+
+A step is forward, backward and an SGD update. "fp8 eager" runs the same
+FP8 numerics (recipe fp8-e5m2-sr) without compilation: the lowprec graphs
+executed op by op (``executor="eager"``), which is the eager reference.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+import torch.nn.functional as F
+
+from benchmarks.common import median_time, write_results
+from lpcompile.models import MLP, DigitsCNN
+
+FP8 = {"recipe": "fp8-e5m2-sr"}
+VARIANTS = {
+    "fp32 eager": None,
+    "fp32 inductor": "inductor",
+    "fp8-e5m2-sr compiled": {**FP8, "executor": "inductor"},
+    "fp8-e5m2-sr eager": {**FP8, "executor": "eager"},
+}
+
+
+def step_fn(model_fn, x, y, backend):
+    torch.manual_seed(0)
+    model = model_fn()
+    if backend == "inductor":
+        run = torch.compile(model)
+    elif backend is not None:
+        run = torch.compile(model, backend="lowprec", options=backend)
+    else:
+        run = model
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+
+    def step():
+        opt.zero_grad(set_to_none=True)
+        F.cross_entropy(run(x), y).backward()
+        opt.step()
+
+    return step
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--repeats", type=int, default=20)
+    args = parser.parse_args()
+    cases = {
+        "MLP 784-1024-1024-10, batch 128": (
+            lambda: MLP(784, 1024, 1024, 10),
+            torch.randn(128, 1, 28, 28),
+            torch.randint(0, 10, (128,)),
+        ),
+        "digits CNN, batch 64": (DigitsCNN, torch.rand(64, 1, 8, 8), torch.randint(0, 10, (64,))),
+    }
+    rows = ["| model | variant | step ms | × fp32 inductor | fp8 eager ÷ this |", "|---|---|---|---|---|"]
+    checks = []
+    for case, (model_fn, x, y) in cases.items():
+        times = {}
+        for variant, backend in VARIANTS.items():
+            torch._dynamo.reset()
+            times[variant] = median_time(step_fn(model_fn, x, y, backend), args.repeats)
+            print(f"{case:<34} {variant:<22} {times[variant] * 1e3:8.2f} ms", flush=True)
+        for variant, t in times.items():
+            rows.append(
+                f"| {case} | {variant} | {t * 1e3:.2f} | {t / times['fp32 inductor']:.2f} "
+                f"| {times['fp8-e5m2-sr eager'] / t:.1f} |"
+            )
+        fp8 = times["fp8-e5m2-sr compiled"]
+        checks.append(
+            f"| {case} | {fp8 / times['fp32 inductor']:.2f}× (target ≤ 1.5×) "
+            f"| {times['fp8-e5m2-sr eager'] / fp8:.1f}× (target ≥ 5×) |"
+        )
+    body = "\n".join(rows)
+    body += "\n\nMedian of {} steps after 3 warm-up steps (compile excluded).\n\n".format(args.repeats)
+    body += "| model | compiled FP8 vs fp32 Inductor | compiled FP8 speed-up over FP8 eager |\n|---|---|---|\n"
+    body += "\n".join(checks)
+    print(body)
+    write_results("train_step", "Training-step time (bench_train_step.py)", body)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,199 @@
+"""Per-layer adaptive loss scaling: the state a compiled graph reads, and its telemetry.
+
+One :class:`AdaptiveScaleState` belongs to each compiled graph rewritten by
+``insert_loss_scale``. It owns three tensors the graph takes as inputs:
+
+* ``scales`` (L,): the power-of-two scale ``s_i`` of each layer's error;
+* ``hist`` (L, STATS_SIZE): a probe whose gradient is each layer's error
+  histogram. It requires grad only on refresh calls, which run a second
+  compiled variant of the graph; the other calls skip the statistics;
+* ``flags`` (L,): a probe whose gradient counts inf/NaN in each layer's
+  input and weight gradients, every call (for ``LossScaler("adaptive")``).
+
+Every ``interval`` calls (the first included) the backward records the
+histograms, and the next call turns them into new scales by the chosen rule.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from lpcompile.adaptive_ops import STATS_SIZE
+from lpcompile.formats import FloatFormat, parse_format
+from lpcompile.scale_rules import (
+    RULES,
+    ScaleBounds,
+    approx_range_scale,
+    bound_scales,
+    overflow_cap,
+    quantile_scale,
+    underflow_fraction,
+)
+
+# Names of the graph inputs that insert_loss_scale adds.
+SCALES_INPUT, HIST_INPUT, FLAGS_INPUT = "lowprec_scales", "lowprec_hist", "lowprec_flags"
+
+
+@dataclass(frozen=True)
+class AdaptiveScaleConfig:
+    """Settings of adaptive loss scaling (``options`` keys ``loss_scale_*``).
+
+    ``rule="fixed"`` never changes the scales (all ``init``): telemetry only,
+    e.g. to measure a fixed loss scale's underflow per layer.
+    """
+
+    rule: str = "quantile"
+    interval: int = 100
+    underflow: float = 1e-3
+    max_scale: float | None = None
+    max_cumulative: float | None = None
+    init: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.rule not in RULES:
+            raise ValueError(f"loss_scale_rule must be one of {RULES}, got {self.rule!r}")
+        if not isinstance(self.interval, int) or self.interval < 1:
+            raise ValueError(f"loss_scale_interval must be a positive int, got {self.interval!r}")
+        if not 0 < self.underflow < 1:
+            raise ValueError(f"loss_scale_underflow must be in (0, 1), got {self.underflow!r}")
+
+    def bounds(self, fmt: FloatFormat) -> ScaleBounds:
+        default = ScaleBounds.for_format(fmt)
+        return ScaleBounds(
+            self.max_scale or default.max_scale, self.max_cumulative or default.max_cumulative
+        )
+
+
+@dataclass
+class LayerTelemetry:
+    """What the last refresh saw for one layer, and its history."""
+
+    layer: str
+    scale: float = 1.0  # α_i = s_i / s_{i-1}
+    cumulative: float = 1.0  # s_i, the paper's A_i
+    underflow: float = 0.0  # fraction of non-zero |error| below the format's min, at the scale in use
+    overflow: int = 0  # inf/NaN seen in this layer's gradients since the last refresh
+    history: list[tuple[int, float, float]] = field(default_factory=list)  # (call, s_i, underflow)
+
+
+@dataclass(frozen=True)
+class AdaptiveLayout:
+    """What ``insert_loss_scale`` put into one graph: its layers, in graph order."""
+
+    layers: tuple[str, ...]
+    weight_inputs: tuple[int | None, ...]  # graph input index of each layer's weight
+    numels: tuple[int, ...]  # elements of each layer's output (its error)
+    fmt: str  # the error format
+    config: AdaptiveScaleConfig
+
+    def new_state(self, args: tuple[torch.Tensor, ...]) -> AdaptiveScaleState:
+        """A fresh state for the model whose parameters are among ``args``."""
+        weights = [None if i is None else args[i] for i in self.weight_inputs]
+        device = next((w.device for w in weights if w is not None), torch.device("cpu"))
+        return AdaptiveScaleState(self, weights, device)
+
+
+class AdaptiveScaleState:
+    """Scales, probes and telemetry of one model's layers in one compiled graph."""
+
+    def __init__(
+        self, layout: AdaptiveLayout, weights: list[torch.Tensor | None], device: torch.device
+    ) -> None:
+        self.layers = list(layout.layers)
+        self.weights = weights
+        self.numels = list(layout.numels)
+        self.fmt = parse_format(layout.fmt)
+        self.config = config = layout.config
+        count = len(self.layers)
+        self.scales = torch.full((count,), float(config.init), device=device)
+        self.hist = torch.zeros(count, STATS_SIZE, device=device, requires_grad=True)
+        self.hist_off = torch.zeros(count, STATS_SIZE, device=device)
+        self.flags = torch.zeros(count, device=device, requires_grad=True)
+        self.calls = 0
+        self.telemetry = [LayerTelemetry(name, cumulative=float(config.init)) for name in self.layers]
+
+    def next_inputs(self) -> tuple[dict[str, torch.Tensor], bool]:
+        """The graph inputs for the next call, and whether it records statistics.
+
+        First turns the statistics of the last recording call into new scales.
+        """
+        if self.hist.grad is not None:
+            self.refresh(self.hist.grad)
+            self.hist.grad = None
+        self.flags.grad = None
+        recording = self.calls % self.config.interval == 0
+        self.calls += 1
+        return self.example_inputs(recording), recording
+
+    def example_inputs(self, recording: bool) -> dict[str, torch.Tensor]:
+        """Graph inputs by name; the histogram probe requires grad only when recording."""
+        hist = self.hist if recording else self.hist_off
+        return {SCALES_INPUT: self.scales, HIST_INPUT: hist, FLAGS_INPUT: self.flags}
+
+    def refresh(self, stats: torch.Tensor) -> None:
+        """Set new scales from per-layer statistics by the configured rule."""
+        stats = stats.detach().cpu()
+        current = self.scales.tolist()
+        for i, t in enumerate(self.telemetry):
+            t.underflow = underflow_fraction(stats[i], current[i], self.fmt)
+            t.history.append((self.calls - 1, current[i], t.underflow))
+        if self.config.rule == "fixed":
+            return
+        if self.config.rule == "quantile":
+            needed = [quantile_scale(s, self.fmt, self.config.underflow) for s in stats]
+        else:
+            needed = [
+                approx_range_scale(s, n, w, self.fmt, self.config.underflow)
+                for s, n, w in zip(stats, self.numels, self.weights, strict=True)
+            ]
+        caps = [overflow_cap(s, self.fmt) for s in stats]
+        new = bound_scales(needed, current, caps, self.config.bounds(self.fmt))
+        self._set(new)
+        for t in self.telemetry:
+            t.overflow = 0
+
+    def _set(self, scales: list[float]) -> None:
+        with torch.no_grad():
+            self.scales.copy_(torch.tensor(scales))
+        above = 1.0
+        for t, s in reversed(list(zip(self.telemetry, scales, strict=True))):
+            t.cumulative, t.scale, above = s, s / above, s
+
+    def overflowed(self) -> list[int]:
+        """Indices of layers whose gradients held inf/NaN in the last backward."""
+        if self.flags.grad is None:
+            return []
+        return torch.nonzero(self.flags.grad > 0).flatten().tolist()
+
+    def back_off(self) -> list[str]:
+        """Halve the scale of every layer that overflowed (not under the "fixed" rule);
+        return their names."""
+        hit = self.overflowed()
+        for i in hit:
+            self.telemetry[i].overflow += 1
+        if hit and self.config.rule != "fixed":
+            scales = self.scales.tolist()
+            for i in hit:
+                scales[i] /= 2
+            self._set(scales)
+        self.flags.grad = None
+        return [self.layers[i] for i in hit]
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "layers": list(self.layers),
+            "scales": self.scales.detach().cpu().clone(),
+            "calls": self.calls,
+            "telemetry": [dict(t.__dict__, history=list(t.history)) for t in self.telemetry],
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if list(state["layers"]) != self.layers:
+            raise ValueError(f"state for layers {state['layers']} does not fit layers {self.layers}")
+        with torch.no_grad():
+            self.scales.copy_(state["scales"])
+        self.calls = state["calls"]
+        self.telemetry = [LayerTelemetry(**t) for t in state["telemetry"]]

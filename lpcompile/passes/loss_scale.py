@@ -1,0 +1,80 @@
+"""``insert_loss_scale``: per-layer adaptive loss-scale nodes (Zhao, Vogel et al. 2019).
+
+Runs on the Dynamo graph before ``insert_quantize``. For layer ``i`` (each
+matmul/conv that the quantize pass keeps) it inserts ``lowprec::scale_grad``:
+
+* on the output, with scale ``s_i`` and the histogram probe: in the backward
+  the error entering the layer is measured, then multiplied by ``s_i`` before
+  its quantize (which ``insert_quantize`` puts between the layer and this node);
+* on every input (activation, weight, bias), with scale ``1/s_i`` and the
+  inf/NaN probe: the layer's input gradient and weight gradient leave it in
+  true units, the weight gradient after its quantize.
+
+``s_i`` is the paper's cumulative scale ``A_i`` (the rules and bounds are in
+``lpcompile.scale_rules``). Unscaling at each layer's inputs, in FP32 and by
+powers of two, is exact, so outside the layers every gradient is at unit
+scale: parameters that are not matmul/conv weights (norms, biases) get true
+gradients and branches merge at a common scale with no extra nodes.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.fx
+
+from lpcompile.adaptive import FLAGS_INPUT, HIST_INPUT, SCALES_INPUT, AdaptiveLayout
+from lpcompile.adaptive_ops import STATS_SIZE
+from lpcompile.passes import CompileContext
+from lpcompile.passes.quantize import SCALE_GRAD, base_of, kept_layers, layer_name, parameter_of
+
+
+def _scale_grad(
+    gm: torch.fx.GraphModule, value: torch.fx.Node, scale, probe, stats: str, layer: str
+) -> torch.fx.Node:
+    node = gm.graph.call_function(SCALE_GRAD, (value, scale, probe, stats))
+    node.meta["lowprec"] = {"role": "loss_scale" if stats == "histogram" else "loss_unscale", "layer": layer}
+    if "example_value" in value.meta:
+        node.meta["example_value"] = value.meta["example_value"]
+    return node
+
+
+def insert_loss_scale(gm: torch.fx.GraphModule, ctx: CompileContext) -> None:
+    """Scale each layer's error by its own power of two; unscale its input gradients."""
+    if ctx.config.loss_scale != "adaptive" or not torch.is_grad_enabled():
+        return  # nothing to scale without a backward (e.g. a graph compiled under no_grad)
+    calls = kept_layers(gm, ctx)
+    if not calls:
+        return
+    count = len(calls)
+    placeholders = gm.graph.find_nodes(op="placeholder")
+    scales = ctx.add_input(gm, SCALES_INPUT, torch.ones(count))
+    hist = ctx.add_input(gm, HIST_INPUT, torch.zeros(count, STATS_SIZE))
+    flags = ctx.add_input(gm, FLAGS_INPUT, torch.zeros(count))
+    layers, weight_inputs, numels = [], [], []
+    for i, call in enumerate(calls):
+        layer = layer_name(call)
+        with gm.graph.inserting_before(call):
+            scale = gm.graph.call_function(torch.select, (scales, 0, i))
+            inverse = gm.graph.call_function(torch.reciprocal, (scale,))
+            hist_i = gm.graph.call_function(torch.select, (hist, 0, i))
+            flag_i = gm.graph.call_function(torch.select, (flags, 0, i))
+            for index, arg in enumerate(call.args[:3]):
+                if isinstance(arg, torch.fx.Node):
+                    call.update_arg(index, _scale_grad(gm, arg, inverse, flag_i, "nonfinite", layer))
+            if isinstance(call.kwargs.get("bias"), torch.fx.Node):
+                bias = _scale_grad(gm, call.kwargs["bias"], inverse, flag_i, "nonfinite", layer)
+                call.update_kwarg("bias", bias)
+        users = list(call.users)
+        with gm.graph.inserting_after(call):
+            scaled = _scale_grad(gm, call, scale, hist_i, "histogram", layer)
+        for user in users:
+            user.replace_input_with(call, scaled)
+        weight = call.args[1] if isinstance(call.args[1], torch.fx.Node) else None
+        is_weight = weight is not None and parameter_of(weight) is not None
+        out = call.meta.get("example_value")
+        layers.append(layer)
+        weight_inputs.append(placeholders.index(base_of(weight)) if is_weight else None)
+        numels.append(int(out.numel()) if out is not None else 0)
+    ctx.adaptive = AdaptiveLayout(
+        tuple(layers), tuple(weight_inputs), tuple(numels), ctx.config.error.fmt, ctx.config.adaptive
+    )

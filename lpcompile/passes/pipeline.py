@@ -1,0 +1,128 @@
+"""Pipeline passes (Kosson, Chiley et al. 2020): stage boundaries and weight prediction.
+
+Run when ``options={"pipeline": {...}}`` is set, after the quantize passes:
+
+* ``split_stages`` (Dynamo graph): tags every node with its stage and makes
+  the boundaries visible ``pippy._pipe_split`` nodes
+  (:func:`lpcompile.pipeline.partition.partition_graph`); the stage tags ride
+  along into the AOT graphs in ``node.meta["custom"]``.
+* ``insert_predict_weight`` (Dynamo graph): every parameter read at a stage
+  with delay ``D_s > 0`` goes through ``lowprec::predict_weight(w, buf, lr,
+  D_s, mode)`` before anything else reads it (before the weight's quantize
+  nodes, so that with FP8 the prediction and the quantize are adjacent).
+  ``buf`` and ``lr`` are graph inputs that the backend reads at every call
+  from the :class:`~lpcompile.pipeline.PipelineSGD` owning the parameter
+  (without one the prediction is the weight itself). The last stage
+  (``D = 0``) reads its weights as they are.
+* ``tag_stages`` (AOT forward and backward graphs): ``node.meta["stage"]``
+  from the carried tags, so :func:`stage_graphs` can cut out each stage.
+
+Running such a graph in an ordinary training loop is not pipelining: it is
+what each stage of a pipeline computes. :class:`lpcompile.pipeline.PipelinedTrainer`
+runs the pipeline.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+import torch.fx
+
+import lpcompile.ops_pipeline  # noqa: F401  (registers lowprec::predict_weight)
+from lpcompile.passes import CompileContext
+from lpcompile.pipeline.optim import prediction_inputs_for
+from lpcompile.pipeline.partition import (
+    CUSTOM_KEY,
+    STAGE,
+    Partition,
+    extract_stage,
+    partition_graph,
+    stage_delays,
+    tag_aten_graph,
+)
+
+PREDICT_WEIGHT = torch.ops.lowprec.predict_weight.default
+
+# graph_id -> the partition split_stages made of that graph
+PARTITIONS: dict[int, Partition] = {}
+
+
+def split_stages(gm: torch.fx.GraphModule, ctx: CompileContext) -> None:
+    """Tag the Dynamo graph's nodes with their stage; boundaries become pipe_split nodes."""
+    PARTITIONS[ctx.graph_id] = partition_graph(gm, ctx.config.pipeline.stages)
+
+
+def _tag(node: torch.fx.Node, stage: int) -> None:
+    node.meta[STAGE] = stage
+    node.meta["custom"] = {**(node.meta.get("custom") or {}), CUSTOM_KEY: stage}
+
+
+def _reader(param: torch.nn.Parameter, mode: str, delay: int, field: str):
+    ref = weakref.ref(param)
+
+    def read() -> torch.Tensor:
+        p = ref()
+        if p is None:
+            raise RuntimeError("the parameter of a compiled lowprec pipeline graph is gone")
+        return getattr(prediction_inputs_for(p, mode, delay), field)
+
+    return read
+
+
+def insert_predict_weight(gm: torch.fx.GraphModule, ctx: CompileContext) -> None:
+    """Read each parameter of a stage with delay D > 0 through ``lowprec::predict_weight``."""
+    mode = ctx.config.pipeline.prediction
+    if mode == "none":
+        return
+    delays = stage_delays(PARTITIONS[ctx.graph_id].num_stages)
+    position = {n: i for i, n in enumerate(gm.graph.nodes)}
+    for node in list(gm.graph.find_nodes(op="placeholder")):
+        grapharg = node.meta.get("grapharg")
+        param = grapharg.example if grapharg is not None else None
+        if not isinstance(param, torch.nn.Parameter) or not node.users:
+            continue
+        stage = node.meta[STAGE]
+        delay = delays[stage]
+        if delay == 0:
+            continue
+        buf = ctx.add_input(gm, f"lowprec_predict_buf_{node.name}", torch.zeros_like(param))
+        lr = ctx.add_input(gm, f"lowprec_predict_lr_{node.name}", torch.zeros((), dtype=torch.float32))
+        ctx.readers[buf.name] = _reader(param, mode, delay, "buffer")
+        ctx.readers[lr.name] = _reader(param, mode, delay, "lr")
+        first = min(node.users, key=position.__getitem__)
+        with gm.graph.inserting_before(first):
+            predicted = gm.graph.call_function(PREDICT_WEIGHT, (node, buf, lr, delay, mode))
+        node.replace_all_uses_with(predicted, delete_user_cb=lambda user, new=predicted: user is not new)
+        if "example_value" in node.meta:
+            predicted.meta["example_value"] = node.meta["example_value"]
+        predicted.meta["lowprec"] = {"op": "predict_weight", "mode": mode, "delay": delay, "stage": stage}
+        for new in (buf, lr, predicted):
+            _tag(new, stage)
+
+
+def tag_stages(gm: torch.fx.GraphModule, ctx: CompileContext) -> None:
+    """``node.meta["stage"]`` on every node of an AOT forward or backward graph."""
+    kind = gm.meta.get("lowprec_graph", "")
+    backward = kind.startswith("backward") or any(
+        n.name.startswith("tangents") for n in gm.graph.find_nodes(op="placeholder")
+    )
+    tag_aten_graph(gm, backward=backward)
+
+
+def stage_graphs(record) -> dict[tuple[str, int], torch.fx.GraphModule]:
+    """Each stage of a compiled graph's AOT graphs, ``{(kind, stage): GraphModule}``.
+
+    ``record`` is a :class:`lpcompile.backend.CompiledGraph` compiled with the
+    pipeline option and ``executor="eager"`` (Inductor keeps its ATen graphs).
+    """
+    out = {}
+    for kind, gm in record.aten_graphs.items():
+        stages = sorted({n.meta[STAGE] for n in gm.graph.nodes if STAGE in n.meta})
+        for stage in stages:
+            out[(kind, stage)] = extract_stage(gm, stage)
+    return out
+
+
+PIPELINE_GRAPH_PASSES = (split_stages, insert_predict_weight)
+PIPELINE_ATEN_PASSES = (tag_stages,)

@@ -1,0 +1,168 @@
+"""Small models and a hand-written quantized reference for the backend tests.
+
+The reference does not use the backend or its passes: it calls
+``torch.ops.lowprec.quantize`` / ``quantize_grad`` by hand, at the places and
+with the offsets that DESIGN.md §2 and ``insert_quantize`` promise: for each
+matmul/conv, in order, the activation (``quantize``), the weight gradient
+(``quantize_grad`` on the parameter) then the weight (``quantize``), and the
+error (``quantize_grad`` on the output); offsets count up from
+``stream << 16`` (the record's ``stream``, a hash of the graph's code).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lpcompile.backend import COMPILED_GRAPHS, CompiledGraph
+
+Q = torch.ops.lowprec.quantize
+QG = torch.ops.lowprec.quantize_grad
+LOWPREC_TARGETS = {
+    torch.ops.lowprec.quantize.default: "quantize",
+    torch.ops.lowprec.quantize_grad.default: "quantize_grad",
+}
+
+Spec = tuple[str, str, str]  # (fmt, rounding, overflow)
+
+# What each recipe promises, written out independently of lpcompile.config:
+# (weight/activation spec, error/weight-gradient spec).
+RECIPE_SPECS: dict[str, tuple[Spec, Spec]] = {
+    "fp8-e5m2": (("e5m2", "nearest", "saturate"), ("e5m2", "nearest", "inf")),
+    "fp8-e5m2-sr": (("e5m2", "nearest", "saturate"), ("e5m2", "stochastic", "inf")),
+    "fp8-hybrid": (("e4m3", "nearest", "saturate"), ("e5m2", "nearest", "inf")),
+    "fp16": (("fp16", "nearest", "saturate"), ("fp16", "nearest", "inf")),
+    "bf16": (("bf16", "nearest", "saturate"), ("bf16", "nearest", "inf")),
+}
+
+
+@dataclass
+class Ref:
+    """Quantizes one graph's layers by hand; ``offset`` counts sites from ``stream << 16``."""
+
+    fwd: Spec
+    bwd: Spec
+    seed: torch.Tensor | None
+    offset: int
+
+    @classmethod
+    def for_recipe(cls, recipe: str, seed: torch.Tensor | None, stream: int) -> Ref:
+        fwd, bwd = RECIPE_SPECS[recipe]
+        return cls(fwd, bwd, seed, stream << 16)
+
+    def _next(self) -> int:
+        self.offset += 1
+        return self.offset - 1
+
+    def _seed(self, spec: Spec) -> torch.Tensor | None:
+        return self.seed if spec[1] == "stochastic" else None
+
+    def q(self, x: torch.Tensor, spec: Spec | None = None) -> torch.Tensor:
+        spec = spec or self.fwd
+        return Q(x, *spec, self._seed(spec), self._next(), None)
+
+    def qg(self, x: torch.Tensor) -> torch.Tensor:
+        return QG(x, *self.bwd, self._seed(self.bwd), self._next())
+
+    def layer(self, fn: Callable, x: torch.Tensor, weight: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        """``fn(x, weight, ...)`` with activation, weight grad, weight and error sites."""
+        x = self.q(x)
+        weight = self.q(self.qg(weight))
+        return self.qg(fn(x, weight, *args, **kwargs))
+
+
+def mlp(seed: int = 0) -> nn.Sequential:
+    """Linear-ReLU-Linear: layers "0" and "2"."""
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 3))
+
+
+def mlp_ref(m: nn.Sequential, x: torch.Tensor, ref: Ref) -> torch.Tensor:
+    h = ref.layer(F.linear, x, m[0].weight, m[0].bias).relu()
+    return ref.layer(F.linear, h, m[2].weight, m[2].bias)
+
+
+def convnet(seed: int = 0, groupnorm: bool = True) -> nn.Sequential:
+    """conv2d, GroupNorm (optional), then two linears; input ``convnet_input``."""
+    torch.manual_seed(seed)
+    norm = [nn.GroupNorm(2, 4)] if groupnorm else []
+    return nn.Sequential(
+        nn.Conv2d(2, 4, 3, padding=1),
+        *norm,
+        nn.ReLU(),
+        nn.Flatten(),
+        nn.Linear(4 * 5 * 5, 12),
+        nn.ReLU(),
+        nn.Linear(12, 5),
+    )
+
+
+def convnet_ref(m: nn.Sequential, x: torch.Tensor, ref: Ref) -> torch.Tensor:
+    conv, *rest = m
+    h = ref.layer(F.conv2d, x, conv.weight, conv.bias, conv.stride, conv.padding)
+    if isinstance(rest[0], nn.GroupNorm):
+        norm = rest.pop(0)
+        h = F.group_norm(h, norm.num_groups, norm.weight, norm.bias, norm.eps)
+    first, last = rest[2], rest[4]
+    h = ref.layer(F.linear, h.relu().flatten(1), first.weight, first.bias).relu()
+    return ref.layer(F.linear, h, last.weight, last.bias)
+
+
+def convnet_input(batch: int = 3, seed: int = 1) -> torch.Tensor:
+    return torch.randn(batch, 2, 5, 5, generator=torch.Generator().manual_seed(seed))
+
+
+def step(model: nn.Module, fn: Callable[[], torch.Tensor]) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """Run ``fn`` (a forward through ``model``), backprop a fixed loss; output and grads."""
+    model.zero_grad(set_to_none=True)
+    y = fn()
+    # A weighted sum, so that every output element gets a different error.
+    weights = torch.linspace(-1.5, 2.0, y.numel()).reshape(y.shape)
+    (y * weights).sum().backward()
+    return y.detach(), [p.grad.clone() for p in model.parameters()]
+
+
+def assert_same_step(got, expected, label: str = "") -> None:
+    """Bitwise equality of two ``step`` results (output, then each parameter's grad)."""
+    assert torch.equal(got[0], expected[0]), f"{label}: outputs differ"
+    assert len(got[1]) == len(expected[1])
+    for i, (a, b) in enumerate(zip(got[1], expected[1], strict=True)):
+        assert torch.equal(a, b), f"{label}: grad of parameter {i} differs"
+
+
+def lowprec_nodes(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
+    return [n for n in gm.graph.nodes if n.target in LOWPREC_TARGETS]
+
+
+def capture_dynamo_graphs(monkeypatch) -> list[torch.fx.GraphModule]:
+    """Collect the rewritten Dynamo graphs the backend hands to its executor."""
+    import lpcompile.backend as backend
+
+    graphs: list[torch.fx.GraphModule] = []
+    execute = backend._execute
+
+    def spy(gm, *args, **kwargs):
+        graphs.append(gm)
+        return execute(gm, *args, **kwargs)
+
+    monkeypatch.setattr(backend, "_execute", spy)
+    return graphs
+
+
+class Records:
+    """The ``CompiledGraph`` records made since this object was created."""
+
+    def __init__(self) -> None:
+        self.start = len(COMPILED_GRAPHS)
+
+    @property
+    def new(self) -> list[CompiledGraph]:
+        return COMPILED_GRAPHS[self.start :]
+
+    def only(self) -> CompiledGraph:
+        assert len(self.new) == 1, f"expected one compiled graph, got {len(self.new)}"
+        return self.new[0]

@@ -1,0 +1,284 @@
+"""Per-layer adaptive loss scaling: rules, graph numerics, telemetry and state."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import lpcompile  # noqa: F401  (registers the ops and the backend)
+from lpcompile.adaptive_ops import STATS_SIZE, gradient_stats
+from lpcompile.backend import COMPILED_GRAPHS, step_seed
+from lpcompile.formats import parse_format
+from lpcompile.scale_rules import (
+    ScaleBounds,
+    approx_range_scale,
+    bound_scales,
+    overflow_cap,
+    quantile_scale,
+    underflow_fraction,
+)
+from lpcompile.scaling import LossScaler
+from lpcompile.telemetry import adaptive_states, stats
+
+E5M2 = parse_format("e5m2")
+
+
+def log_uniform(n, lo, hi, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    exps = torch.empty(n, dtype=torch.float64).uniform_(lo, hi, generator=g)
+    signs = torch.where(torch.rand(n, generator=g) < 0.5, -1.0, 1.0)
+    return (signs * torch.pow(2.0, exps)).to(torch.float32)
+
+
+def test_histogram_counts_binary_exponents_and_moments():
+    g = torch.tensor([0.0, 1.0, -1.5, 0.25, float("inf"), float("nan"), 3.0])
+    s = gradient_stats(g, "histogram")
+    assert s.shape == (STATS_SIZE,)
+    assert s[127] == 2 and s[125] == 1 and s[128] == 1 and s[0] == 1 and s[255] == 2
+    assert s[256] == pytest.approx(1.0 - 1.5 + 0.25 + 3.0)
+    assert s[257] == pytest.approx(1 + 2.25 + 0.0625 + 9)
+    assert gradient_stats(g, "nonfinite").item() == 2
+
+
+def test_quantile_rule_on_log_uniform_magnitudes():
+    g = log_uniform(100_000, -30, -10)
+    s = quantile_scale(gradient_stats(g, "histogram"), E5M2, 1e-3)
+    q = torch.quantile(g.abs().double(), 1e-3).item()
+    assert s == 2.0 ** (-16 - math.floor(math.log2(q)))
+    # at most n_uf of |s·g| below E5M2's smallest subnormal, and a smaller scale would not do
+    assert (g.abs() * s < E5M2.min_subnormal).double().mean() <= 1e-3
+    assert (g.abs() * s / 2 < E5M2.min_subnormal).double().mean() > 1e-3
+
+
+def test_underflow_fraction_is_exact_at_power_of_two_scales():
+    g = log_uniform(50_000, -25, -5, seed=1)
+    stats_ = gradient_stats(g, "histogram")
+    for scale in (1.0, 2.0**4, 2.0**9):
+        direct = (g.abs() * scale < E5M2.min_subnormal).double().mean().item()
+        assert underflow_fraction(stats_, scale, E5M2) == pytest.approx(direct, abs=1e-12)
+
+
+def test_rules_on_degenerate_inputs():
+    zeros = gradient_stats(torch.zeros(10), "histogram")
+    assert quantile_scale(zeros, E5M2, 1e-3) is None
+    assert overflow_cap(zeros, E5M2) is None
+    assert underflow_fraction(zeros, 1.0, E5M2) == 0.0
+    one = gradient_stats(torch.tensor([2.0**-20]), "histogram")
+    assert quantile_scale(one, E5M2, 1e-3) == 2.0**4
+    # inf and NaN neither count as magnitudes nor move the quantile
+    mixed = gradient_stats(torch.tensor([2.0**-20, float("inf"), float("nan")]), "histogram")
+    assert quantile_scale(mixed, E5M2, 1e-3) == 2.0**4
+    assert overflow_cap(mixed, E5M2) == 2.0 ** (15 + 19)
+
+
+def test_approx_range_rule_matches_its_formula():
+    torch.manual_seed(0)
+    g = torch.randn(4096) * 1e-4 + 2e-5
+    w = torch.randn(64, 256) * 0.05
+    s = approx_range_scale(gradient_stats(g, "histogram"), g.numel(), w, E5M2, 1e-3)
+    second_g = (g.double() ** 2).mean().item()
+    sigma = math.sqrt(second_g * (w.double() ** 2).mean().item() * 256 / 2)
+    alpha = E5M2.min_subnormal / (
+        math.sqrt(2) * torch.special.erfinv(torch.tensor(1e-3, dtype=torch.float64)).item() * sigma
+    )
+    assert s == 2.0 ** math.floor(math.log2(alpha))
+
+
+def test_bounds_apply_top_down_and_overflow_wins():
+    bounds = ScaleBounds(max_scale=16.0, max_cumulative=1024.0)
+    # graph order: layer 0 is nearest the input; the last layer's error comes first
+    assert bound_scales([2.0**20, 2.0**3, 2.0**-3], [1.0] * 3, [None] * 3, bounds) == [128.0, 8.0, 1.0]
+    assert bound_scales([2.0**20, 2.0**20], [1.0] * 2, [None] * 2, bounds) == [256.0, 16.0]
+    assert bound_scales([2.0**20, 2.0**20], [1.0] * 2, [None, None], ScaleBounds(2.0**20, 64.0)) == [
+        64.0,
+        64.0,
+    ]
+    assert bound_scales([2.0**9, 2.0**9], [1.0] * 2, [2.0**2, None], bounds) == [4.0, 16.0]
+    assert bound_scales([None, 5.0], [32.0, 1.0], [None] * 2, bounds) == [32.0, 4.0]
+
+
+def test_default_bounds_follow_the_format():
+    assert ScaleBounds.for_format(parse_format("fp16")) == ScaleBounds(16.0, 1024.0)
+    assert ScaleBounds.for_format(E5M2) == ScaleBounds(2.0**12, 2.0**18)
+
+
+class _ScaleGrad(torch.autograd.Function):
+    """Test-only: identity forward, gradient times ``scale`` (independent of lowprec)."""
+
+    @staticmethod
+    def forward(ctx, x, scale):
+        ctx.scale = scale
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * ctx.scale, None
+
+
+def _mlp():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(12, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 5))
+
+
+def _reference(model, x, scales, seed, base):
+    """The fp8-e5m2-als graph written by hand: per-layer scale, quantize, unscale."""
+    q = torch.ops.lowprec.quantize
+    qg = torch.ops.lowprec.quantize_grad
+    h, offset = x, base
+    for i, layer in enumerate(model[::2]):
+        inv = 1.0 / scales[i]
+        a = q(_ScaleGrad.apply(h, inv), "e5m2", "nearest", "saturate", None, offset, None)
+        w = qg(_ScaleGrad.apply(layer.weight, inv), "e5m2", "stochastic", "inf", seed, offset + 1)
+        w = q(w, "e5m2", "nearest", "saturate", None, offset + 2, None)
+        y = F.linear(a, w, _ScaleGrad.apply(layer.bias, inv))
+        y = _ScaleGrad.apply(qg(y, "e5m2", "stochastic", "inf", seed, offset + 3), scales[i])
+        h = y.relu() if i < 2 else y
+        offset += 4
+    return h
+
+
+def _graph_of(model):
+    """The compiled graph that holds ``model``'s adaptive state (Dynamo may share graphs)."""
+    ids = {id(p) for p in model.parameters()}
+    return next(r for r in reversed(COMPILED_GRAPHS) if r.adaptive and any(id(k) in ids for k in r.adaptive))
+
+
+def test_weight_gradients_equal_a_hand_scaled_reference():
+    model = _mlp()
+    run = torch.compile(
+        model,
+        backend="lowprec",
+        options={"recipe": "fp8-e5m2-als", "executor": "eager", "loss_scale_interval": 1},
+    )
+    x = torch.randn(8, 12) * 4
+    seen = []
+    for call in range(3):
+        model.zero_grad()
+        (run(x).square().mean() * 1e-3).backward()
+        got = [p.grad.clone() for p in model.parameters()]
+        record = _graph_of(model)
+        (state,) = adaptive_states(model)
+        used = state.scales.tolist()  # set at the start of this call, read by its backward
+        seen.append(tuple(used))
+        model.zero_grad()
+        (
+            _reference(model, x, used, step_seed(0, call), record.stream << 16).square().mean() * 1e-3
+        ).backward()
+        want = [p.grad for p in model.parameters()]
+        assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True)), f"call {call}, scales {used}"
+    assert len(set(seen)) > 1, f"scales never changed: {seen}"
+
+
+def _adaptive(model, interval=1):
+    options = {"recipe": "fp8-e5m2-als", "executor": "eager", "loss_scale_interval": interval}
+    return torch.compile(model, backend="lowprec", options=options)
+
+
+def test_refresh_every_interval_and_telemetry():
+    model = _mlp()
+    run = _adaptive(model, interval=2)
+    x = torch.randn(64, 12)
+    for _ in range(9):
+        model.zero_grad()
+        (run(x).square().mean() * 1e-2).backward()
+    layers = stats(model)
+    assert [t.layer for t in layers] == ["0", "2", "4"]
+    # statistics recorded on calls 0, 2, 4, 6 (turned into scales on the next call); call 8's are pending
+    assert [h[0] for h in layers[0].history] == [0, 2, 4, 6]
+    # the first refresh sees errors that the upper layers' quantize flushed to zero at scale 1;
+    # once the scales settle, each layer's error underflows about n_uf = 0.1% (the inputs
+    # are fixed, but each refresh's statistics follow the scales of the layers above)
+    assert layers[0].history[0][2] > 0.5
+    assert all(t.underflow <= 0.01 for t in layers), [t.underflow for t in layers]
+    # α_i = s_i / s_(i+1) going down (the last layer is nearest the loss), cumulative is s_i
+    cumulative = [t.cumulative for t in layers]
+    assert [t.scale for t in layers] == [
+        cumulative[0] / cumulative[1],
+        cumulative[1] / cumulative[2],
+        cumulative[2],
+    ]
+    assert cumulative[0] >= cumulative[1] >= cumulative[2] >= 1.0
+
+
+def test_overflow_skips_the_step_and_backs_off_the_layer():
+    model = _mlp()
+    run = _adaptive(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = LossScaler("adaptive")
+    x = torch.randn(8, 12)
+    for _ in range(2):  # settle the scales
+        opt.zero_grad()
+        scaler.scale(run(x).square().mean() * 1e-4).backward()
+        scaler.step(opt)
+        scaler.update()
+    (state,) = adaptive_states(model)
+    before = [p.detach().clone() for p in model.parameters()]
+    opt.zero_grad()
+    scaler.scale(run(x).square().mean() * 1e6).backward()  # E5M2 errors overflow to inf
+    before_scales = state.scales.clone()  # the scales this call used
+    overflowed = state.overflowed()
+    scaler.step(opt)
+    scaler.update()
+    assert overflowed, "no layer reported an overflow"
+    assert scaler.skipped_steps == 1
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+    for i in range(3):
+        expected = before_scales[i] / 2 if i in overflowed else before_scales[i]
+        assert state.scales[i] == expected
+
+
+def test_scales_and_telemetry_survive_state_dict():
+    model = _mlp()
+    run = _adaptive(model)
+    scaler = LossScaler("adaptive")
+    x = torch.randn(8, 12)
+    for _ in range(3):
+        model.zero_grad()
+        (run(x).square().mean() * 1e-4).backward()
+    (state,) = adaptive_states(model)
+    saved = scaler.state_dict()
+    scales = state.scales.clone()
+    history = [list(t.history) for t in state.telemetry]
+    state.scales.fill_(1.0)
+    state.telemetry[0].history.clear()
+    scaler.load_state_dict(saved)
+    assert torch.equal(state.scales, scales)
+    assert [t.history for t in state.telemetry] == history
+
+
+def test_no_grad_graphs_get_no_scaling_state():
+    model = _mlp()
+    run = _adaptive(model)
+    with torch.no_grad():
+        out = run(torch.randn(4, 12))
+    assert out.shape == (4, 5)
+    assert adaptive_states(model) == []
+
+
+def test_adaptive_needs_a_quantized_error():
+    from lpcompile.config import LowPrecConfig
+
+    with pytest.raises(ValueError, match="error role"):
+        LowPrecConfig.from_options({"recipe": "fp32", "loss_scale": "adaptive"})
+    with pytest.raises(ValueError, match="loss_scale_rule"):
+        LowPrecConfig.from_options({"recipe": "fp8-e5m2-als", "loss_scale_rule": "median"})
+
+
+@pytest.mark.slow
+def test_adaptive_scaling_trains_where_fixed_scales_fail():
+    from lpcompile.experiments import compare_loss_scaling, format_runs
+
+    runs = {run.name: run for run in compare_loss_scaling()}
+    table = format_runs(list(runs.values()))
+    fp32, adaptive = runs["fp32"].result, runs["adaptive"]
+    assert fp32.test_accuracy > 80, f"FP32 baseline did not train:\n{table}"
+    for name in ("fixed 2^0", "fixed 2^8", "fixed 2^16"):
+        run = runs[name]
+        lower = max(run.underflow[: len(run.underflow) // 2], default=1.0)
+        failed = lower > 0.10 or run.result.skipped_steps > len(run.result.losses) // 2
+        assert failed, f"{name} did not fail:\n{table}"
+        assert run.result.test_accuracy < fp32.test_accuracy - 1.0, f"{name} kept up with FP32:\n{table}"
+    assert max(adaptive.underflow) <= 0.01, f"adaptive scaling left underflow:\n{table}"
+    assert adaptive.result.test_accuracy >= fp32.test_accuracy - 1.0, f"adaptive lags FP32:\n{table}"

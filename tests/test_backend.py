@@ -1,0 +1,346 @@
+"""Tests of the lowprec backend's graph rewriting (executor "eager": no Inductor)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from collections import Counter
+
+import pytest
+import torch
+import torch.nn.functional as F
+from models import (
+    RECIPE_SPECS,
+    Records,
+    Ref,
+    assert_same_step,
+    capture_dynamo_graphs,
+    convnet,
+    convnet_input,
+    lowprec_nodes,
+    mlp,
+    mlp_ref,
+    step,
+)
+from torch import nn
+
+from lpcompile.backend import step_seed
+
+EAGER = {"executor": "eager"}
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def compile_(model: nn.Module, recipe: str, **options) -> nn.Module:
+    return torch.compile(model, backend="lowprec", options={"recipe": recipe, **EAGER, **options})
+
+
+def mlp_input(batch: int = 4) -> torch.Tensor:
+    return torch.randn(batch, 6, generator=torch.Generator().manual_seed(3))
+
+
+def summary(nodes: list[torch.fx.Node]) -> Counter:
+    """(op, role, phase) of each lowprec node, from its meta."""
+    return Counter(
+        (str(n.target).split(".")[1], n.meta["lowprec"]["role"], n.meta["lowprec"].get("phase"))
+        for n in nodes
+    )
+
+
+def test_backend_by_name_in_a_fresh_process():
+    """The torch_dynamo_backends entry point finds the backend without ``import lpcompile``."""
+    code = textwrap.dedent(
+        """
+        import sys
+        import torch
+        assert "lpcompile" not in sys.modules
+        torch.manual_seed(0)
+        model = torch.nn.Linear(4, 3)
+        compiled = torch.compile(
+            model, backend="lowprec", options={"recipe": "fp8-e5m2", "executor": "eager"}
+        )
+        x = torch.randn(2, 4)
+        y = compiled(x)
+        y.sum().backward()
+        from lpcompile.backend import COMPILED_GRAPHS
+        assert len(COMPILED_GRAPHS) == 1 and len(COMPILED_GRAPHS[0].sites) == 4
+        assert not torch.equal(y, model(x)), "the output was not quantized"
+        print("OK")
+        """
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip() == "OK"
+
+
+def test_fp32_rewrites_nothing_and_matches_eager(monkeypatch):
+    graphs = capture_dynamo_graphs(monkeypatch)
+    records = Records()
+    model = convnet()
+    x = convnet_input()
+    expected = step(model, lambda: model(x))
+    got = step(model, lambda: compile_(model, "fp32")(x))
+    record = records.only()
+    assert record.sites == {} and [r.graph for r in record.records] == ["forward", "backward"]
+    assert set(record.aten_graphs) == {"forward", "backward"}
+    for gm in [*graphs, *record.aten_graphs.values()]:
+        assert lowprec_nodes(gm) == []
+        assert not any("lowprec" in n.meta for n in gm.graph.nodes)
+        assert "lowprec_seed" not in gm.code
+    assert_same_step(got, expected)
+
+
+def test_sr_mlp_node_counts_roles_and_phases(monkeypatch):
+    graphs = capture_dynamo_graphs(monkeypatch)
+    records = Records()
+    model = mlp()
+    compile_(model, "fp8-e5m2-sr")(mlp_input()).sum().backward()
+    record = records.only()
+    base = record.stream << 16
+    # Per layer, in order: activation, weight_grad, weight, error.
+    roles = ["activation", "weight_grad", "weight", "error"]
+    assert {o - base: (s.layer, s.role) for o, s in record.sites.items()} == {
+        i: (layer, role) for i, (layer, role) in enumerate((lay, r) for lay in "02" for r in roles)
+    }
+    for site in record.sites.values():
+        backward = site.role in ("error", "weight_grad")
+        assert site.op == ("quantize_grad" if backward else "quantize")
+        assert (site.fmt, site.rounding, site.overflow) == RECIPE_SPECS["fp8-e5m2-sr"][backward]
+
+    (dynamo,) = graphs
+    nodes = lowprec_nodes(dynamo)
+    assert summary(nodes) == Counter(
+        {
+            ("quantize", "activation", None): 2,
+            ("quantize", "weight", None): 2,
+            ("quantize_grad", "weight_grad", None): 2,
+            ("quantize_grad", "error", None): 2,
+        }
+    )
+    # Stochastic sites read the seed placeholder; nearest ones take no seed.
+    (seed,) = [n for n in dynamo.graph.nodes if n.op == "placeholder" and n.name == "lowprec_seed"]
+    assert {n.meta["lowprec"]["offset"] for n in seed.users} == {
+        o for o, s in record.sites.items() if s.rounding == "stochastic"
+    }
+    # Each linear reads quantized operands and only the error node reads its output.
+    for linear in [n for n in dynamo.graph.nodes if n.target is torch._C._nn.linear]:
+        assert [a.target for a in linear.args[:2]] == [torch.ops.lowprec.quantize.default] * 2
+        assert [u.target for u in linear.users] == [torch.ops.lowprec.quantize_grad.default]
+
+    forward, backward = record.aten_graphs["forward"], record.aten_graphs["backward"]
+    # quantize_grad stays in the forward as an identity; its rounding is in the backward.
+    assert summary(lowprec_nodes(forward)) == Counter(
+        {
+            ("quantize", "activation", "forward"): 2,
+            ("quantize", "weight", "forward"): 2,
+            ("quantize_grad", "weight_grad", "forward"): 2,
+            ("quantize_grad", "error", "forward"): 2,
+        }
+    )
+    back_nodes = lowprec_nodes(backward)
+    assert summary(back_nodes) == Counter(
+        {("quantize", "error", "backward"): 2, ("quantize", "weight_grad", "backward"): 2}
+    )
+    for node in back_nodes:
+        assert node.args[1:4] == ("e5m2", "stochastic", "inf") and node.args[4].op == "placeholder"
+        assert node.args[5] in record.sites
+    # Backward runs layer "2" before layer "0", error before weight gradient.
+    assert [n.meta["lowprec"]["offset"] - base for n in back_nodes] == [7, 5, 3, 1]
+    passes = {(r.name, r.graph): r for r in record.records}
+    assert {("annotate_lowprec_nodes", "forward"), ("annotate_lowprec_nodes", "backward")} <= set(passes)
+    assert passes["insert_quantize", "dynamo"].nodes_added == 9  # 8 lowprec nodes and the seed input
+
+
+def test_fp8_hybrid_e4m3_forward_e5m2_backward():
+    records = Records()
+    compile_(mlp(), "fp8-hybrid")(mlp_input()).sum().backward()
+    record = records.only()
+    assert {s.role: s.fmt for s in record.sites.values()} == {
+        "activation": "e4m3",
+        "weight": "e4m3",
+        "error": "e5m2",
+        "weight_grad": "e5m2",
+    }
+    forward = [
+        n for n in lowprec_nodes(record.aten_graphs["forward"]) if "quantize_grad" not in str(n.target)
+    ]
+    backward = lowprec_nodes(record.aten_graphs["backward"])
+    assert len(forward) == 4 and {n.args[1] for n in forward} == {"e4m3"}
+    assert len(backward) == 4 and {n.args[1] for n in backward} == {"e5m2"}
+    # Nothing is stochastic, so no seed input at all.
+    assert all(n.args[4] is None for n in forward + backward)
+
+
+@pytest.mark.parametrize(
+    ("options", "layers"),
+    [
+        ({"exclude": ["0"]}, {"2"}),
+        ({"exclude": "2"}, {"0"}),
+        ({"exclude": ["*"]}, set()),
+        ({"keep_first_last": True}, set()),
+    ],
+)
+def test_exclude_and_keep_first_last_on_mlp(options, layers):
+    records = Records()
+    compile_(mlp(), "fp8-e5m2", **options)(mlp_input()).sum().backward()
+    record = records.only()
+    assert {s.layer for s in record.sites.values()} == layers
+    assert len(record.sites) == 4 * len(layers)
+    assert len(lowprec_nodes(record.aten_graphs["backward"])) == 2 * len(layers)
+
+
+def test_keep_first_last_keeps_the_middle_layer_of_three():
+    records = Records()
+    compile_(convnet(), "fp8-e5m2", keep_first_last=True)(convnet_input()).sum().backward()
+    assert {s.layer for s in records.only().sites.values()} == {"4"}
+
+
+def test_matmul_of_two_activations_gets_two_activation_sites():
+    class AttentionScores(nn.Module):
+        def forward(self, q, k):
+            return torch.matmul(q, k.transpose(-1, -2)).softmax(-1)
+
+    records = Records()
+    q = torch.randn(2, 3, 4, requires_grad=True)
+    k = torch.randn(2, 5, 4, requires_grad=True)
+    y = compile_(AttentionScores(), "fp8-e5m2-sr")(q, k)
+    (y * torch.randn(y.shape, generator=torch.Generator().manual_seed(0))).sum().backward()
+    record = records.only()
+    assert [s.role for s in record.sites.values()] == ["activation", "activation", "error"]
+    assert summary(lowprec_nodes(record.aten_graphs["backward"])) == Counter(
+        {("quantize", "error", "backward"): 1}
+    )
+    # Against the hand-written reference: both operands quantized, error SR-rounded.
+    ref = Ref.for_recipe("fp8-e5m2-sr", step_seed(0, 0), record.stream)
+    q2, k2 = q.detach().requires_grad_(), k.detach().requires_grad_()
+    y2 = ref.qg(torch.matmul(ref.q(q2), ref.q(k2.transpose(-1, -2)))).softmax(-1)
+    (y2 * torch.randn(y.shape, generator=torch.Generator().manual_seed(0))).sum().backward()
+    assert torch.equal(y, y2)
+    assert torch.equal(q.grad, q2.grad) and torch.equal(k.grad, k2.grad)
+
+
+def test_unknown_op_is_left_alone():
+    """einsum is not a call the pass knows: it stays in full precision, the linear is quantized."""
+
+    class EinsumThenLinear(nn.Module):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.mix = nn.Parameter(torch.randn(6, 6))
+            self.out = nn.Linear(6, 2)
+
+        def forward(self, x):
+            return self.out(torch.einsum("bi,ij->bj", x, self.mix))
+
+    records = Records()
+    model = EinsumThenLinear()
+    x = mlp_input()
+    got = step(model, lambda: compile_(model, "fp8-e5m2-sr")(x))
+    record = records.only()
+    assert {s.layer for s in record.sites.values()} == {"out"} and len(record.sites) == 4
+    ref = Ref.for_recipe("fp8-e5m2-sr", step_seed(0, 0), record.stream)
+    expected = step(
+        model, lambda: ref.layer(F.linear, torch.einsum("bi,ij->bj", x, model.mix), *model.out.parameters())
+    )
+    assert_same_step(got, expected)
+
+
+class TwoGraphs(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a = nn.Linear(6, 8)
+        self.b = nn.Linear(8, 3)
+
+    def forward(self, x):
+        h = self.a(x).relu()
+        torch._dynamo.graph_break()
+        return self.b(h)
+
+
+def test_graph_break_rewrites_both_graphs_and_trains():
+    records = Records()
+    model = TwoGraphs()
+    compiled = compile_(model, "fp8-e5m2-sr")
+    x = mlp_input()
+    for call in range(2):
+        got = step(model, lambda: compiled(x))
+        first, second = records.new
+        assert {s.layer for s in first.sites.values()} == {"a"} and len(first.sites) == 4
+        assert {s.layer for s in second.sites.values()} == {"b"} and len(second.sites) == 4
+        seed = step_seed(0, call)  # each graph counts its own calls
+
+        def reference(first=first, second=second, seed=seed):
+            ref_a = Ref.for_recipe("fp8-e5m2-sr", seed, first.stream)
+            ref_b = Ref.for_recipe("fp8-e5m2-sr", seed, second.stream)
+            return ref_b.layer(
+                F.linear, ref_a.layer(F.linear, x, *model.a.parameters()).relu(), *model.b.parameters()
+            )
+
+        expected = step(model, reference)
+        assert_same_step(got, expected, f"call {call}")
+    assert len(records.new) == 2
+
+
+def test_no_grad_inference_is_quantized_and_recorded():
+    records = Records()
+    model = mlp()
+    x = mlp_input()
+    with torch.no_grad():
+        y = compile_(model, "fp8-e5m2-sr")(x)
+        expected = mlp_ref(model, x, Ref.for_recipe("fp8-e5m2-sr", step_seed(0, 0), records.only().stream))
+    record = records.only()
+    assert set(record.aten_graphs) == {"inference"}
+    nodes = lowprec_nodes(record.aten_graphs["inference"])
+    assert {n.meta["lowprec"]["phase"] for n in nodes} == {"forward"}
+    assert Counter(
+        n.meta["lowprec"]["role"] for n in nodes if "quantize_grad" not in str(n.target)
+    ) == Counter({"activation": 2, "weight": 2})
+    assert torch.equal(y, expected)
+    assert not torch.equal(y, model(x))
+
+
+@pytest.mark.parametrize("dynamic", [False, None])
+def test_recompile_for_a_new_batch_size(dynamic):
+    records = Records()
+    model = mlp()
+    compiled = torch.compile(
+        model, backend="lowprec", dynamic=dynamic, options={"recipe": "fp8-e5m2-sr", **EAGER}
+    )
+    # (batch size, which compiled graph runs, its call count)
+    for batch, graph, call in [(4, 0, 0), (5, 1, 0), (4, 0 if dynamic is False else 1, 1)]:
+        x = mlp_input(batch)
+        got = step(model, lambda: compiled(x))  # noqa: B023
+        record = records.new[graph]
+        assert len(record.sites) == 8
+        ref = Ref.for_recipe("fp8-e5m2-sr", step_seed(0, call), record.stream)
+        expected = step(model, lambda: mlp_ref(model, x, ref))  # noqa: B023
+        assert_same_step(got, expected, str((batch, graph, call)))
+    assert len(records.new) == 2
+
+
+def test_inductor_cache_keys_follow_the_operator_sources(tmp_path):
+    """Editing the lowprec ops' Python must change Inductor's cache key (SourceStamp.uuid)."""
+    import shutil
+    from pathlib import Path
+
+    from lpcompile import backend
+    from lpcompile.backend import SourceStamp, source_hash
+
+    package = Path(backend.__file__).parent
+    copy = tmp_path / "lpcompile"
+    shutil.copytree(package, copy)
+    assert source_hash(copy) == source_hash(package) == SourceStamp().uuid()
+    with open(copy / "ops.py", "a") as f:
+        f.write("\n# a change to the numerics\n")
+    assert source_hash(copy) != source_hash(package)
+    with open(copy / "train.py", "a") as f:  # not traced: not part of the key
+        f.write("\n# unrelated\n")
+    (copy / "ops.py").write_bytes((package / "ops.py").read_bytes())
+    assert source_hash(copy) == source_hash(package)

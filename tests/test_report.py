@@ -1,0 +1,124 @@
+"""Tests of training telemetry and ``lowprec report`` (plots and page)."""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+from pathlib import Path
+
+import pytest
+from PIL import Image
+
+from lpcompile import dump
+from lpcompile.cli import main
+from lpcompile.data import Split, load_digits
+from lpcompile.report import TELEMETRY_FORMAT, RunTelemetry, load_runs, write_report
+from lpcompile.train import train_digits
+
+
+@pytest.fixture(scope="module")
+def small_digits() -> Split:
+    full = load_digits()
+    return Split(full.train_x[:128], full.train_y[:128], full.test_x[:32], full.test_y[:32])
+
+
+@pytest.fixture(scope="module")
+def recorded_run(tmp_path_factory, small_digits) -> Path:
+    """A dump folder holding the telemetry of one short uncompiled training run."""
+    root = tmp_path_factory.mktemp("run") / "dump"
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(dump.ENV, str(root))
+        train_digits("fp32 eager", compiled=False, epochs=1, data=small_digits, loss_scale="dynamic")
+    return root
+
+
+@pytest.fixture
+def recorded(recorded_run, tmp_path) -> Path:
+    """A copy of the recorded run's folder, for a test to add to."""
+    return Path(shutil.copytree(recorded_run, tmp_path / "dump"))
+
+
+def synthetic_run(root: Path) -> None:
+    """A run with per-layer telemetry, as adaptive loss scaling records it."""
+    run = RunTelemetry("adaptive", meta={"note": "synthetic"})
+    for step in range(12):
+        run.step(loss=2.0 / (step + 1), step_time=0.01 + 0.001 * step, loss_scale=None if step < 2 else 1.0)
+    for step in range(0, 12, 3):
+        for i, layer in enumerate(["conv1", "conv2", "fc"]):
+            run.layer(layer, step, scale=2.0 ** (i + step // 3), underflow=0.1 / (i + 1 + step), overflow=0.0)
+    run.write(root / "telemetry" / "adaptive.json")
+
+
+def assert_png(path: Path) -> None:
+    assert path.is_file() and path.stat().st_size > 0, path
+    with Image.open(path) as image:
+        image.verify()
+    with Image.open(path) as image:
+        image = image.convert("RGB")
+        assert image.width > 100 and image.height > 100
+        assert len(image.getcolors(maxcolors=1 << 20)) > 10, f"{path.name} is blank"
+
+
+def test_train_digits_writes_telemetry_when_dumping(recorded):
+    path = recorded / "telemetry" / "fp32_eager.json"
+    data = json.loads(path.read_text())
+    assert data["format"] == TELEMETRY_FORMAT and data["name"] == "fp32 eager"
+    steps = data["steps"]
+    assert steps["step"] == [0, 1]  # 128 samples, batch 64, one epoch
+    assert all(math.isfinite(v) and v > 0 for v in steps["loss"])
+    assert all(v > 0 for v in steps["step_time"])
+    assert steps["loss_scale"][0] == 2.0**16 and steps["skipped"] == [False] * 2
+    assert data["layers"] == {}
+    assert data["result"]["final_loss"] == pytest.approx(sum(steps["loss"]) / 2)
+
+
+def test_telemetry_file_when_asked_without_lowprec_dump(tmp_path, monkeypatch, small_digits):
+    monkeypatch.delenv(dump.ENV, raising=False)
+    monkeypatch.chdir(tmp_path)
+    train_digits("asked", compiled=False, epochs=1, data=small_digits, telemetry="t.json")
+    assert [p.name for p in tmp_path.iterdir()] == ["t.json"]
+    data = json.loads((tmp_path / "t.json").read_text())
+    assert data["steps"]["step"] == [0, 1] and "loss_scale" in data["steps"]
+    assert data["steps"]["loss_scale"] == [None, None]  # no loss scaling in this run
+
+
+def test_run_telemetry_pads_missing_values():
+    run = RunTelemetry("r")
+    run.step(loss=1.0)
+    run.step(loss=0.5, loss_scale=8.0)
+    run.layer("fc", 0, underflow=0.25)
+    run.layer("fc", 5, scale=4.0, underflow=0.0)
+    assert run.steps == {"step": [0, 1], "loss": [1.0, 0.5], "loss_scale": [None, 8.0]}
+    assert run.layers == {"fc": {"step": [0, 5], "underflow": [0.25, 0.0], "scale": [None, 4.0]}}
+
+
+def test_report_plots_a_recorded_run_and_per_layer_telemetry(recorded):
+    synthetic_run(recorded)
+    assert [r["name"] for r in load_runs(recorded)] == ["adaptive", "fp32 eager"]
+    page = write_report(recorded)
+    out = recorded / "report"
+    assert page == out / "report.html"
+    names = ["loss", "step_time", "loss_scale", "layer_scale", "underflow", "overflow"]
+    for name in names:
+        assert_png(out / f"{name}.png")
+    text = page.read_text()
+    markdown = (out / "report.md").read_text()
+    for name in names:
+        assert f'src="{name}.png"' in text and f"({name}.png)" in markdown
+    assert "fp32 eager" in text and "adaptive" in markdown
+    assert "No per-layer telemetry" not in text
+
+
+def test_report_cli_without_per_layer_telemetry(recorded_run, tmp_path, capsys):
+    out = tmp_path / "out"
+    assert main(["report", str(recorded_run), "-o", str(out)]) == 0
+    assert "report.html" in capsys.readouterr().out
+    pngs = sorted(p.name for p in out.glob("*.png"))
+    assert pngs == ["loss.png", "loss_scale.png", "step_time.png"]
+    for png in out.glob("*.png"):
+        assert_png(png)
+    assert "No per-layer telemetry" in (out / "report.html").read_text()
+    (tmp_path / "empty").mkdir()
+    assert main(["report", str(tmp_path / "empty")]) == 2
+    assert "no telemetry" in capsys.readouterr().err

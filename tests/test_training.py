@@ -1,0 +1,26 @@
+"""End-to-end: FP8 training on real data (scikit-learn's digits)."""
+
+import pytest
+
+from lpcompile.data import load_digits
+from lpcompile.train import train_digits
+
+
+@pytest.mark.slow
+def test_fp8_e5m2_sr_with_enhanced_scaling_matches_fp32_accuracy():
+    data = load_digits()
+    epochs = 8
+    fp32 = train_digits("fp32", None, compiled=False, epochs=epochs, data=data)
+    fp8 = train_digits(
+        "fp8-e5m2-sr",
+        {"recipe": "fp8-e5m2-sr", "executor": "eager"},
+        epochs=epochs,
+        loss_scale="enhanced",
+        data=data,
+    )
+    table = "\n".join(
+        f"{r.name:<12} acc {r.test_accuracy:6.2f}%  final loss {r.final_loss:.4f}  skipped {r.skipped_steps}"
+        for r in (fp32, fp8)
+    )
+    assert fp32.test_accuracy > 90.0, f"FP32 baseline failed to train:\n{table}"
+    assert fp8.test_accuracy >= fp32.test_accuracy - 1.0, f"FP8 lags FP32 by more than 1 point:\n{table}"
