@@ -1,5 +1,5 @@
 # `make demo` and `make test` each set everything up on a fresh machine first.
-.PHONY: setup demo test test-all lint
+.PHONY: setup demo test test-slow test-all lint
 
 .venv/.installed: pyproject.toml scripts/setup.sh
 	bash scripts/setup.sh
@@ -12,6 +12,9 @@ demo: .venv/.installed
 
 test: .venv/.installed
 	.venv/bin/python -m pytest -q
+
+test-slow: .venv/.installed
+	.venv/bin/python -m pytest -q -m slow
 
 test-all: .venv/.installed
 	.venv/bin/python -m pytest -q -m "slow or not slow"

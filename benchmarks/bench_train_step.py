@@ -74,8 +74,10 @@ def main() -> None:
             f"| {times['fp8-e5m2-sr eager'] / fp8:.1f}× (target ≥ 5×) |"
         )
     body = "\n".join(rows)
-    body += "\n\nMedian of {} steps after 3 warm-up steps (compile excluded).\n\n".format(args.repeats)
-    body += "| model | compiled FP8 vs fp32 Inductor | compiled FP8 speed-up over FP8 eager |\n|---|---|---|\n"
+    body += f"\n\nMedian of {args.repeats} steps after 3 warm-up steps (compile excluded).\n\n"
+    body += (
+        "| model | compiled FP8 vs fp32 Inductor | compiled FP8 speed-up over FP8 eager |\n|---|---|---|\n"
+    )
     body += "\n".join(checks)
     print(body)
     write_results("train_step", "Training-step time (bench_train_step.py)", body)

@@ -207,19 +207,19 @@ def lowprec(
     stepper = SeedStepper(config.seed)
     layout = ctx.adaptive
 
-    def extras(adaptive: dict[str, torch.Tensor]) -> list[torch.Tensor]:
+    def extras(adaptive: dict[str, torch.Tensor], args: Sequence[Any]) -> list[torch.Tensor]:
         values = {**adaptive, SEED_INPUT: stepper.next()} if SEED_INPUT in ctx.inputs else adaptive
-        values = {**values, **{name: read() for name, read in ctx.readers.items()}}
+        values = {**values, **{name: read(args) for name, read in ctx.readers.items()}}
         return [values[name] for name in ctx.inputs]
 
     def compile_variant(graph: torch.fx.GraphModule, adaptive: dict[str, torch.Tensor], tag: str = ""):
-        compiled = _execute(graph, [*inputs, *extras(adaptive)], ctx, record, tag)
+        compiled = _execute(graph, [*inputs, *extras(adaptive, inputs)], ctx, record, tag)
         stepper.step = 0
         return compiled
 
     if layout is None:
         compiled = compile_variant(gm, {})
-        return lambda *args: compiled(*args, *extras({}))
+        return lambda *args: compiled(*args, *extras({}, args))
     # Adaptive loss scaling: refresh calls run a variant that records gradient statistics.
     states = record.adaptive = WeakIdKeyDictionary()
     key_input = next((i for i in layout.weight_inputs if i is not None), None)
@@ -237,6 +237,6 @@ def lowprec(
 
     def run(*args: Any) -> Any:
         adaptive, refresh = state_for(args).next_inputs()
-        return (recording if refresh else plain)(*args, *extras(adaptive))
+        return (recording if refresh else plain)(*args, *extras(adaptive, args))
 
     return run

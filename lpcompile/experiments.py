@@ -42,7 +42,7 @@ def compare_loss_scaling(
     interval: int = 10,
     data: Split | None = None,
     executor: str = "eager",
-    gain: float = 1.2,
+    gain: float = 1.5,
 ) -> list[ScalingRun]:
     """FP32, fixed loss scales and adaptive per-layer scaling on a deep tanh MLP (Adam).
 

@@ -296,3 +296,29 @@ def test_symbolic_shapes_give_symbolic_costs():
     assert all(e.startswith(f"{f}*s") for e, f in zip(partition.cost_exprs, flops, strict=True))
     batch = 3
     assert partition.costs == [1072 * batch + 2176, 2336 * batch + 4752]
+
+
+def test_a_reused_graph_reads_the_buffers_of_its_own_parameters():
+    """Dynamo may run one compiled graph for two modules of a class: each call's
+    prediction must read the optimizer state of the parameters it was given."""
+    torch.manual_seed(0)
+    first, second = Marked(), Marked()
+    options = {"executor": "eager", "pipeline": {"prediction": "lwp_v"}}
+    x = torch.randn(3, 6)
+    optimizers = []
+    for model in (first, second):
+        groups = [
+            {"params": list(m.parameters()), "delay": d}
+            for m, d in zip((model.a, model.b, model.c), stage_delays(3), strict=True)
+        ]
+        optimizers.append(PipelineSGD(groups, lr=0.25, momentum=0.5, prediction="lwp_v"))
+    for model, optimizer in zip((first, second), optimizers, strict=True):
+        for p in model.parameters():
+            p.grad = torch.randn_like(p)
+        optimizer.step()
+    before = len(COMPILED_GRAPHS)
+    outs = [torch.compile(m, backend="lowprec", options=options)(x) for m in (first, second)]
+    for model, optimizer, out in zip((first, second), optimizers, outs, strict=True):
+        predicted = {name: optimizer.predicted_weight(p) for name, p in model.named_parameters()}
+        assert torch.equal(out, torch.func.functional_call(model, predicted, (x,)))
+    assert len(COMPILED_GRAPHS) - before >= 1

@@ -51,8 +51,9 @@ class CompileContext:
     stream: int  # from the graph's code: keys its random streams, whatever was compiled before
     sites: dict[int, Site] = field(default_factory=dict)
     inputs: dict[str, torch.fx.Node] = field(default_factory=dict)
-    # inputs whose value is read afresh at every call (e.g. an optimizer's buffers)
-    readers: dict[str, Callable[[], Any]] = field(default_factory=dict)
+    # inputs whose value is read afresh at every call from the call's own inputs
+    # (e.g. an optimizer's buffers for the parameter passed in): read(args)
+    readers: dict[str, Callable[[Sequence[Any]], Any]] = field(default_factory=dict)
     adaptive: AdaptiveLayout | None = None
     records: list[PassRecord] = field(default_factory=list)
     kernels: list[Any] = field(default_factory=list)  # lpcompile.codegen.KernelRecord, one per fused kernel

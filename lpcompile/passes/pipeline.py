@@ -24,8 +24,6 @@ runs the pipeline.
 
 from __future__ import annotations
 
-import weakref
-
 import torch
 import torch.fx
 
@@ -58,14 +56,15 @@ def _tag(node: torch.fx.Node, stage: int) -> None:
     node.meta["custom"] = {**(node.meta.get("custom") or {}), CUSTOM_KEY: stage}
 
 
-def _reader(param: torch.nn.Parameter, mode: str, delay: int, field: str):
-    ref = weakref.ref(param)
+def _reader(index: int, mode: str, delay: int, field: str):
+    """Reads ``field`` of the prediction inputs of the parameter passed as graph input ``index``.
 
-    def read() -> torch.Tensor:
-        p = ref()
-        if p is None:
-            raise RuntimeError("the parameter of a compiled lowprec pipeline graph is gone")
-        return getattr(prediction_inputs_for(p, mode, delay), field)
+    The parameter comes from the call's arguments, not from compile time: Dynamo
+    may reuse the compiled graph for another module of the same class.
+    """
+
+    def read(args) -> torch.Tensor:
+        return getattr(prediction_inputs_for(args[index], mode, delay), field)
 
     return read
 
@@ -77,7 +76,9 @@ def insert_predict_weight(gm: torch.fx.GraphModule, ctx: CompileContext) -> None
         return
     delays = stage_delays(PARTITIONS[ctx.graph_id].num_stages)
     position = {n: i for i, n in enumerate(gm.graph.nodes)}
-    for node in list(gm.graph.find_nodes(op="placeholder")):
+    ours = set(ctx.inputs.values())
+    user_inputs = [n for n in gm.graph.find_nodes(op="placeholder") if n not in ours]
+    for index, node in enumerate(user_inputs):
         grapharg = node.meta.get("grapharg")
         param = grapharg.example if grapharg is not None else None
         if not isinstance(param, torch.nn.Parameter) or not node.users:
@@ -86,10 +87,11 @@ def insert_predict_weight(gm: torch.fx.GraphModule, ctx: CompileContext) -> None
         delay = delays[stage]
         if delay == 0:
             continue
-        buf = ctx.add_input(gm, f"lowprec_predict_buf_{node.name}", torch.zeros_like(param))
-        lr = ctx.add_input(gm, f"lowprec_predict_lr_{node.name}", torch.zeros((), dtype=torch.float32))
-        ctx.readers[buf.name] = _reader(param, mode, delay, "buffer")
-        ctx.readers[lr.name] = _reader(param, mode, delay, "lr")
+        buf_name, lr_name = f"lowprec_predict_buf_{node.name}", f"lowprec_predict_lr_{node.name}"
+        buf = ctx.add_input(gm, buf_name, torch.zeros_like(param))
+        lr = ctx.add_input(gm, lr_name, torch.zeros((), dtype=torch.float32))
+        ctx.readers[buf_name] = _reader(index, mode, delay, "buffer")
+        ctx.readers[lr_name] = _reader(index, mode, delay, "lr")
         first = min(node.users, key=position.__getitem__)
         with gm.graph.inserting_before(first):
             predicted = gm.graph.call_function(PREDICT_WEIGHT, (node, buf, lr, delay, mode))
