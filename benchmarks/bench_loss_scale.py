@@ -67,7 +67,7 @@ def main() -> None:
     body = "## Overhead (MLP 784-1024-1024-10, batch 128, Inductor)\n\n" + "\n".join(rows)
     body += f"\n\nMean over {args.steps} steps after 5 warm-up steps. Target: ≤ 2% at K = 100.\n"
     if not args.skip_experiment:
-        runs = compare_loss_scaling(executor="inductor")
+        runs = compare_loss_scaling()
         body += "\n## Deep tanh MLP, E4M3 errors, digits (the slow test's experiment)\n\n" + format_runs(runs)
         body += (
             "\n\nPer-layer scales at the end (adaptive): "

@@ -24,14 +24,8 @@ from lpcompile.pipeline import (
     stage_delays,
 )
 
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Batch-1 steps gain nothing from threads, and lose much on a busy machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+# Batch-1 steps gain nothing from threads, and lose much on a busy machine.
+pytestmark = pytest.mark.usefixtures("single_thread")
 
 
 class Chain(nn.Module):

@@ -22,13 +22,8 @@ from lpcompile.passes.pipeline import PARTITIONS, PREDICT_WEIGHT, stage_graphs
 from lpcompile.pipeline import PipelinedTrainer, PipelineSGD, capture_graph, partition_graph, stage_delays
 from lpcompile.pipeline.partition import BOUNDARY, STAGE, balanced_cuts, is_pipe_split, node_cost
 
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+# Batch-1 steps gain nothing from threads, and lose much on a busy machine.
+pytestmark = pytest.mark.usefixtures("single_thread")
 
 
 class Marked(nn.Module):
