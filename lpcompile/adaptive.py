@@ -156,8 +156,9 @@ class AdaptiveScaleState:
             t.overflow = 0
 
     def _set(self, scales: list[float]) -> None:
-        with torch.no_grad():
-            self.scales.copy_(torch.tensor(scales))
+        # A new tensor, not an in-place update: a backward still to come (pipelining,
+        # or a graph that was run twice before backward) saved the scales its forward read.
+        self.scales = torch.tensor(scales, dtype=torch.float32, device=self.scales.device)
         above = 1.0
         for t, s in reversed(list(zip(self.telemetry, scales, strict=True))):
             t.cumulative, t.scale, above = s, s / above, s
@@ -193,7 +194,6 @@ class AdaptiveScaleState:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if list(state["layers"]) != self.layers:
             raise ValueError(f"state for layers {state['layers']} does not fit layers {self.layers}")
-        with torch.no_grad():
-            self.scales.copy_(state["scales"])
+        self.scales = state["scales"].to(torch.float32).to(self.scales.device).clone()
         self.calls = state["calls"]
         self.telemetry = [LayerTelemetry(**t) for t in state["telemetry"]]

@@ -69,6 +69,9 @@ def compare_loss_scaling(
     ]
     variants.append(("adaptive", {"loss_scale_interval": interval}))
     for name, extra in variants:
+        # All variants share nn.Sequential.forward: a fresh Dynamo cache per variant keeps
+        # its training and evaluation graphs inside Dynamo's recompile limit.
+        torch._dynamo.reset()
         model = _model(0, gain=gain)
         options = {**NARROW_ERRORS, "executor": executor, **extra}
         result = train_digits(

@@ -317,3 +317,19 @@ def test_a_reused_graph_reads_the_buffers_of_its_own_parameters():
         predicted = {name: optimizer.predicted_weight(p) for name, p in model.named_parameters()}
         assert torch.equal(out, torch.func.functional_call(model, predicted, (x,)))
     assert len(COMPILED_GRAPHS) - before >= 1
+
+
+def test_trainer_stages_share_one_adaptive_state_per_model():
+    """FP8 with per-layer adaptive loss scaling inside pipelined stages: the weight
+    slots of in-flight forwards share their model's scales (one state per stage graph)."""
+    from lpcompile.telemetry import adaptive_states, stats
+
+    torch.manual_seed(0)
+    model = MLP(64, 32, 32, 10)
+    x, y = torch.rand(12, 1, 8, 8), torch.randint(0, 10, (12,))
+    options = {"recipe": "fp8-e5m2-als", "executor": "eager", "loss_scale_interval": 2}
+    trainer = PipelinedTrainer(model, x[:1], stages=3, lr=0.01, momentum=0.9, compile=options)
+    trainer.fit(x, y, epochs=1)
+    assert [t.layer for t in stats(model)] == ["1", "3", "5"]
+    assert len(adaptive_states(model)) == 3  # one per stage, not one per weight slot
+    assert all(len(t.history) >= 2 for t in stats(model))

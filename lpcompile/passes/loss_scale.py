@@ -38,6 +38,15 @@ def _scale_grad(
     return node
 
 
+def _needs_grad(value) -> bool:
+    """Whether a layer input gets a gradient (an input batch does not: no unscale node,
+    which would make the backward compute that gradient only to count its inf/NaN)."""
+    if not isinstance(value, torch.fx.Node):
+        return False
+    example = value.meta.get("example_value")
+    return example is None or bool(getattr(example, "requires_grad", True))
+
+
 def insert_loss_scale(gm: torch.fx.GraphModule, ctx: CompileContext) -> None:
     """Scale each layer's error by its own power of two; unscale its input gradients."""
     if ctx.config.loss_scale != "adaptive" or not torch.is_grad_enabled():
@@ -59,9 +68,9 @@ def insert_loss_scale(gm: torch.fx.GraphModule, ctx: CompileContext) -> None:
             hist_i = gm.graph.call_function(torch.select, (hist, 0, i))
             flag_i = gm.graph.call_function(torch.select, (flags, 0, i))
             for index, arg in enumerate(call.args[:3]):
-                if isinstance(arg, torch.fx.Node):
+                if _needs_grad(arg):
                     call.update_arg(index, _scale_grad(gm, arg, inverse, flag_i, "nonfinite", layer))
-            if isinstance(call.kwargs.get("bias"), torch.fx.Node):
+            if _needs_grad(call.kwargs.get("bias")):
                 bias = _scale_grad(gm, call.kwargs["bias"], inverse, flag_i, "nonfinite", layer)
                 call.update_kwarg("bias", bias)
         users = list(call.users)

@@ -204,8 +204,7 @@ class PipelinedTrainer:
             # per in-flight forward: a Parameter slot per trained weight; buffers as they are
             trained = [id(v) in params for v in state]
             ring = [
-                [nn.Parameter(torch.empty_like(v)) if t else v for v, t in zip(state, trained, strict=True)]
-                for _ in range(delay + 1)
+                [_slot(v) if t else v for v, t in zip(state, trained, strict=True)] for _ in range(delay + 1)
             ]
             self.stages.append(Stage(graph.index, delay, graph, stage_params, runner, ring, trained))
         groups = [{"params": stage.params, "delay": stage.delay} for stage in self.stages if stage.params]
@@ -369,3 +368,11 @@ class PipelinedTrainer:
         if drain:
             self.drain()
         return self.losses[start:]
+
+
+def _slot(param: torch.Tensor) -> nn.Parameter:
+    """A weight slot for one in-flight forward; compiled stages key per-model state
+    (adaptive loss scales) by the model's own parameter, not by the slot."""
+    slot = nn.Parameter(torch.empty_like(param))
+    slot.lowprec_state_key = param
+    return slot
