@@ -3,8 +3,21 @@
 # pipe_split: the ecosystem's pipeline stage-boundary marker, re-exported
 from torch.distributed.pipelining import pipe_split
 
+from lpcompile.config import LowPrecConfig, recipes
 from lpcompile.formats import FloatFormat, parse_format
 from lpcompile.ops import quantize
 from lpcompile.ops_pipeline import predict_weight
+from lpcompile.scaling import LossScaler
+from lpcompile.telemetry import stats
 
-__all__ = ["FloatFormat", "parse_format", "pipe_split", "predict_weight", "quantize"]
+__all__ = [
+    "FloatFormat",
+    "LossScaler",
+    "LowPrecConfig",
+    "parse_format",
+    "pipe_split",
+    "predict_weight",
+    "quantize",
+    "recipes",
+    "stats",
+]

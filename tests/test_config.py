@@ -143,3 +143,14 @@ def test_options_dict_is_not_modified():
     options = {"recipe": "fp8-e5m2", "exclude": ["0"]}
     LowPrecConfig.from_options(options)
     assert options == {"recipe": "fp8-e5m2", "exclude": ["0"]}
+
+
+def test_public_api_at_the_package_root():
+    import torch
+
+    import lpcompile
+
+    assert set(lpcompile.recipes()) >= {"fp32", "fp8-e5m2-sr", "fp8-e5m2-als"}
+    assert lpcompile.LowPrecConfig.from_options({"recipe": "fp16"}).error.fmt == "fp16"
+    assert lpcompile.LossScaler("adaptive").get_scale() == 1.0
+    assert lpcompile.stats(torch.nn.Linear(2, 2)) == []
