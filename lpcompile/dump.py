@@ -15,7 +15,7 @@ or ``graph``)::
         dynamo/01_<pass>.diff    what that pass changed (unified diff)
         dynamo/graph.dot|.svg    the graph after all passes (text where dot is missing)
         forward/ backward/ inference/   the same for the AOT autograd graphs
-        kernels/README.md        generated kernels (none yet: codegen is not built)
+        kernels/                 the generated Triton kernels (codegen="triton"), else a README
 
 Every ``.py`` holds ``GraphModule.code`` inside a ``GraphModule`` class: it
 compiles, and ``GraphModule().forward(*inputs)`` runs it with the inputs that
@@ -79,8 +79,9 @@ OP_KINDS = {
 }
 GRAPH_ORDER = ("dynamo", "forward", "backward", "inference")
 KERNEL_NOTE = (
-    "lowprec's kernel codegen (DESIGN.md section 5) is not built yet: no kernels are generated. "
-    "With the Inductor executor, Inductor generates its own kernels from the decomposed operators."
+    "No lowprec kernels: this graph was compiled with codegen='inductor', so Inductor fused the "
+    "decomposed operators into kernels of its own (TORCH_COMPILE_DEBUG=1 writes them). "
+    "With codegen='triton' the generated Triton kernels are written here."
 )
 DECOMPOSED_NOTE = (
     "Inductor's ATen graph, as its inner compiler receives it: the lowprec operators are already "
@@ -404,7 +405,7 @@ def _write_safely(session: _Session, entry: _Entry) -> None:
 
 
 def kernel_sources(record: Any) -> dict[str, str]:
-    """The generated kernels of a compiled graph (the codegen's hook; none yet)."""
+    """The generated kernels of a compiled graph (codegen="triton"), name -> source."""
     return dict(getattr(record, "kernels", None) or {})
 
 
@@ -866,7 +867,7 @@ def summary(root: Path | str) -> str:
         done = [f"{p['graph']}:{p['name']} +{p['nodes_added']}/-{p['nodes_removed']}" for p in m["passes"]]
         lines.append("  passes: " + (", ".join(done) or "none"))
         kernels = m["kernels"]["count"]
-        lines.append(f"  kernels: {kernels}" + (" (codegen not built yet)" if not kernels else ""))
+        lines.append(f"  kernels: {kernels}" + (" (codegen='inductor': Inductor's own)" if not kernels else ""))
         stages = m.get("stages")
         lines.append(f"  stages: {stages['count'] if stages else 'none (no pipeline partition)'}")
         lines.append("")

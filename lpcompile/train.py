@@ -17,6 +17,7 @@ from lpcompile.data import Split, load_digits
 from lpcompile.models import DigitsCNN
 from lpcompile.report import RunTelemetry, telemetry_path
 from lpcompile.scaling import LossScaler
+from lpcompile.telemetry import stats
 
 
 @dataclass
@@ -121,6 +122,9 @@ def train_digits(
         losses=losses,
     )
     if record_path:
+        for layer in stats(model):  # adaptive loss scaling: each refresh's scale and underflow
+            for call, scale, underflow in layer.history:
+                record.layer(layer.layer, call, scale=scale, underflow=underflow)
         record.result = {k: v for k, v in result.__dict__.items() if k != "losses"}
         record.write(record_path)
     dump.flush()  # the backward graphs compiled since the dump was written

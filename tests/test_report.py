@@ -122,3 +122,27 @@ def test_report_cli_without_per_layer_telemetry(recorded_run, tmp_path, capsys):
     (tmp_path / "empty").mkdir()
     assert main(["report", str(tmp_path / "empty")]) == 2
     assert "no telemetry" in capsys.readouterr().err
+
+
+def test_adaptive_run_records_per_layer_telemetry_that_report_plots(tmp_path, monkeypatch, small_digits):
+    """A real adaptive-scaling run (not synthetic): its refreshes reach the file and the plots."""
+    from lpcompile.models import MLP
+
+    monkeypatch.delenv(dump.ENV, raising=False)
+    options = {"recipe": "fp8-e5m2-als", "executor": "eager", "loss_scale_interval": 1}
+    train_digits(
+        "als",
+        options,
+        model=MLP(64, 16, 10),
+        epochs=2,
+        data=small_digits,
+        loss_scale="adaptive",
+        telemetry=tmp_path / "telemetry" / "als.json",
+    )
+    layers = json.loads((tmp_path / "telemetry" / "als.json").read_text())["layers"]
+    assert sorted(layers) == ["1", "3"]
+    assert len(layers["1"]["step"]) >= 2 and all(s >= 1.0 for s in layers["1"]["scale"])
+    page = write_report(tmp_path, tmp_path / "report")
+    assert page.is_file()
+    assert_png(tmp_path / "report" / "layer_scale.png")
+    assert_png(tmp_path / "report" / "underflow.png")
