@@ -867,7 +867,8 @@ def summary(root: Path | str) -> str:
         done = [f"{p['graph']}:{p['name']} +{p['nodes_added']}/-{p['nodes_removed']}" for p in m["passes"]]
         lines.append("  passes: " + (", ".join(done) or "none"))
         kernels = m["kernels"]["count"]
-        lines.append(f"  kernels: {kernels}" + (" (codegen='inductor': Inductor's own)" if not kernels else ""))
+        note = "" if kernels else " (codegen='inductor': Inductor's own)"
+        lines.append(f"  kernels: {kernels}{note}")
         stages = m.get("stages")
         lines.append(f"  stages: {stages['count'] if stages else 'none (no pipeline partition)'}")
         lines.append("")
