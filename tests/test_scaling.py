@@ -224,3 +224,12 @@ def test_bad_config_raises(kwargs, match):
 def test_bad_mode_lists_valid_modes():
     with pytest.raises(ValueError, match=r"static.*dynamic.*enhanced"):
         LossScaler("dynamc")
+
+
+def test_from_config_builds_the_same_scaler():
+    from lpcompile.scaling import LossScaleConfig
+
+    config = LossScaleConfig("enhanced", init_scale=2.0**10, min_scale=2.0**4)
+    scaler = LossScaler.from_config(config)
+    assert scaler.config == config and scaler.mode == "enhanced"
+    assert LossScaler.from_config(config, enabled=False).is_enabled() is False

@@ -69,10 +69,6 @@ class FusionGroup:
             out.update(red.helpers)
         return out
 
-    def external_users(self, node: torch.fx.Node) -> list[torch.fx.Node]:
-        members = self.members
-        return [u for u in node.users if u not in members]
-
 
 def static_shape(node: torch.fx.Node) -> tuple[int, ...] | None:
     """The shape of a node's tensor value when it is static, else ``None``."""

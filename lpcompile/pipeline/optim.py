@@ -148,9 +148,6 @@ class PipelineSGD(torch.optim.Optimizer):
                 raise KeyError("parameter is not in this optimizer")
         return entry[1]
 
-    def delay_of(self, param: torch.Tensor) -> int:
-        return int(self._group_of(param)["delay"])
-
     def _lr_tensor(self, param: torch.Tensor, lr: float) -> torch.Tensor:
         """The group's lr as a 0-dim tensor, kept in the state and updated in place."""
         state = self.state[param]
