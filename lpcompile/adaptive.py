@@ -7,8 +7,9 @@ One :class:`AdaptiveScaleState` belongs to each compiled graph rewritten by
 * ``hist`` (L, STATS_SIZE): a probe whose gradient is each layer's error
   histogram. It requires grad only on refresh calls, which run a second
   compiled variant of the graph; the other calls skip the statistics;
-* ``flags`` (L,): a probe whose gradient counts inf/NaN in each layer's
-  input and weight gradients, every call (for ``LossScaler("adaptive")``).
+* ``flags`` (L,): a probe whose gradient counts inf/NaN in one gradient of
+  each layer (its smallest: bias, input or weight), every call (for
+  ``LossScaler("adaptive")``).
 
 Every ``interval`` calls (the first included) the backward records the
 histograms, and the next call turns them into new scales by the chosen rule.

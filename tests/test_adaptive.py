@@ -117,9 +117,11 @@ class _ScaleGrad(torch.autograd.Function):
         return grad * ctx.scale, None
 
 
-def _mlp():
+def _mlp(bias=True):
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(12, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 5))
+    sizes = [(12, 16), (16, 16), (16, 5)]
+    layers = [nn.Linear(i, o, bias=bias) for i, o in sizes]
+    return nn.Sequential(layers[0], nn.ReLU(), layers[1], nn.ReLU(), layers[2])
 
 
 def _reference(model, x, scales, seed, base):
@@ -202,8 +204,9 @@ def test_refresh_every_interval_and_telemetry():
     assert cumulative[0] >= cumulative[1] >= cumulative[2] >= 1.0
 
 
-def test_overflow_skips_the_step_and_backs_off_the_layer():
-    model = _mlp()
+@pytest.mark.parametrize("bias", [True, False], ids=["count-bias-grad", "count-input-or-weight-grad"])
+def test_overflow_skips_the_step_and_backs_off_the_layer(bias):
+    model = _mlp(bias)
     run = _adaptive(model)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     scaler = LossScaler("adaptive")
@@ -221,7 +224,7 @@ def test_overflow_skips_the_step_and_backs_off_the_layer():
     overflowed = state.overflowed()
     scaler.step(opt)
     scaler.update()
-    assert overflowed, "no layer reported an overflow"
+    assert overflowed == [0, 1, 2], "the top layer overflows and its inf reaches the layers below"
     assert scaler.skipped_steps == 1
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
     for i in range(3):

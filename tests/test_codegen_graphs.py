@@ -133,12 +133,13 @@ def test_adaptive_loss_scaling_statistics_fuse_and_match():
     assert [t.history for t in state.telemetry] == [t.history for t in ref_state.telemetry]
     stats = kernels_by_graph(record)["backward[stats]"]
     # each layer's error: histogram + sums + scaled SR quantize; each weight gradient:
-    # SR quantize + unscale + inf/NaN count: one kernel each.
+    # SR quantize + unscale: one kernel each. The inf/NaN count is on the (smaller) bias
+    # gradient, which stays with the ATen ops.
     assert len(stats) == 4
     with_hist = [k for k in stats if any(r.startswith("index_add") for r in k.reductions)]
     assert len(with_hist) == 2 and all(any(n.startswith("quantize") for n in k.nodes) for k in with_hist)
     unscale = [k for k in stats if k.nodes[0].startswith("quantize") and k.outputs[0].startswith("mul")]
-    assert len(unscale) == 2 and all(len(k.reductions) == 1 for k in unscale)
+    assert len(unscale) == 2 and not any(k.reductions for k in unscale)
 
 
 def test_pipeline_predicted_weight_and_quantize_fuse():

@@ -6,9 +6,12 @@ matmul/conv that the quantize pass keeps) it inserts ``lowprec::scale_grad``:
 * on the output, with scale ``s_i`` and the histogram probe: in the backward
   the error entering the layer is measured, then multiplied by ``s_i`` before
   its quantize (which ``insert_quantize`` puts between the layer and this node);
-* on every input (activation, weight, bias), with scale ``1/s_i`` and the
-  inf/NaN probe: the layer's input gradient and weight gradient leave it in
-  true units, the weight gradient after its quantize.
+* on every input (activation, weight, bias), with scale ``1/s_i``: the layer's
+  input gradient and weight gradient leave it in true units, the weight
+  gradient after its quantize. The smallest of these gradients (usually the
+  bias gradient) also carries the inf/NaN probe: each of them is a product of
+  the layer's quantized error, so an inf/NaN there shows in all of them, and
+  counting the smallest keeps the per-call check off the weight-sized ones.
 
 ``s_i`` is the paper's cumulative scale ``A_i`` (the rules and bounds are in
 ``lpcompile.scale_rules``). Unscaling at each layer's inputs, in FP32 and by
@@ -47,6 +50,11 @@ def _needs_grad(value) -> bool:
     return example is None or bool(getattr(example, "requires_grad", True))
 
 
+def _numel(value) -> float:
+    example = value.meta.get("example_value")
+    return float(example.numel()) if example is not None else float("inf")
+
+
 def insert_loss_scale(gm: torch.fx.GraphModule, ctx: CompileContext) -> None:
     """Scale each layer's error by its own power of two; unscale its input gradients."""
     if ctx.config.loss_scale != "adaptive" or not torch.is_grad_enabled():
@@ -67,12 +75,17 @@ def insert_loss_scale(gm: torch.fx.GraphModule, ctx: CompileContext) -> None:
             inverse = gm.graph.call_function(torch.reciprocal, (scale,))
             hist_i = gm.graph.call_function(torch.select, (hist, 0, i))
             flag_i = gm.graph.call_function(torch.select, (flags, 0, i))
-            for index, arg in enumerate(call.args[:3]):
-                if _needs_grad(arg):
-                    call.update_arg(index, _scale_grad(gm, arg, inverse, flag_i, "nonfinite", layer))
+            inputs = [(index, arg) for index, arg in enumerate(call.args[:3]) if _needs_grad(arg)]
             if _needs_grad(call.kwargs.get("bias")):
-                bias = _scale_grad(gm, call.kwargs["bias"], inverse, flag_i, "nonfinite", layer)
-                call.update_kwarg("bias", bias)
+                inputs.append(("bias", call.kwargs["bias"]))
+            counted = min((arg for _, arg in inputs), key=_numel, default=None)
+            for where, arg in inputs:
+                probe, stats = (flag_i, "nonfinite") if arg is counted else (None, "none")
+                unscaled = _scale_grad(gm, arg, inverse, probe, stats, layer)
+                if where == "bias":
+                    call.update_kwarg("bias", unscaled)
+                else:
+                    call.update_arg(where, unscaled)
         users = list(call.users)
         with gm.graph.inserting_after(call):
             scaled = _scale_grad(gm, call, scale, hist_i, "histogram", layer)
