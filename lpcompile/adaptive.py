@@ -75,7 +75,8 @@ class LayerTelemetry:
     layer: str
     scale: float = 1.0  # α_i = s_i / s_{i-1}
     cumulative: float = 1.0  # s_i, the paper's A_i
-    underflow: float = 0.0  # fraction of non-zero |error| below the format's min, at the scale in use
+    # fraction of non-zero |error| below the format's min at the scale in use (NaN: all zero)
+    underflow: float = 0.0
     overflow: int = 0  # inf/NaN seen in this layer's gradients since the last refresh
     history: list[tuple[int, float, float]] = field(default_factory=list)  # (call, s_i, underflow)
 

@@ -37,18 +37,23 @@ def _model(seed: int, **kwargs) -> nn.Module:
 
 
 def compare_loss_scaling(
-    epochs: int = 10,
-    lr: float = 3e-3,
-    interval: int = 10,
+    epochs: int = 8,
+    lr: float = 1e-3,
+    interval: int = 5,
     data: Split | None = None,
     executor: str = "eager",
-    gain: float = 1.5,
+    gain: float = 2.0,
+    width: int = 64,
+    batch_size: int = 128,
 ) -> list[ScalingRun]:
     """FP32, fixed loss scales and adaptive per-layer scaling on a deep tanh MLP (Adam).
 
     The fixed scales run through the same graph with ``loss_scale_rule="fixed"``:
     every layer's error carries the same scale, as with a scaled loss, and the
-    telemetry still measures each layer's underflow.
+    telemetry still measures each layer's underflow. The defaults are the setup
+    where adaptive scaling keeps every layer's underflow at most 1% (a search over
+    width, depth, gain, optimizer and schedule found none where the best fixed scale
+    also trails FP32; see docs/known-limitations.md).
     """
     data = data or load_digits()
     runs = []
@@ -56,9 +61,10 @@ def compare_loss_scaling(
         "fp32",
         None,
         compiled=False,
-        model=_model(0, gain=gain),
+        model=_model(0, gain=gain, width=width),
         data=data,
         epochs=epochs,
+        batch_size=batch_size,
         lr=lr,
         optimizer="adam",
     )
@@ -67,19 +73,21 @@ def compare_loss_scaling(
         (f"fixed 2^{int(s).bit_length() - 1}", {"loss_scale_rule": "fixed", "loss_scale_init": s})
         for s in FIXED_SCALES
     ]
-    variants.append(("adaptive", {"loss_scale_interval": interval}))
+    variants.append(("adaptive", {}))
     for name, extra in variants:
         # All variants share nn.Sequential.forward: a fresh Dynamo cache per variant keeps
         # its training and evaluation graphs inside Dynamo's recompile limit.
         torch._dynamo.reset()
-        model = _model(0, gain=gain)
-        options = {**NARROW_ERRORS, "executor": executor, **extra}
+        model = _model(0, gain=gain, width=width)
+        # every run measures its errors as often (the fixed ones only measure)
+        options = {**NARROW_ERRORS, "executor": executor, "loss_scale_interval": interval, **extra}
         result = train_digits(
             name,
             options,
             model=model,
             data=data,
             epochs=epochs,
+            batch_size=batch_size,
             lr=lr,
             optimizer="adam",
             loss_scale="adaptive",

@@ -62,12 +62,14 @@ def _nonzero_counts(stats: torch.Tensor) -> torch.Tensor:
 def underflow_fraction(stats: torch.Tensor, scale: float, fmt: FloatFormat) -> float:
     """Fraction of the non-zero ``|g|`` with ``scale·|g|`` below ``fmt``'s smallest value.
 
-    Exact at bin resolution: bins and both thresholds are powers of two.
+    Exact at bin resolution: bins and both thresholds are powers of two. NaN when
+    no ``|g|`` is non-zero: a layer starved of errors (e.g. every error above it
+    flushed to zero) has nothing to measure, and 0.0 would read as "in range".
     """
     counts = _nonzero_counts(stats)
     total = counts.sum().item()
     if total == 0:
-        return 0.0
+        return math.nan
     # bin e holds [2**(e-127), 2**(e-126)); below iff 2**(e-126)·scale ≤ min_subnormal
     last_below = _exponent(fmt.min_subnormal) - _exponent(scale) + 126
     return counts[: max(0, min(last_below + 1, EXP_BINS))].sum().item() / total

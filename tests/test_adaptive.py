@@ -64,7 +64,7 @@ def test_rules_on_degenerate_inputs():
     zeros = gradient_stats(torch.zeros(10), "histogram")
     assert quantile_scale(zeros, E5M2, 1e-3) is None
     assert overflow_cap(zeros, E5M2) is None
-    assert underflow_fraction(zeros, 1.0, E5M2) == 0.0
+    assert math.isnan(underflow_fraction(zeros, 1.0, E5M2))  # nothing to measure, not "in range"
     one = gradient_stats(torch.tensor([2.0**-20]), "histogram")
     assert quantile_scale(one, E5M2, 1e-3) == 2.0**4
     # inf and NaN neither count as magnitudes nor move the quantile
@@ -273,23 +273,22 @@ def test_adaptive_needs_a_quantized_error():
 def test_adaptive_scaling_keeps_every_layer_in_range_where_fixed_scales_cannot():
     """Deep tanh MLP, E4M3 errors (18 binades), digits: see benchmarks/results/loss_scale.md.
 
-    Measured here, and weaker than issue 4 asks: adaptive scaling keeps each layer's
-    error underflow at 1-5% (not ≤ 1%: E4M3's range is narrower than some layers'
-    error distributions) and accuracy within about 1 point of FP32; fixed scales of
-    1 and 2^8 leave over 10% of the lower layers' errors underflowing and 2^16
-    overflows every step, but with Adam the underflowing runs still reach FP32's
-    accuracy.
+    Issue 4's criteria, as measured: adaptive scaling keeps every layer's error
+    underflow at most 1% and accuracy within 1 point of FP32; fixed scales of 1 and
+    2^8 leave over 10% of some lower layer's errors underflowing and 2^16 overflows
+    every step. Not asserted, because not reproduced: that the best fixed scale
+    trails FP32 in accuracy (with 2^8 it does not; see docs/known-limitations.md).
     """
     from lpcompile.experiments import compare_loss_scaling, format_runs
 
     runs = {run.name: run for run in compare_loss_scaling()}
     table = format_runs(list(runs.values()))
     fp32, adaptive = runs["fp32"].result, runs["adaptive"]
-    assert fp32.test_accuracy > 85, f"FP32 baseline did not train:\n{table}"
+    assert fp32.test_accuracy > 90, f"FP32 baseline did not train:\n{table}"
     for name in ("fixed 2^0", "fixed 2^8"):
         lower = runs[name].underflow[: len(runs[name].underflow) // 2]
         assert max(lower) > 0.10, f"{name}: lower layers in range after all:\n{table}"
     overflowing = runs["fixed 2^16"].result
     assert overflowing.skipped_steps > len(overflowing.losses) // 2, f"fixed 2^16 did not overflow:\n{table}"
-    assert max(adaptive.underflow) <= 0.05, f"adaptive scaling left underflow:\n{table}"
-    assert adaptive.result.test_accuracy >= fp32.test_accuracy - 2.0, f"adaptive lags FP32:\n{table}"
+    assert all(u <= 0.01 for u in adaptive.underflow), f"adaptive scaling left underflow:\n{table}"
+    assert adaptive.result.test_accuracy >= fp32.test_accuracy - 1.0, f"adaptive lags FP32:\n{table}"
