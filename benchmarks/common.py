@@ -14,16 +14,26 @@ import torch
 RESULTS = Path(__file__).parent / "results"
 
 
-def median_time(fn: Callable[[], object], repeats: int, warmup: int = 3) -> float:
-    """Median wall time of ``fn`` in seconds, after ``warmup`` calls."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+def interleaved_medians(
+    fns: dict[str, Callable[[], object]], rounds: int, block: int = 10, warmup: int = 3
+) -> dict[str, float]:
+    """Median wall time (s) of a call of each function, timed in blocks taken in turn.
+
+    Each round runs ``block`` calls of every function in turn: slow drifts of a
+    shared machine hit every function alike, while consecutive calls of one
+    function keep its caches warm, as a training loop does.
+    """
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn()
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            for _ in range(block):
+                start = time.perf_counter()
+                fn()
+                times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(ts) for name, ts in times.items()}
 
 
 def machine() -> str:
