@@ -12,12 +12,11 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
 import torch
 import torch.nn.functional as F
 
-from benchmarks.common import write_results
+from benchmarks.common import interleaved_times, write_results
 from lpcompile.experiments import compare_loss_scaling, format_runs
 from lpcompile.models import MLP
 from lpcompile.scaling import LossScaler
@@ -59,12 +58,8 @@ def main() -> None:
             "adaptive",
         )
     steps = {name: make_step(*spec) for name, spec in variants.items()}
-    times: dict[str, list[float]] = {name: [] for name in steps}
-    for _ in range(args.steps):  # one step of each in turn: drifts of a shared machine hit all alike
-        for name, step in steps.items():
-            start = time.perf_counter()
-            step()
-            times[name].append(time.perf_counter() - start)
+    # one step of each in turn (make_step warmed them up): drifts of the machine hit all alike
+    times = interleaved_times(steps, args.steps, block=1, warmup=0)
     fixed = statistics.fmean(times["fixed scale 2^8"])
     rows = ["| variant | mean step ms | overhead vs fixed | median step ms |", "|---|---|---|---|"]
     for name, ts in times.items():

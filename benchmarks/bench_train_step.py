@@ -10,11 +10,12 @@ much of the compiled FP8 step is stochastic rounding.
 from __future__ import annotations
 
 import argparse
+import statistics
 
 import torch
 import torch.nn.functional as F
 
-from benchmarks.common import interleaved_medians, write_results
+from benchmarks.common import interleaved_times, write_results
 from lpcompile.models import MLP, DigitsCNN
 
 FP8 = {"recipe": "fp8-e5m2-sr"}
@@ -48,7 +49,7 @@ def step_fn(model_fn, x, y, backend):
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--rounds", type=int, default=6)
+    parser.add_argument("--rounds", type=int, default=15)
     args = parser.parse_args()
     cases = {
         "MLP 784-1024-1024-10, batch 128": (
@@ -63,7 +64,7 @@ def main() -> None:
     for case, (model_fn, x, y) in cases.items():
         torch._dynamo.reset()
         steps = {variant: step_fn(model_fn, x, y, backend) for variant, backend in VARIANTS.items()}
-        times = interleaved_medians(steps, args.rounds)
+        times = {name: statistics.median(ts) for name, ts in interleaved_times(steps, args.rounds).items()}
         for variant, t in times.items():
             print(f"{case:<34} {variant:<22} {t * 1e3:8.2f} ms", flush=True)
         for variant, t in times.items():

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import platform
-import statistics
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -14,10 +13,10 @@ import torch
 RESULTS = Path(__file__).parent / "results"
 
 
-def interleaved_medians(
+def interleaved_times(
     fns: dict[str, Callable[[], object]], rounds: int, block: int = 10, warmup: int = 3
-) -> dict[str, float]:
-    """Median wall time (s) of a call of each function, timed in blocks taken in turn.
+) -> dict[str, list[float]]:
+    """Wall time (s) of every call of each function, timed in blocks taken in turn.
 
     Each round runs ``block`` calls of every function in turn: slow drifts of a
     shared machine hit every function alike, while consecutive calls of one
@@ -33,7 +32,7 @@ def interleaved_medians(
                 start = time.perf_counter()
                 fn()
                 times[name].append(time.perf_counter() - start)
-    return {name: statistics.median(ts) for name, ts in times.items()}
+    return times
 
 
 def machine() -> str:
