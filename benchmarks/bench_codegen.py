@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import time
 from collections.abc import Callable
 from functools import partial
 from types import SimpleNamespace
@@ -36,7 +35,7 @@ from types import SimpleNamespace
 import torch
 import torch.nn.functional as F
 
-from benchmarks.common import machine, write_results
+from benchmarks.common import interleaved_times, machine, write_results
 from lpcompile.adaptive_ops import gradient_stats
 from lpcompile.ops_pipeline import predict_weight
 
@@ -93,17 +92,7 @@ def traffic(fn: Callable, args: tuple) -> int:
 
 def round_robin(fns: dict[str, Callable[[], object]], repeats: int, sync: Callable[[], None]) -> dict:
     """Median seconds per call of each function, timed in turns so that load hits all alike."""
-    for fn in fns.values():
-        fn()
-        fn()
-    times: dict[str, list[float]] = {name: [] for name in fns}
-    for _ in range(repeats):
-        for name, fn in fns.items():
-            sync()
-            start = time.perf_counter()
-            fn()
-            sync()
-            times[name].append(time.perf_counter() - start)
+    times = interleaved_times(fns, repeats, block=1, warmup=2, sync=sync)
     return {name: statistics.median(t) for name, t in times.items()}
 
 

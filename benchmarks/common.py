@@ -14,13 +14,18 @@ RESULTS = Path(__file__).parent / "results"
 
 
 def interleaved_times(
-    fns: dict[str, Callable[[], object]], rounds: int, block: int = 10, warmup: int = 3
+    fns: dict[str, Callable[[], object]],
+    rounds: int,
+    block: int = 10,
+    warmup: int = 3,
+    sync: Callable[[], object] = lambda: None,
 ) -> dict[str, list[float]]:
     """Wall time (s) of every call of each function, timed in blocks taken in turn.
 
     Each round runs ``block`` calls of every function in turn: slow drifts of a
     shared machine hit every function alike, while consecutive calls of one
-    function keep its caches warm, as a training loop does.
+    function keep its caches warm, as a training loop does. ``sync`` runs before
+    and after each timed call (e.g. ``torch.cuda.synchronize``).
     """
     for fn in fns.values():
         for _ in range(warmup):
@@ -29,8 +34,10 @@ def interleaved_times(
     for _ in range(rounds):
         for name, fn in fns.items():
             for _ in range(block):
+                sync()
                 start = time.perf_counter()
                 fn()
+                sync()
                 times[name].append(time.perf_counter() - start)
     return times
 
