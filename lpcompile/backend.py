@@ -34,6 +34,7 @@ from lpcompile.adaptive import AdaptiveScaleState
 from lpcompile.codegen import fuse_lowprec_kernels
 from lpcompile.config import LowPrecConfig
 from lpcompile.passes import CompileContext, PassRecord, Site, run_passes
+from lpcompile.passes.layout import remove_permute_pairs
 from lpcompile.passes.loss_scale import insert_loss_scale
 from lpcompile.passes.pipeline import PIPELINE_ATEN_PASSES, PIPELINE_GRAPH_PASSES
 from lpcompile.passes.quantize import SEED_INPUT, annotate_lowprec_nodes, insert_quantize
@@ -41,6 +42,8 @@ from lpcompile.passes.quantize import SEED_INPUT, annotate_lowprec_nodes, insert
 # The ordered pass lists: graph-level rewrites, then passes over each AOT graph.
 GRAPH_PASSES = (insert_loss_scale, insert_quantize)
 ATEN_PASSES = (annotate_lowprec_nodes,)
+# executor="inductor": passes over each AOT graph before Inductor compiles it.
+INDUCTOR_PASSES = (remove_permute_pairs,)
 # codegen="triton": after the passes, each fusion group becomes one generated Triton kernel.
 CODEGEN_PASSES = (fuse_lowprec_kernels,)
 
@@ -141,12 +144,13 @@ def _package_hash() -> str:
 
 
 def source_hash(package: Path) -> str:
-    """Hash of the modules whose Python AOT autograd traces: the operators
-    (``*ops*.py``: decompositions and autograd rules) and what they call."""
+    """Hash of the modules whose Python ends up in Inductor's compiled code: the
+    operators (``*ops*.py``: decompositions and autograd rules), what they call,
+    and the passes run inside Inductor's compile (``passes/layout.py``)."""
     digest = hashlib.sha256()
-    for path in sorted(package.glob("*.py")):
-        if "ops" in path.stem or path.stem in ("rng", "formats"):
-            digest.update(path.read_bytes())
+    traced = [p for p in sorted(package.glob("*.py")) if "ops" in p.stem or p.stem in ("rng", "formats")]
+    for path in (*traced, package / "passes" / "layout.py"):
+        digest.update(path.read_bytes())
     return digest.hexdigest()
 
 
@@ -166,6 +170,16 @@ def _aten_compiler(ctx: CompileContext, record: CompiledGraph, kind: str) -> Cal
     return compile_graph
 
 
+def _inductor_compiler(inner: Callable, ctx: CompileContext, tag: str) -> Callable:
+    """Inductor's ``inner_compile`` after lowprec's passes over each AOT graph."""
+
+    def inner_compile(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *args: Any, **kwargs: Any):
+        run_passes(gm, INDUCTOR_PASSES, ctx, graph=dump.inductor_graph_kind(kwargs) + tag)
+        return inner(gm, example_inputs, *args, **kwargs)
+
+    return inner_compile
+
+
 def _execute(
     gm: torch.fx.GraphModule, example_inputs: list, ctx: CompileContext, record: CompiledGraph, tag: str = ""
 ):
@@ -181,9 +195,12 @@ def _execute(
     else:
         from torch._inductor.compile_fx import compile_fx
 
-        with dump.capture_inductor(record, tag) as inner_compile:  # Inductor's own unless dumping
+        with dump.capture_inductor(record, tag) as inner:  # Inductor's own unless dumping
             compiled = compile_fx(
-                gm, example_inputs, inner_compile=inner_compile, config_patches=_source_stamp()
+                gm,
+                example_inputs,
+                inner_compile=_inductor_compiler(inner, ctx, tag),
+                config_patches=_source_stamp(),
             )
     dump.graph_compiled(record, gm, tag)  # LOWPREC_DUMP: write what was done to this graph
     return compiled

@@ -350,12 +350,18 @@ def capture_inductor(record: Any, tag: str = "") -> Iterator[Any]:
         yield recording_inner_compile(record, tag, compile_fx_inner)
 
 
+def inductor_graph_kind(kwargs: dict[str, Any]) -> str:
+    """Which AOT graph a call of Inductor's ``inner_compile`` compiles, from its keywords."""
+    if kwargs.get("is_inference"):
+        return "inference"
+    return "backward" if kwargs.get("is_backward") else "forward"
+
+
 def recording_inner_compile(record: Any, tag: str, inner: Any) -> Any:
     """Wrap Inductor's ``inner``: snapshot each graph it receives for the dump."""
 
     def inner_compile(gm: torch.fx.GraphModule, example_inputs: Any, *args: Any, **kwargs: Any) -> Any:
-        kind = "backward" if kwargs.get("is_backward") else "forward"
-        kind = "inference" if kwargs.get("is_inference") else kind
+        kind = inductor_graph_kind(kwargs)
         session = _current()
         if session is not None:
             session.inductor.setdefault(id(record), {})[kind + tag] = graph_view(gm, decomposed=True)

@@ -81,6 +81,11 @@ def mlp(seed: int = 0) -> nn.Sequential:
     return nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 3))
 
 
+def mlp_input(batch: int = 4) -> torch.Tensor:
+    """The input ``mlp`` takes: ``batch`` rows of 6 features."""
+    return torch.randn(batch, 6, generator=torch.Generator().manual_seed(3))
+
+
 def mlp_ref(m: nn.Sequential, x: torch.Tensor, ref: Ref) -> torch.Tensor:
     h = ref.layer(F.linear, x, m[0].weight, m[0].bias).relu()
     return ref.layer(F.linear, h, m[2].weight, m[2].bias)

@@ -20,6 +20,7 @@ from models import (
     convnet_input,
     lowprec_nodes,
     mlp,
+    mlp_input,
     mlp_ref,
     step,
 )
@@ -39,10 +40,6 @@ def _fresh_dynamo():
 
 def compile_(model: nn.Module, recipe: str, **options) -> nn.Module:
     return torch.compile(model, backend="lowprec", options={"recipe": recipe, **EAGER, **options})
-
-
-def mlp_input(batch: int = 4) -> torch.Tensor:
-    return torch.randn(batch, 6, generator=torch.Generator().manual_seed(3))
 
 
 def summary(nodes: list[torch.fx.Node]) -> Counter:
@@ -344,3 +341,75 @@ def test_inductor_cache_keys_follow_the_operator_sources(tmp_path):
         f.write("\n# unrelated\n")
     (copy / "ops.py").write_bytes((package / "ops.py").read_bytes())
     assert source_hash(copy) == source_hash(package)
+
+
+@pytest.mark.parametrize(
+    ("first", "second", "removed"),
+    [
+        ([1, 0], [1, 0], True),
+        ([1, 2, 0], [2, 0, 1], True),
+        ([1, 2, 0], [1, 2, 0], False),
+        ([-1, 0], [1, 0], True),
+    ],
+)
+def test_remove_permute_pairs(first, second, removed):
+    from lpcompile.passes.layout import remove_permute_pairs
+
+    permute = torch.ops.aten.permute.default
+
+    def fn(x):
+        t = permute(x, first)
+        return t.sum(), permute(t, second)
+
+    gm = torch.fx.symbolic_trace(fn)
+    x = torch.randn(2, 3, 4) if len(first) == 3 else torch.randn(2, 3)
+    expected = gm(x)
+    remove_permute_pairs(gm, None)
+    gm.recompile()
+    targets = [n.target for n in gm.graph.nodes if n.op == "call_function"]
+    assert targets.count(permute) == (1 if removed else 2)
+    outputs = gm.graph.output_node().args[0]
+    assert (outputs[1].op == "placeholder") is removed
+    for got, want in zip(gm(x), expected, strict=True):
+        assert torch.equal(got, want) and got.stride() == want.stride()
+
+
+def test_inductor_gets_the_saved_weight_without_the_transpose_pair(monkeypatch):
+    """AOT's partitioner saves layer "2"'s quantized weight as ``permute(permute(w_q))``.
+
+    Under Inductor that pair made the forward compute and write the quantize twice
+    (one buffer for the matmul, one for the backward). The compiler the backend hands
+    Inductor runs ``remove_permute_pairs`` first: the saved output becomes ``w_q``
+    itself. Inductor's compiler is stood in for by one that runs the graph it gets
+    as FX (and AOT's cache is off: on a hit no compiler runs), so the graphs
+    Inductor would receive are checked, and run, without Inductor's C++.
+    """
+    import contextlib
+
+    from functorch.compile import make_boxed_func
+
+    from lpcompile import dump
+
+    received = {}
+
+    def inner(gm, example_inputs, *args, **kwargs):
+        received[dump.inductor_graph_kind(kwargs)] = gm
+        return make_boxed_func(gm)
+
+    monkeypatch.setattr(dump, "capture_inductor", lambda record, tag: contextlib.nullcontext(inner))
+    records = Records()
+    model = mlp()
+    x = mlp_input()
+    options = {"recipe": "fp8-e5m2-sr", "executor": "inductor"}
+    with torch._functorch.config.patch(enable_autograd_cache=False):
+        got = step(model, lambda: torch.compile(model, backend="lowprec", options=options)(x))
+    record = records.only()
+    assert {(r.name, r.graph): r.nodes_removed for r in record.records if r.graph != "dynamo"} == {
+        ("remove_permute_pairs", "forward"): 1,
+        ("remove_permute_pairs", "backward"): 0,
+    }
+    forward = received["forward"]
+    permutes = forward.graph.find_nodes(op="call_function", target=torch.ops.aten.permute.default)
+    assert not any(p.args[0] in permutes for p in permutes)
+    ref = Ref.for_recipe("fp8-e5m2-sr", step_seed(0, 0), record.stream)
+    assert_same_step(got, step(model, lambda: mlp_ref(model, x, ref)))
