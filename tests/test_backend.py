@@ -1,4 +1,4 @@
-"""Tests of the lowprec backend's graph rewriting (executor "eager": no Inductor)."""
+"""Tests of the lowprec backend's graph rewriting (executor "eager", or Inductor's graphs without its C++)."""
 
 from __future__ import annotations
 
