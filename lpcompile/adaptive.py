@@ -9,7 +9,8 @@ One :class:`AdaptiveScaleState` belongs to each compiled graph rewritten by
   compiled variant of the graph; the other calls skip the statistics;
 * ``flags`` (L,): a probe whose gradient counts inf/NaN in one gradient of
   each layer (its smallest: bias, input or weight), every call (for
-  ``LossScaler("adaptive")``).
+  ``LossScaler("adaptive")``). It accumulates over backward passes (gradient
+  accumulation) until :meth:`AdaptiveScaleState.back_off` reads it.
 
 Every ``interval`` calls (the first included) the backward records the
 histograms, and the next call turns them into new scales by the chosen rule.
@@ -17,6 +18,8 @@ histograms, and the next call turns them into new scales by the chosen rule.
 
 from __future__ import annotations
 
+import math
+import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -60,6 +63,11 @@ class AdaptiveScaleConfig:
             raise ValueError(f"loss_scale_interval must be a positive int, got {self.interval!r}")
         if not 0 < self.underflow < 1:
             raise ValueError(f"loss_scale_underflow must be in (0, 1), got {self.underflow!r}")
+        # Powers of two keep the scaling and unscaling exact, and the histogram's bins whole.
+        limits = {"init": self.init, "max": self.max_scale, "max_cumulative": self.max_cumulative}
+        for key, value in limits.items():
+            if (value is not None or key == "init") and not _power_of_two_at_least_one(value):
+                raise ValueError(f"loss_scale_{key} must be a power of two ≥ 1, got {value!r}")
 
     def bounds(self, fmt: FloatFormat) -> ScaleBounds:
         default = ScaleBounds.for_format(fmt)
@@ -68,17 +76,24 @@ class AdaptiveScaleConfig:
         )
 
 
+def _power_of_two_at_least_one(value: Any) -> bool:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        return False
+    return value >= 1 and math.frexp(value)[0] == 0.5
+
+
 @dataclass
 class LayerTelemetry:
     """What the last refresh saw for one layer, and its history."""
 
     layer: str
-    scale: float = 1.0  # α_i = s_i / s_{i-1}
+    scale: float = 1.0  # α_i = s_i / s_(i+1): this layer's scale over the one above it
     cumulative: float = 1.0  # s_i, the paper's A_i
     # fraction of non-zero |error| below the format's min at the scale in use (NaN: all zero)
     underflow: float = 0.0
     overflow: int = 0  # inf/NaN seen in this layer's gradients since the last refresh
-    history: list[tuple[int, float, float]] = field(default_factory=list)  # (call, s_i, underflow)
+    # (recording call, the s_i that call used, underflow at it)
+    history: list[tuple[int, float, float]] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -87,7 +102,6 @@ class AdaptiveLayout:
 
     layers: tuple[str, ...]
     weight_inputs: tuple[int | None, ...]  # graph input index of each layer's weight
-    numels: tuple[int, ...]  # elements of each layer's output (its error)
     fmt: str  # the error format
     config: AdaptiveScaleConfig
 
@@ -95,18 +109,19 @@ class AdaptiveLayout:
         """A fresh state for the model whose parameters are among ``args``."""
         weights = [None if i is None else args[i] for i in self.weight_inputs]
         device = next((w.device for w in weights if w is not None), torch.device("cpu"))
-        return AdaptiveScaleState(self, weights, device)
+        return AdaptiveScaleState(self, [None if w is None else weakref.ref(w) for w in weights], device)
 
 
 class AdaptiveScaleState:
     """Scales, probes and telemetry of one model's layers in one compiled graph."""
 
     def __init__(
-        self, layout: AdaptiveLayout, weights: list[torch.Tensor | None], device: torch.device
+        self, layout: AdaptiveLayout, weights: list[weakref.ref | None], device: torch.device
     ) -> None:
         self.layers = list(layout.layers)
+        # Weak: the state lives in a dict keyed weakly by the model's first weight, which a
+        # strong reference here would keep alive (and the state with it) after the model.
         self.weights = weights
-        self.numels = list(layout.numels)
         self.fmt = parse_format(layout.fmt)
         self.config = config = layout.config
         count = len(self.layers)
@@ -115,7 +130,9 @@ class AdaptiveScaleState:
         self.hist_off = torch.zeros(count, STATS_SIZE, device=device)
         self.flags = torch.zeros(count, device=device, requires_grad=True)
         self.calls = 0
-        self.telemetry = [LayerTelemetry(name, cumulative=float(config.init)) for name in self.layers]
+        self.recorded = self.scales  # the scales the last recording call read
+        self.telemetry = [LayerTelemetry(name) for name in self.layers]
+        self._set([float(config.init)] * count)
 
     def next_inputs(self) -> tuple[dict[str, torch.Tensor], bool]:
         """The graph inputs for the next call, and whether it records statistics.
@@ -125,8 +142,9 @@ class AdaptiveScaleState:
         if self.hist.grad is not None:
             self.refresh(self.hist.grad)
             self.hist.grad = None
-        self.flags.grad = None
         recording = self.calls % self.config.interval == 0
+        if recording:
+            self.recorded = self.scales
         self.calls += 1
         return self.example_inputs(recording), recording
 
@@ -138,24 +156,22 @@ class AdaptiveScaleState:
     def refresh(self, stats: torch.Tensor) -> None:
         """Set new scales from per-layer statistics by the configured rule."""
         stats = stats.detach().cpu()
-        current = self.scales.tolist()
+        used = self.recorded.tolist()  # a back-off since may have changed self.scales
         for i, t in enumerate(self.telemetry):
-            t.underflow = underflow_fraction(stats[i], current[i], self.fmt)
-            t.history.append((self.calls - 1, current[i], t.underflow))
+            t.underflow = underflow_fraction(stats[i], used[i], self.fmt)
+            t.history.append((self.calls - 1, used[i], t.underflow))
+            t.overflow = 0
         if self.config.rule == "fixed":
             return
         if self.config.rule == "quantile":
             needed = [quantile_scale(s, self.fmt, self.config.underflow) for s in stats]
         else:
             needed = [
-                approx_range_scale(s, n, w, self.fmt, self.config.underflow)
-                for s, n, w in zip(stats, self.numels, self.weights, strict=True)
+                approx_range_scale(s, None if w is None else w(), self.fmt, self.config.underflow)
+                for s, w in zip(stats, self.weights, strict=True)
             ]
         caps = [overflow_cap(s, self.fmt) for s in stats]
-        new = bound_scales(needed, current, caps, self.config.bounds(self.fmt))
-        self._set(new)
-        for t in self.telemetry:
-            t.overflow = 0
+        self._set(bound_scales(needed, self.scales.tolist(), caps, self.config.bounds(self.fmt)))
 
     def _set(self, scales: list[float]) -> None:
         # A new tensor, not an in-place update: a backward still to come (pipelining,
@@ -165,16 +181,24 @@ class AdaptiveScaleState:
         for t, s in reversed(list(zip(self.telemetry, scales, strict=True))):
             t.cumulative, t.scale, above = s, s / above, s
 
-    def overflowed(self) -> list[int]:
-        """Indices of layers whose gradients held inf/NaN in the last backward."""
-        if self.flags.grad is None:
-            return []
-        return torch.nonzero(self.flags.grad > 0).flatten().tolist()
+    def overflowed(self, found_inf: bool = False) -> list[int]:
+        """Indices of layers whose gradients held inf/NaN since the last back-off.
 
-    def back_off(self) -> list[str]:
-        """Halve the scale of every layer that overflowed (not under the "fixed" rule);
-        return their names."""
-        hit = self.overflowed()
+        The in-graph probe sees each layer's smallest gradient. A weight gradient,
+        a sum over the batch, can overflow while the layer's error and bias gradient
+        stay finite; so when ``found_inf`` (the step found inf/NaN in some gradient)
+        and no probe saw one, the layers' weight gradients are checked too.
+        """
+        hit = [] if self.flags.grad is None else torch.nonzero(self.flags.grad > 0).flatten().tolist()
+        if found_inf and not hit:
+            grads = [None if w is None or w() is None else w().grad for w in self.weights]
+            hit = [i for i, g in enumerate(grads) if g is not None and not bool(torch.isfinite(g).all())]
+        return hit
+
+    def back_off(self, found_inf: bool = False, everywhere: bool = False) -> list[str]:
+        """Halve the scale of every layer that overflowed (see :meth:`overflowed`), or of
+        every layer (``everywhere``); not under the "fixed" rule. Returns their names."""
+        hit = list(range(len(self.layers))) if everywhere else self.overflowed(found_inf)
         for i in hit:
             self.telemetry[i].overflow += 1
         if hit and self.config.rule != "fixed":
@@ -186,16 +210,27 @@ class AdaptiveScaleState:
         return [self.layers[i] for i in hit]
 
     def state_dict(self) -> dict[str, Any]:
+        """Scales, call count, telemetry, and the statistics of a recording call not yet
+        turned into scales (the next call does that)."""
+        pending = self.hist.grad
         return {
             "layers": list(self.layers),
             "scales": self.scales.detach().cpu().clone(),
+            "recorded": self.recorded.detach().cpu().clone(),
+            "pending": None if pending is None else pending.detach().cpu().clone(),
             "calls": self.calls,
             "telemetry": [dict(t.__dict__, history=list(t.history)) for t in self.telemetry],
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`; what calls since compiling left pending is dropped."""
         if list(state["layers"]) != self.layers:
             raise ValueError(f"state for layers {state['layers']} does not fit layers {self.layers}")
-        self.scales = state["scales"].to(torch.float32).to(self.scales.device).clone()
+        device = self.scales.device
+        self.scales = state["scales"].to(torch.float32).to(device).clone()
+        self.recorded = state.get("recorded", state["scales"]).to(torch.float32).to(device).clone()
+        pending = state.get("pending")
+        self.hist.grad = None if pending is None else pending.to(torch.float32).to(device).clone()
+        self.flags.grad = None
         self.calls = state["calls"]
         self.telemetry = [LayerTelemetry(**t) for t in state["telemetry"]]

@@ -6,8 +6,9 @@ then the sum and sum of squares. Every scale is a power of two, so scaling
 and unscaling in FP32 are exact.
 
 The scale ``s_i`` of layer ``i`` is the paper's cumulative scale ``A_i``: the
-factor the error entering layer ``i`` carries into its quantize. ``α_i =
-s_i / s_{i-1}`` (``s_0 = 1`` above the top layer) is the layer's own factor.
+factor the error entering layer ``i`` carries into its quantize. Layers are
+indexed in graph order (input side first), so ``α_i = s_i / s_(i+1)``, with
+``s = 1`` above the top layer, is the layer's own factor.
 """
 
 from __future__ import annotations
@@ -97,19 +98,23 @@ def quantile_scale(stats: torch.Tensor, fmt: FloatFormat, underflow: float) -> f
 
 
 def approx_range_scale(
-    stats: torch.Tensor, numel: int, weight: torch.Tensor | None, fmt: FloatFormat, underflow: float
+    stats: torch.Tensor, weight: torch.Tensor | None, fmt: FloatFormat, underflow: float
 ) -> float | None:
     """The authors' Gaussian rule, on the products ``g·W`` of the input-gradient matmul.
 
     σ = sqrt((σ_g² + μ_g²)(σ_W² + μ_W²)·fan_in/2); α = u_min / (√2·erfinv(n_uf)·σ).
+    ``fan_in`` is the number of products each input-gradient element sums: the
+    weight's output features (times the kernel size for a convolution), as in the
+    authors' ``get_fan_in`` on Chainer's (out, in, ...) weights.
     Layers without a weight fall back to :func:`quantile_scale`.
     """
     if weight is None:
         return quantile_scale(stats, fmt, underflow)
+    numel = stats[:EXP_BINS].sum().item()  # every element has a bin, zeros and inf/NaN too
     second_g = stats[EXP_BINS + 1].item() / max(numel, 1)  # σ_g² + μ_g² is the second moment
     w = weight.detach().to(torch.float64)
     second_w = (w * w).mean().item()
-    fan_in = w[0].numel()
+    fan_in = w.shape[0] * math.prod(w.shape[2:])
     sigma = math.sqrt(second_g * second_w * fan_in / 2)
     if sigma == 0 or not math.isfinite(sigma):
         return None

@@ -284,7 +284,7 @@ class LossScaler:
                 state["found_inf_per_device"] = self._unscale_grads(optimizer, torch.ones_like(scale))
             optimizer.grad_scale = None if state["stage"] is _Stage.UNSCALED else scale
             optimizer.found_inf = self._found_inf(state, scale.device)
-            self.skipped_steps += int(optimizer.found_inf.item())
+            self.skipped_steps += int(bool(optimizer.found_inf.item()))
             try:
                 retval = optimizer.step(*args, **kwargs)
             finally:
@@ -328,8 +328,12 @@ class LossScaler:
             if not flags:
                 raise RuntimeError("update() found no inf checks: call step() (or unscale_()) first")
             if self.mode == "adaptive":
-                for state in adaptive_states():
-                    state.back_off()
+                found_inf = bool(sum(flags[1:], flags[0]).item())
+                states = adaptive_states()
+                hit = [state.back_off(found_inf) for state in states]
+                if found_inf and not any(hit):  # no layer's gradients show it: back off them all
+                    for state in states:
+                        state.back_off(everywhere=True)
             elif self.mode != "static":
                 torch._amp_update_scale_(
                     scale,
@@ -373,13 +377,20 @@ class LossScaler:
             "min_scale": cfg.min_scale,
             "min_scale_schedule": dict(cfg.min_scale_schedule) if cfg.min_scale_schedule else None,
             "iteration": self._iteration,
+            "skipped_steps": self.skipped_steps,
             "adaptive": (
                 [state.state_dict() for state in adaptive_states()] if cfg.mode == "adaptive" else None
             ),
         }
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
-        """Restore :meth:`state_dict`'s output (a ``GradScaler`` state dict also loads)."""
+        """Restore :meth:`state_dict`'s output.
+
+        A ``GradScaler`` state dict also loads, except in ``"adaptive"`` mode (it
+        lacks the per-layer state); keys it lacks keep this scaler's values. The
+        adaptive state loads into graphs already compiled: run the compiled model
+        once first (forward and backward), then load.
+        """
         if not self._enabled:
             return
         if not state_dict:
@@ -390,9 +401,12 @@ class LossScaler:
         changes = {k: state_dict[k] for k in ("growth_factor", "backoff_factor", "growth_interval")}
         if self.mode == "enhanced":
             changes["min_scale"] = state_dict.get("min_scale", self._config.min_scale)
-            changes["min_scale_schedule"] = state_dict.get("min_scale_schedule")
+            changes["min_scale_schedule"] = state_dict.get(
+                "min_scale_schedule", self._config.min_scale_schedule
+            )
         self._config = dataclasses.replace(self._config, **changes)
         self._iteration = int(state_dict.get("iteration", 0))
+        self.skipped_steps = int(state_dict.get("skipped_steps", 0))
         if self.mode == "adaptive":
             states = adaptive_states()
             saved = state_dict.get("adaptive") or []
@@ -400,7 +414,8 @@ class LossScaler:
                 raise ValueError(f"state dict has {len(saved)} adaptive graphs, {len(states)} are compiled")
             for state, entry in zip(states, saved, strict=True):
                 state.load_state_dict(entry)
-        self._init_scale = float(state_dict["scale"])
+        floor = self._config.min_scale_at(self._iteration)
+        self._init_scale = max(float(state_dict["scale"]), floor or 0.0)
         self._init_tracker = int(state_dict["_growth_tracker"])
         if self._scale is not None:
             self._scale.fill_(self._init_scale)

@@ -77,9 +77,10 @@ def test_approx_range_rule_matches_its_formula():
     torch.manual_seed(0)
     g = torch.randn(4096) * 1e-4 + 2e-5
     w = torch.randn(64, 256) * 0.05
-    s = approx_range_scale(gradient_stats(g, "histogram"), g.numel(), w, E5M2, 1e-3)
+    s = approx_range_scale(gradient_stats(g, "histogram"), w, E5M2, 1e-3)
     second_g = (g.double() ** 2).mean().item()
-    sigma = math.sqrt(second_g * (w.double() ** 2).mean().item() * 256 / 2)
+    # each input-gradient element sums 64 products g·W (the weight's output features)
+    sigma = math.sqrt(second_g * (w.double() ** 2).mean().item() * 64 / 2)
     alpha = E5M2.min_subnormal / (
         math.sqrt(2) * torch.special.erfinv(torch.tensor(1e-3, dtype=torch.float64)).item() * sigma
     )
@@ -232,6 +233,162 @@ def test_overflow_skips_the_step_and_backs_off_the_layer(bias):
         assert state.scales[i] == expected
 
 
+def test_weight_gradient_overflow_backs_off_its_layer():
+    """A weight gradient sums over the batch: it can overflow E5M2 while the layer's
+    error and bias gradient stay finite, so the in-graph probe (on the bias gradient)
+    sees nothing. The skipped step's weight gradients then show the layers to back
+    off; without that every later step was skipped at the same scales."""
+    model = _mlp()
+    run = _adaptive(model, interval=1000)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    scaler = LossScaler("adaptive")
+    x = torch.randn(256, 12) * 2e4
+    used, finite = [], []
+    for call in range(6):
+        opt.zero_grad()
+        scaler.scale(run(x).square().mean() * (1e-8 if call == 0 else 3e-5)).backward()
+        (state,) = adaptive_states(model)
+        used.append(state.scales.tolist())
+        finite.append([bool(torch.isfinite(layer.weight.grad).all()) for layer in model[::2]])
+        assert all(bool(torch.isfinite(layer.bias.grad).all()) for layer in model[::2])
+        scaler.step(opt)
+        scaler.update()
+    overflowing = [call for call, f in enumerate(finite) if not all(f)]
+    assert overflowing and scaler.skipped_steps == len(overflowing) < 5, finite
+    for call in overflowing:
+        for i, ok in enumerate(finite[call]):
+            assert used[call + 1][i] == (used[call][i] if ok else used[call][i] / 2), (used, finite)
+    assert all(finite[-1]), f"still overflowing after {len(overflowing)} back-offs: {used}"
+
+
+def test_an_overflow_in_any_micro_batch_is_backed_off():
+    """Gradient accumulation: the inf/NaN counts add up over the backward passes
+    until ``update``; the overflowing micro-batch need not be the last one."""
+    model = _mlp()
+    run = _adaptive(model, interval=1000)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = LossScaler("adaptive")
+    x = torch.randn(8, 12)
+    for accumulate in ((1e-4,), (1e6, 1e-3)):  # a step to set the scales, then overflow first
+        opt.zero_grad()
+        for k in accumulate:
+            scaler.scale(run(x).square().mean() * k).backward()
+        (state,) = adaptive_states(model)
+        used = state.scales.tolist()
+        flagged = state.overflowed()  # the probes alone, before any weight gradient is read
+        scaler.step(opt)
+        scaler.update()
+    assert flagged == [0, 1, 2]
+    assert scaler.skipped_steps == 1
+    assert state.scales.tolist() == [s / 2 for s in used]
+    assert [t.overflow for t in state.telemetry] == [1, 1, 1]
+
+
+def test_an_overflow_no_layer_shows_backs_off_every_layer():
+    """An inf in a gradient outside the lowprec layers (here set by hand on an extra
+    parameter): the step is skipped and, with no layer to blame, every layer backs off."""
+    model = _mlp()
+    run = _adaptive(model, interval=1000)
+    extra = nn.Parameter(torch.zeros(3))
+    opt = torch.optim.SGD([*model.parameters(), extra], lr=0.1)
+    scaler = LossScaler("adaptive")
+    x = torch.randn(8, 12)
+    for bad in (False, False, True):
+        opt.zero_grad()
+        scaler.scale(run(x).square().mean() * 1e-4).backward()
+        extra.grad = torch.tensor([0.0, float("inf") if bad else 0.0, 0.0])
+        (state,) = adaptive_states(model)
+        used = state.scales.tolist()
+        scaler.step(opt)
+        scaler.update()
+    assert scaler.skipped_steps == 1
+    assert state.scales.tolist() == [s / 2 for s in used]
+    assert [t.overflow for t in state.telemetry] == [1, 1, 1]
+
+
+def test_resume_continues_with_the_checkpointed_scales():
+    """Save mid-interval (a recording call's statistics still pending), drop the
+    model, compile a fresh one, run it once, load: the next call uses the scales the
+    uninterrupted run uses."""
+    import copy
+    import gc
+
+    x = torch.randn(8, 12)
+
+    def call(run, model, k=1e-4):
+        model.zero_grad()
+        (run(x).square().mean() * k).backward()
+        return adaptive_states(model)[0].scales.tolist()  # set at this call's start
+
+    model = _mlp()
+    run = _adaptive(model, interval=2)
+    for _ in range(3):
+        call(run, model)
+    saved = copy.deepcopy(LossScaler("adaptive").state_dict())
+    weights = copy.deepcopy(model.state_dict())
+    expected = call(run, model)
+    del model, run
+    gc.collect()
+    assert adaptive_states() == [], "a dropped model's state is still registered"
+
+    torch._dynamo.reset()
+    model = _mlp()
+    model.load_state_dict(weights)
+    run = _adaptive(model, interval=2)
+    call(run, model, k=1.0)  # compiles, and records statistics of its own
+    scaler = LossScaler("adaptive")
+    scaler.load_state_dict(saved)
+    assert call(run, model) == expected
+    assert [t.history for t in stats(model)] == [t["history"] for t in saved["adaptive"][0]["telemetry"]]
+
+
+@pytest.mark.parametrize(
+    ("key", "value"),
+    [
+        ("init", 0.0),
+        ("init", 3.0),
+        ("init", float("nan")),
+        ("max", -4.0),
+        ("max", 0),
+        ("max_cumulative", 0.5),
+    ],
+)
+def test_scale_settings_must_be_powers_of_two(key, value):
+    from lpcompile.config import LowPrecConfig
+
+    with pytest.raises(ValueError, match=f"loss_scale_{key} must be a power of two"):
+        LowPrecConfig.from_options({"recipe": "fp8-e5m2-als", f"loss_scale_{key}": value})
+
+
+@pytest.mark.parametrize("rule", ["fixed", "quantile"])
+def test_telemetry_reports_the_scales_in_use_and_those_each_record_used(rule):
+    """After an overflow the scales are halved before the next refresh reads the
+    statistics the overflowing call recorded: its history entry keeps the scale that
+    call used. A refresh also starts a new overflow count ("fixed" rule included),
+    and the top layer's α is the initial scale from the start."""
+    model = _mlp()
+    options = {"recipe": "fp8-e5m2-als", "executor": "eager", "loss_scale_interval": 1}
+    options |= {"loss_scale_rule": rule, "loss_scale_init": 256.0}
+    run = torch.compile(model, backend="lowprec", options=options)
+    scaler = LossScaler("adaptive")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.randn(8, 12)
+    used = []
+    for k in (1e-4, 1e9, 1e-4):  # call 1 overflows
+        opt.zero_grad()
+        scaler.scale(run(x).square().mean() * k).backward()
+        if not used:
+            layers = stats(model)
+            assert [(t.scale, t.cumulative) for t in layers] == [(1.0, 256.0), (1.0, 256.0), (256.0, 256.0)]
+        used.append(adaptive_states(model)[0].scales.tolist())
+        scaler.step(opt)
+        scaler.update()
+    assert scaler.skipped_steps == 1
+    layers = stats(model)
+    assert [[h[1] for h in t.history] for t in layers] == [[u[i] for u in used[:2]] for i in range(3)]
+    assert [t.overflow for t in layers] == [0, 0, 0]
+
+
 def test_scales_and_telemetry_survive_state_dict():
     model = _mlp()
     run = _adaptive(model)
@@ -249,6 +406,23 @@ def test_scales_and_telemetry_survive_state_dict():
     scaler.load_state_dict(saved)
     assert torch.equal(state.scales, scales)
     assert [t.history for t in state.telemetry] == history
+
+
+def test_a_new_batch_size_recompiles_no_more_than_without_adaptive_scaling():
+    """The pass must not specialise on the batch size: it did (it read the error's
+    element count), so every batch size recompiled and, past Dynamo's recompile
+    limit, the model silently ran in FP32 eager."""
+    counts = {}
+    for recipe in ("fp8-e5m2-sr", "fp8-e5m2-als"):
+        torch._dynamo.reset()
+        before = len(COMPILED_GRAPHS)
+        model = _mlp()
+        run = torch.compile(model, backend="lowprec", options={"recipe": recipe, "executor": "eager"})
+        for batch in range(2, 12):
+            model.zero_grad()
+            run(torch.randn(batch, 12)).square().mean().backward()
+        counts[recipe] = len(COMPILED_GRAPHS) - before
+    assert counts["fp8-e5m2-als"] == counts["fp8-e5m2-sr"] <= 2, counts
 
 
 def test_no_grad_graphs_get_no_scaling_state():

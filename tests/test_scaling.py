@@ -122,10 +122,10 @@ def test_state_dict_round_trip_continues_identically():
     _train(scaler, model, opt, 4, bad)
     state = scaler.state_dict()
     assert {"scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker"} <= state.keys()
-    assert state["iteration"] == 4
+    assert state["iteration"] == 4 and state["skipped_steps"] == 2
     restored = LossScaler("enhanced")  # settings come from the state dict
     restored.load_state_dict(state)
-    assert restored.state_dict() == state
+    assert restored.state_dict() == state and restored.skipped_steps == 2
     shifted = {i - 4: v for i, v in bad.items() if i >= 4}
     model2, opt2 = _model_and_opt()
     model2.load_state_dict(model.state_dict())
@@ -143,6 +143,17 @@ def test_loads_grad_scaler_state_dict():
     assert scaler.get_scale() == 32.0 and scaler.config.growth_interval == 7
     with pytest.raises(ValueError, match="mode"):
         LossScaler("static").load_state_dict(LossScaler("dynamic").state_dict())
+
+
+def test_enhanced_keeps_its_floor_when_loading_a_grad_scaler_state_dict():
+    """A GradScaler dict has no floor: the scaler keeps its own, and a loaded scale
+    below the floor is raised to it before the first step, not after."""
+    ref = torch.amp.GradScaler("cpu", init_scale=2.0)
+    scaler = LossScaler("enhanced", min_scale=4.0, min_scale_schedule={5: 1024.0})
+    scaler.load_state_dict(ref.state_dict())
+    assert scaler.config.min_scale == 4.0 and scaler.config.min_scale_schedule == {5: 1024.0}
+    assert scaler.get_scale() == 4.0
+    assert scaler.scale(torch.ones(())).item() == 4.0
 
 
 def test_unscale_twice_and_step_twice_raise():

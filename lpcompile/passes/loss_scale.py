@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import torch
 import torch.fx
+from torch.fx.experimental.symbolic_shapes import optimization_hint
 
 from lpcompile.adaptive import FLAGS_INPUT, HIST_INPUT, SCALES_INPUT, AdaptiveLayout
 from lpcompile.adaptive_ops import STATS_SIZE
@@ -51,8 +52,9 @@ def _needs_grad(value) -> bool:
 
 
 def _numel(value) -> float:
+    """Elements of ``value``: a size hint, which adds no guard on a dynamic batch size."""
     example = value.meta.get("example_value")
-    return float(example.numel()) if example is not None else float("inf")
+    return float(optimization_hint(example.numel())) if example is not None else float("inf")
 
 
 def insert_loss_scale(gm: torch.fx.GraphModule, ctx: CompileContext) -> None:
@@ -67,7 +69,7 @@ def insert_loss_scale(gm: torch.fx.GraphModule, ctx: CompileContext) -> None:
     scales = ctx.add_input(gm, SCALES_INPUT, torch.ones(count))
     hist = ctx.add_input(gm, HIST_INPUT, torch.zeros(count, STATS_SIZE))
     flags = ctx.add_input(gm, FLAGS_INPUT, torch.zeros(count))
-    layers, weight_inputs, numels = [], [], []
+    layers, weight_inputs = [], []
     for i, call in enumerate(calls):
         layer = layer_name(call)
         with gm.graph.inserting_before(call):
@@ -93,10 +95,8 @@ def insert_loss_scale(gm: torch.fx.GraphModule, ctx: CompileContext) -> None:
             user.replace_input_with(call, scaled)
         weight = call.args[1] if isinstance(call.args[1], torch.fx.Node) else None
         is_weight = weight is not None and parameter_of(weight) is not None
-        out = call.meta.get("example_value")
         layers.append(layer)
         weight_inputs.append(placeholders.index(base_of(weight)) if is_weight else None)
-        numels.append(int(out.numel()) if out is not None else 0)
     ctx.adaptive = AdaptiveLayout(
-        tuple(layers), tuple(weight_inputs), tuple(numels), ctx.config.error.fmt, ctx.config.adaptive
+        tuple(layers), tuple(weight_inputs), ctx.config.error.fmt, ctx.config.adaptive
     )
