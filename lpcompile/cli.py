@@ -64,6 +64,8 @@ def _dump(args: argparse.Namespace) -> int:
         runpy.run_path(str(script), run_name="__main__")
     except SystemExit as done:
         code = done.code if isinstance(done.code, int) else (0 if done.code is None else 1)
+        if done.code is not None and not isinstance(done.code, int):  # sys.exit("message")
+            print(done.code, file=sys.stderr)
     finally:
         dump.flush()
         sys.argv, sys.path[:] = saved[0], saved[1]

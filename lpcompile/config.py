@@ -215,7 +215,13 @@ class LowPrecConfig:
                 overrides[key] = (value,) if isinstance(value, str) else tuple(value)
             else:
                 overrides[key] = value
-        return dataclasses.replace(base, **overrides)
+        config = dataclasses.replace(base, **overrides)
+        if adaptive and config.loss_scale != "adaptive":
+            keys = sorted(k for k in ADAPTIVE_KEYS if ADAPTIVE_KEYS[k] in adaptive)
+            raise ValueError(
+                f"{keys} apply to loss_scale='adaptive' only; the loss_scale here is {config.loss_scale!r}"
+            )
+        return config
 
 
 OPTION_KEYS = {f.name for f in dataclasses.fields(LowPrecConfig)} - {"adaptive"} | set(ADAPTIVE_KEYS)
@@ -234,6 +240,8 @@ def _parse_spec(role: str, value: Any, base: QuantSpec) -> QuantSpec:
         unknown = sorted(set(value) - valid)
         if unknown:
             raise ValueError(f"unknown key(s) {unknown} for {role}; valid keys: {sorted(valid)}")
+        if "fmt" in value and value["fmt"] is None:  # {"fmt": None}: turned off
+            return OFF
         spec = dataclasses.replace(base, **value)
         if not spec.enabled and value:
             raise ValueError(f"{role}: the recipe leaves it off, so the dict needs a 'fmt'")

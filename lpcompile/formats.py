@@ -66,6 +66,8 @@ class FloatFormat:
             raise ValueError(f"{self.name}: subnormals below FP32's range (bias {self.bias})")
         if self.max_exp > 127:
             raise ValueError(f"{self.name}: values beyond FP32's range (bias {self.bias})")
+        if self.min_exp - self.man_bits > 104:  # rounding adds 2**(spacing + 23) in FP32
+            raise ValueError(f"{self.name}: subnormal spacing above 2**104 is unsupported (bias {self.bias})")
 
     @property
     def name(self) -> str:

@@ -413,3 +413,39 @@ def test_inductor_gets_the_saved_weight_without_the_transpose_pair(monkeypatch):
     assert not any(p.args[0] in permutes for p in permutes)
     ref = Ref.for_recipe("fp8-e5m2-sr", step_seed(0, 0), record.stream)
     assert_same_step(got, step(model, lambda: mlp_ref(model, x, ref)))
+
+
+class _KeywordLinear(nn.Module):
+    """One linear layer, its operands passed by position or by keyword."""
+
+    def __init__(self, style: str) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.w = nn.Parameter(torch.randn(4, 8))
+        self.b = nn.Parameter(torch.randn(4))
+        self.style = style
+
+    def forward(self, x):
+        if self.style == "positional":
+            return F.linear(x, self.w, self.b)
+        if self.style == "weight=":
+            return F.linear(x, weight=self.w, bias=self.b)
+        return F.linear(input=x, weight=self.w, bias=self.b)
+
+
+@pytest.mark.parametrize("loss_scale", ["none", "adaptive"])
+def test_operands_passed_by_keyword_are_quantized_too(loss_scale):
+    """``F.linear(x, weight=w)`` used to leave the weight in FP32 (the passes read
+    positions only), and adaptive scaling crashed on ``input=x``."""
+    x = torch.randn(3, 8)
+    grads = {}
+    for style in ("positional", "weight=", "input="):
+        torch._dynamo.reset()
+        records = Records()
+        model = _KeywordLinear(style)
+        compile_(model, "fp8-e5m2", loss_scale=loss_scale)(x).square().sum().backward()
+        roles = sorted(site.role for site in records.only().sites.values())
+        assert roles == ["activation", "error", "weight", "weight_grad"], style
+        grads[style] = (model.w.grad, model.b.grad)
+    for style, (w, b) in grads.items():  # round to nearest: no stream differs between the graphs
+        assert torch.equal(w, grads["positional"][0]) and torch.equal(b, grads["positional"][1]), style

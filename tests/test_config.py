@@ -80,6 +80,7 @@ def test_unknown_option_key_names_it_and_lists_valid_ones():
         ({"recipe": "fp8-e5m2", "error": {"fmtt": "e5m2"}}, "fmtt", "rounding"),
         ({"recipe": "fp8-e5m2", "weight": 3}, "3", "dict"),
         ({"seed": "abc"}, "abc", "int"),
+        ({"recipe": "fp8-e5m2", "loss_scale_interval": 5}, "loss_scale_interval", "adaptive"),
     ],
 )
 def test_bad_values_name_the_value_and_what_is_valid(options, named, listed):
@@ -112,7 +113,7 @@ def test_role_override_dict_merges_onto_the_recipe_spec():
     assert config.weight == QuantSpec("e5m2", "nearest", "inf")
 
 
-@pytest.mark.parametrize("off", [None, False])
+@pytest.mark.parametrize("off", [None, False, {"fmt": None}])
 def test_role_override_none_disables(off):
     config = LowPrecConfig.from_options({"recipe": "fp8-e5m2-sr", "weight_grad": off})
     assert config.weight_grad == OFF and not config.weight_grad.enabled

@@ -409,3 +409,11 @@ def test_inductor_dump_end_to_end(dump_to):
     assert manifest["executor"] == "inductor"
     assert manifest["graphs"]["forward"]["decomposed"] and manifest["graphs"]["backward"]["decomposed"]
     assert len([n for n in manifest["inserted"] if n["graph"] == "dynamo"]) == 8
+
+
+def test_the_cli_prints_a_scripts_exit_message(tmp_path, monkeypatch, capsys):
+    monkeypatch.delenv(dump.ENV, raising=False)
+    script = tmp_path / "fails.py"
+    script.write_text("import sys\nsys.exit('no data here')\n")
+    assert main(["dump", "-o", str(tmp_path / "out"), str(script)]) == 1
+    assert "no data here" in capsys.readouterr().err

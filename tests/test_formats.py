@@ -128,6 +128,7 @@ def test_parse_rejects_non_strings():
         dict(exp_bits=4, man_bits=0, special="fn"),
         dict(exp_bits=5, man_bits=2, bias=200),  # subnormals below FP32's
         dict(exp_bits=8, man_bits=7, bias=100),  # max beyond FP32's
+        dict(exp_bits=2, man_bits=0, bias=-120),  # subnormal spacing 2**121: rounding overflows
     ],
 )
 def test_bad_format_arguments(kwargs):

@@ -134,9 +134,34 @@ def _insert(
     return node
 
 
+def _operand_names(call: torch.fx.Node) -> tuple[str, ...]:
+    """The parameter names of a layer call's leading positions."""
+    if call.target in LINEAR_TARGETS | CONV_TARGETS:
+        return ("input", "weight", "bias")
+    if call.target in (torch.mm, torch.bmm, "mm", "bmm"):
+        return ("input", "mat2")
+    return ("input", "other")
+
+
+def _operands_to_args(call: torch.fx.Node) -> None:
+    """Move operands passed by keyword (``F.linear(x, weight=w)``) to their positions."""
+    args, kwargs = list(call.args), dict(call.kwargs)
+    for name in _operand_names(call)[len(args) :]:
+        if name not in kwargs:
+            break
+        args.append(kwargs.pop(name))
+    call.args, call.kwargs = tuple(args), kwargs
+
+
 def kept_layers(gm: torch.fx.GraphModule, ctx: CompileContext) -> list[torch.fx.Node]:
-    """The layer calls to quantize, after ``exclude`` and ``keep_first_last``."""
+    """The layer calls to quantize, after ``exclude`` and ``keep_first_last``.
+
+    Their operands are in ``call.args`` (input, weight, bias), wherever the user's
+    code passed them by keyword.
+    """
     calls = [n for n in gm.graph.nodes if is_layer_call(n)]
+    for call in calls:
+        _operands_to_args(call)
     if ctx.config.keep_first_last:
         calls = calls[1:-1]
     return [
