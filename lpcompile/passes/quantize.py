@@ -53,15 +53,25 @@ def is_layer_call(node: torch.fx.Node) -> bool:
     return node.op == "call_method" and node.target in MATMUL_METHODS
 
 
+def _fqn(source: str) -> str:
+    """``L['self']._modules['0']._parameters['w']`` -> ``0.w``."""
+    path = re.sub(r"^L\['[^']*'\]", "", source)
+    path = re.sub(r"\._(?:modules|parameters)\['([^']*)'\]", r".\1", path)
+    return re.sub(r"\[(\d+)\]", r".\1", path).strip(".")
+
+
 def layer_name(node: torch.fx.Node) -> str:
-    """The FQN of the module that made ``node`` (its own name at the root)."""
+    """The FQN of the module that made ``node``.
+
+    A call in the root module's own ``forward`` is named after its weight's FQN
+    (``F.linear(x, self.w)``: ``w``), or, without a parameter, after the node.
+    """
     stack = node.meta.get("nn_module_stack") or {}
-    if not stack:
-        return node.name
-    path = list(stack.values())[-1][0]
-    path = re.sub(r"^L\['[^']*'\]", "", path)
-    path = re.sub(r"\._modules\['([^']*)'\]", r".\1", path)
-    path = re.sub(r"\[(\d+)\]", r".\1", path).strip(".")
+    path = _fqn(list(stack.values())[-1][0]) if stack else ""
+    if not path and len(node.args) > 1 and isinstance(node.args[1], torch.fx.Node):
+        source = getattr(base_of(node.args[1]), "_dynamo_source", None)
+        if source is not None and parameter_of(node.args[1]) is not None:
+            path = _fqn(source.name)
     return path or node.name
 
 
