@@ -377,7 +377,7 @@ def test_remove_permute_pairs(first, second, removed):
 def test_inductor_gets_the_saved_weight_without_the_transpose_pair(monkeypatch):
     """AOT's partitioner saves layer "2"'s quantized weight as ``permute(permute(w_q))``.
 
-    Under Inductor that pair made the forward compute and write the quantize twice
+    Under Inductor that pair made the forward write the quantized weight twice
     (one buffer for the matmul, one for the backward). The compiler the backend hands
     Inductor runs ``remove_permute_pairs`` first: the saved output becomes ``w_q``
     itself. Inductor's compiler is stood in for by one that runs the graph it gets

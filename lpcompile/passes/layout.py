@@ -5,9 +5,9 @@ as ``permute(permute(w_q))``: the transpose that ``linear`` reads, transposed
 back. Inductor's own rule for such pairs runs on the joint graph, before the
 partitioner makes this one, so the forward graph reaches Inductor with it.
 There the pair is a view of a view of an unrealized pointwise node, and the
-quantize is computed and written twice: once for the matmul, once for the
-saved copy. ``remove_permute_pairs`` turns the pair back into ``w_q``, so both
-read one buffer.
+quantize's kernel writes two weight-sized buffers: one for the matmul, one for
+the saved copy. ``remove_permute_pairs`` turns the pair back into ``w_q``, so
+both read one buffer.
 """
 
 from __future__ import annotations
