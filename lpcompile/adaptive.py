@@ -40,6 +40,15 @@ from lpcompile.scale_rules import (
 # Names of the graph inputs that insert_loss_scale adds.
 SCALES_INPUT, HIST_INPUT, FLAGS_INPUT = "lowprec_scales", "lowprec_hist", "lowprec_flags"
 
+# Saved states loaded before their graphs were compiled (LossScaler.load_state_dict),
+# each taken by the first new state with the same layers.
+_deferred: list[dict[str, Any]] = []
+
+
+def defer_states(saved: list[dict[str, Any]]) -> None:
+    """Hold saved states until the graphs they belong to compile (replacing any held)."""
+    _deferred[:] = saved
+
 
 @dataclass(frozen=True)
 class AdaptiveScaleConfig:
@@ -109,7 +118,12 @@ class AdaptiveLayout:
         """A fresh state for the model whose parameters are among ``args``."""
         weights = [None if i is None else args[i] for i in self.weight_inputs]
         device = next((w.device for w in weights if w is not None), torch.device("cpu"))
-        return AdaptiveScaleState(self, [None if w is None else weakref.ref(w) for w in weights], device)
+        state = AdaptiveScaleState(self, [None if w is None else weakref.ref(w) for w in weights], device)
+        saved = next((s for s in _deferred if list(s["layers"]) == state.layers), None)
+        if saved is not None:
+            _deferred.remove(saved)
+            state.load_state_dict(saved)
+        return state
 
 
 class AdaptiveScaleState:

@@ -45,6 +45,7 @@ from typing import Any
 
 import torch
 
+from lpcompile.adaptive import defer_states
 from lpcompile.telemetry import adaptive_states
 
 MODES = ("static", "dynamic", "enhanced", "adaptive")
@@ -388,8 +389,8 @@ class LossScaler:
 
         A ``GradScaler`` state dict also loads, except in ``"adaptive"`` mode (it
         lacks the per-layer state); keys it lacks keep this scaler's values. The
-        adaptive state loads into graphs already compiled: run the compiled model
-        once first (forward and backward), then load.
+        adaptive state loads into the compiled graphs, or, when none is compiled
+        yet (a fresh process), into each graph's state as it compiles.
         """
         if not self._enabled:
             return
@@ -410,10 +411,13 @@ class LossScaler:
         if self.mode == "adaptive":
             states = adaptive_states()
             saved = state_dict.get("adaptive") or []
-            if len(saved) != len(states):
+            if not states:
+                defer_states(list(saved))
+            elif len(saved) != len(states):
                 raise ValueError(f"state dict has {len(saved)} adaptive graphs, {len(states)} are compiled")
-            for state, entry in zip(states, saved, strict=True):
-                state.load_state_dict(entry)
+            else:
+                for state, entry in zip(states, saved, strict=True):
+                    state.load_state_dict(entry)
         floor = self._config.min_scale_at(self._iteration)
         self._init_scale = max(float(state_dict["scale"]), floor or 0.0)
         self._init_tracker = int(state_dict["_growth_tracker"])

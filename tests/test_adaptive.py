@@ -306,9 +306,11 @@ def test_an_overflow_no_layer_shows_backs_off_every_layer():
     assert [t.overflow for t in state.telemetry] == [1, 1, 1]
 
 
-def test_resume_continues_with_the_checkpointed_scales():
+@pytest.mark.parametrize("warm_up", [False, True], ids=["load-then-compile", "compile-then-load"])
+def test_resume_continues_with_the_checkpointed_scales(warm_up):
     """Save mid-interval (a recording call's statistics still pending), drop the
-    model, compile a fresh one, run it once, load: the next call uses the scales the
+    model, build a fresh one, load (before its first call, or after one call that
+    records statistics of its own): the next call uses the scales the
     uninterrupted run uses."""
     import copy
     import gc
@@ -335,9 +337,9 @@ def test_resume_continues_with_the_checkpointed_scales():
     model = _mlp()
     model.load_state_dict(weights)
     run = _adaptive(model, interval=2)
-    call(run, model, k=1.0)  # compiles, and records statistics of its own
-    scaler = LossScaler("adaptive")
-    scaler.load_state_dict(saved)
+    if warm_up:
+        call(run, model, k=1.0)  # compiles, and records statistics of its own
+    LossScaler("adaptive").load_state_dict(saved)
     assert call(run, model) == expected
     assert [t.history for t in stats(model)] == [t["history"] for t in saved["adaptive"][0]["telemetry"]]
 
