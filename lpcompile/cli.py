@@ -10,6 +10,13 @@ from pathlib import Path
 import torch
 
 
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be ≥ 1, got {value}")
+    return value
+
+
 def _demo(args: argparse.Namespace) -> int:
     from lpcompile.train import train_digits
 
@@ -96,7 +103,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="lowprec", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
     demo = commands.add_parser("demo", help="train the digits CNN in FP32 and FP8 and compare")
-    demo.add_argument("--epochs", type=int, default=8)
+    demo.add_argument("--epochs", type=_positive_int, default=8)
     demo.set_defaults(func=_demo)
     dump = commands.add_parser(
         "dump",

@@ -24,6 +24,13 @@ _MASK32 = 0xFFFFFFFF
 OptimizerFactory = Callable[..., torch.optim.Optimizer]
 
 
+def _listed(group: Mapping[str, Any]) -> dict[str, Any]:
+    """``group`` with its params as a list: a generator (``m.parameters()``) is read once
+    for the FP32 copies and must still hold them for the 16-bit group."""
+    params = group["params"]
+    return {**group, "params": [params] if isinstance(params, torch.Tensor) else list(params)}
+
+
 def _split_params(items: Iterable[Any]) -> tuple[list[str] | None, list[torch.Tensor]]:
     """``(names, tensors)`` of a group's params, which are tensors or ``(name, tensor)`` pairs."""
     items = list(items) if not isinstance(items, torch.Tensor) else [items]
@@ -91,6 +98,7 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
             raise ValueError("optimizer got an empty parameter list")
         if not isinstance(groups[0], dict):
             groups = [{"params": groups}]
+        groups = [_listed(group) for group in groups]
         shadow_groups = [self._shadow_group(group) for group in groups]
         self.optimizer = optimizer(shadow_groups, **optimizer_kwargs)
         self._release()
@@ -127,6 +135,7 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a group of 16-bit params (to this wrapper and, as FP32 copies, to ``.optimizer``)."""
         if not self._building:
+            param_group = _listed(param_group)
             self.optimizer.add_param_group(self._shadow_group(param_group))
             self._release()
             param_group = self._model_group(param_group, len(self.optimizer.param_groups) - 1)

@@ -79,6 +79,10 @@ def train_digits(
     scaler = LossScaler(mode=loss_scale) if loss_scale != "none" else LossScaler(enabled=False)
     order = torch.Generator().manual_seed(seed)
     n = len(data.train_y)
+    if epochs < 1 or not 1 <= batch_size <= n:
+        raise ValueError(
+            f"need epochs ≥ 1 and 1 ≤ batch_size ≤ {n} (the training set), got {epochs}, {batch_size}"
+        )
     steps_per_epoch = n // batch_size
     times: list[float] = []
     losses: list[float] = []

@@ -181,6 +181,21 @@ def test_param_groups_and_lr_scheduler_pass_through():
     assert r.detach().tolist() == [0.0, 0.0]
 
 
+def test_param_groups_given_as_generators():
+    """``{"params": module.parameters()}`` (a generator) must fill both the FP32 copies
+    and the 16-bit group; it used to leave the 16-bit groups empty."""
+    model = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.Linear(2, 2)).half()
+    groups = [{"params": model[0].parameters()}, {"params": model[1].parameters(), "lr": 0.5}]
+    opt = MasterWeightOptimizer(groups[:1], torch.optim.SGD, lr=0.25)
+    opt.add_param_group(groups[1])
+    assert [len(g["params"]) for g in opt.param_groups] == [2, 2]
+    assert [len(g["params"]) for g in opt.optimizer.param_groups] == [2, 2]
+    before = [p.detach().clone() for p in model.parameters()]
+    model(torch.ones(1, 3, dtype=torch.float16)).sum().backward()
+    opt.step()
+    assert all(not torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+
+
 def test_closure_optimizer_lbfgs():
     target = torch.tensor([0.3, -1.2, 2.0])
     w = torch.nn.Parameter(torch.zeros(3, dtype=torch.bfloat16))

@@ -24,3 +24,18 @@ def test_fp8_e5m2_sr_with_enhanced_scaling_matches_fp32_accuracy():
     )
     assert fp32.test_accuracy > 90.0, f"FP32 baseline failed to train:\n{table}"
     assert fp8.test_accuracy >= fp32.test_accuracy - 1.0, f"FP8 lags FP32 by more than 1 point:\n{table}"
+
+
+@pytest.mark.parametrize("kwargs", [{"epochs": 0}, {"batch_size": 0}, {"batch_size": 10**6}])
+def test_a_run_without_steps_is_refused(kwargs):
+    """Zero steps used to end in an IndexError after the (empty) loop."""
+    with pytest.raises(ValueError, match="epochs ≥ 1 and 1 ≤ batch_size"):
+        train_digits("none", None, compiled=False, **kwargs)
+
+
+def test_demo_refuses_zero_epochs(capsys):
+    from lpcompile.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["demo", "--epochs", "0"])
+    assert "must be ≥ 1" in capsys.readouterr().err
