@@ -64,6 +64,7 @@ def _dump(args: argparse.Namespace) -> int:
         return 2
     saved = sys.argv, list(sys.path), os.environ.get(dump.ENV)
     os.environ[dump.ENV] = str(root)
+    dump.start_session()
     sys.argv = [str(script), *args.args]
     sys.path.insert(0, str(script.resolve().parent))
     code = 0

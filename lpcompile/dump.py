@@ -228,11 +228,15 @@ def graph_view(gm: torch.fx.GraphModule, decomposed: bool = False) -> GraphView:
 
 
 def model_name(gm: torch.fx.GraphModule) -> str:
-    """The class name of the root module that made ``gm`` (``"graph"`` if unknown)."""
+    """The class name of the root module that made ``gm``: ``"graph"`` for a function,
+    ``"model"`` for a module whose class Dynamo does not record (its own ``forward``
+    code only lists the submodules it calls)."""
     for node in gm.graph.nodes:
         stack = node.meta.get("nn_module_stack")
         if stack:
-            cls = next(iter(stack.values()))[1]
+            path, cls = next(iter(stack.values()))
+            if not re.fullmatch(r"L\['[^']*'\]", str(path)):
+                return "model"  # a submodule's entry: naming the dump after it would mislead
             name = cls.__name__ if isinstance(cls, type) else str(cls).rsplit(".", 1)[-1]
             return _safe(name) or "graph"
     return "graph"
@@ -302,6 +306,13 @@ def _current() -> _Session | None:
             atexit.register(_flush_at_exit)
             _atexit_registered = True
     return _session
+
+
+def start_session() -> None:
+    """Start this process's dump session now (clearing the previous dump in the folder
+    ``LOWPREC_DUMP`` names), not at the first compile: a run that compiles nothing
+    then leaves no earlier run's graphs behind."""
+    _current()
 
 
 def _clean(root: Path) -> None:

@@ -417,3 +417,40 @@ def test_the_cli_prints_a_scripts_exit_message(tmp_path, monkeypatch, capsys):
     script.write_text("import sys\nsys.exit('no data here')\n")
     assert main(["dump", "-o", str(tmp_path / "out"), str(script)]) == 1
     assert "no data here" in capsys.readouterr().err
+
+
+def test_a_custom_modules_dump_is_not_named_after_a_submodule(tmp_path, monkeypatch):
+    """Dynamo records no class for a custom module's own forward, only the submodules
+    it calls: the folder used to be named after the first of those (``Linear_0``)."""
+
+    class Custom(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.l = nn.Linear(3, 3)
+
+        def forward(self, x):
+            return torch.tanh(self.l(x))
+
+    seen = []
+
+    def backend(gm, example_inputs):
+        seen.append(dump.model_name(gm))
+        return gm
+
+    torch._dynamo.reset()
+    for model in (Custom(), nn.Sequential(nn.Linear(3, 3))):
+        torch.compile(model, backend=backend)(torch.randn(2, 3))
+    torch._dynamo.reset()
+    assert seen == ["model", "Sequential"]
+
+
+def test_the_cli_clears_an_old_dump_before_the_script_runs(tmp_path, monkeypatch, capsys):
+    monkeypatch.delenv(dump.ENV, raising=False)
+    old = tmp_path / "out" / "Sequential_0"
+    old.mkdir(parents=True)
+    (old / "manifest.json").write_text(json.dumps({"format": dump.FORMAT, "model": "Sequential"}))
+    script = tmp_path / "noop.py"
+    script.write_text("print('compiles nothing')\n")
+    assert main(["dump", "-o", str(tmp_path / "out"), str(script)]) == 0
+    assert not old.exists()
+    assert "0 graph(s)" in capsys.readouterr().out
