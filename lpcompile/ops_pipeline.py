@@ -30,6 +30,10 @@ def _check(w: torch.Tensor, buf: torch.Tensor, lr: torch.Tensor, delay: int, mod
         raise ValueError(f"predict_weight mode must be one of {PREDICTIONS[1:]}, got {mode!r}")
     if buf.shape != w.shape:
         raise ValueError(f"predict_weight: buffer shape {tuple(buf.shape)} != weight shape {tuple(w.shape)}")
+    if buf.dtype != w.dtype or buf.device != w.device:
+        raise ValueError(
+            f"predict_weight: buffer {buf.dtype} on {buf.device} != weight {w.dtype} on {w.device}"
+        )
     if lr.dim() != 0:
         raise ValueError(f"predict_weight: lr must be a 0-dim tensor, got shape {tuple(lr.shape)}")
     if delay < 0:

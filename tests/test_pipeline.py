@@ -317,6 +317,36 @@ def test_lr_zero_pipeline_computes_the_model():
     assert trainer.losses == pytest.approx(expected, rel=1e-6)
 
 
+def test_several_inputs_reach_the_model_in_argument_order():
+    """Dynamo orders input placeholders by first use: a model that reads its second
+    argument first used to get its inputs swapped (silently, same shapes); an unused
+    argument is dropped, and a sample of another shape is refused with the reason."""
+
+    class TwoInputs(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = nn.Linear(3, 3), nn.Linear(3, 4)
+
+        def forward(self, x, unused, scale):
+            s = scale * 2.0 + 1.0
+            h = torch.relu(self.a(x)) * s
+            pipe_split()
+            return self.b(h)
+
+    torch.manual_seed(0)
+    model = TwoInputs()
+    samples = [(torch.randn(1, 3), torch.zeros(1), torch.rand(1, 3)) for _ in range(4)]
+    ys = torch.randint(0, 4, (4,))
+    trainer = PipelinedTrainer(model, samples[0], lr=0.0)
+    for sample, y in zip(samples, ys, strict=True):
+        trainer.step(sample, y[None])
+    trainer.drain()
+    expected = [F.cross_entropy(model(*s), y[None]).item() for s, y in zip(samples, ys, strict=True)]
+    assert trainer.losses == pytest.approx(expected, rel=1e-6)
+    with pytest.raises(ValueError, match="traced for inputs of shapes"):
+        trainer.step((torch.randn(4, 3), torch.zeros(1), torch.rand(1, 3)), ys)
+
+
 # -- the optimizer -----------------------------------------------------------------------
 
 
@@ -369,6 +399,35 @@ def test_pipeline_sgd_validates_and_serves_prediction_inputs():
     assert opt.prediction_inputs(p).lr.item() == 0.5
 
 
+def test_a_prediction_the_optimizer_keeps_no_buffer_for_is_refused():
+    """A graph compiled for lwp_w reads w_(t-1), which only a group with
+    prediction="lwp_w" keeps; lwp_v without momentum reads a velocity only
+    prediction="lwp_v" keeps. Both used to "predict" w itself, silently."""
+    p = nn.Parameter(torch.ones(3))
+    with pytest.raises(ValueError, match="prediction='lwp_w'"):
+        PipelineSGD([p], lr=0.1, momentum=0.9).prediction_inputs(p, "lwp_w")
+    with pytest.raises(ValueError, match="prediction='lwp_v'"):
+        PipelineSGD([p], lr=0.1).prediction_inputs(p, "lwp_v")
+    assert PipelineSGD([p], lr=0.1, momentum=0.9).prediction_inputs(p, "lwp_v").mode == "lwp_v"
+
+
+def test_the_lr_input_stays_fp32_through_a_checkpoint():
+    p = nn.Parameter(torch.ones(3, dtype=torch.float16))
+    opt = PipelineSGD([{"params": [p], "delay": 2}], lr=0.1, momentum=0.9, prediction="lwp_v")
+    p.grad = torch.ones(3, dtype=torch.float16)
+    opt.step()
+    assert opt.prediction_inputs(p).lr.dtype == torch.float32
+    fresh = PipelineSGD([{"params": [p], "delay": 2}], lr=0.1, momentum=0.9, prediction="lwp_v")
+    fresh.load_state_dict(opt.state_dict())
+    assert fresh.prediction_inputs(p).lr.dtype == torch.float32
+
+
+def test_predict_weight_needs_a_buffer_of_the_weights_dtype():
+    w = torch.ones(3, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="buffer torch.float32"):
+        torch.ops.lowprec.predict_weight(w, torch.ones(3), torch.tensor(0.1), 2, "lwp_v")
+
+
 # -- errors ---------------------------------------------------------------------------------
 
 
@@ -379,6 +438,8 @@ def test_batchnorm_is_refused_with_advice():
 
 
 def test_stage_count_errors():
+    with pytest.raises(ValueError, match="stages must be"):
+        PipelinedTrainer(MLP(64, 16, 16, 10), torch.rand(1, 64), stages=True, lr=0.1)
     with pytest.raises(ValueError, match="only 3 layers"):
         PipelinedTrainer(MLP(64, 16, 16, 10), torch.rand(1, 64), stages=5, lr=0.1)
     with pytest.raises(ValueError, match="pipe_split"):

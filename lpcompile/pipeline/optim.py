@@ -166,6 +166,13 @@ class PipelineSGD(torch.optim.Optimizer):
         mode = mode or group["prediction"]
         if mode not in PREDICTIONS[1:]:
             raise ValueError(f"no prediction for mode {mode!r}; modes: {PREDICTIONS[1:]}")
+        keeps = group["prediction"] == mode or (mode == "lwp_v" and group["momentum"] != 0)
+        if not keeps:  # step() would never fill the buffer: the "prediction" would be w itself
+            raise ValueError(
+                f"a {mode} prediction needs {'w_(t-1)' if mode == 'lwp_w' else 'the velocity'}, which this "
+                f"parameter's group (prediction={group['prediction']!r}, momentum={group['momentum']}) "
+                f"does not keep: give PipelineSGD prediction={mode!r}"
+            )
         state = self.state[param]
         if mode == "lwp_v":
             buffer = state.get("momentum_buffer")
@@ -178,6 +185,14 @@ class PipelineSGD(torch.optim.Optimizer):
             if buffer is None:  # no step yet: w_t - w_{t-1} = 0
                 buffer = param.detach()
         return PredictionInputs(mode, buffer, self._lr_tensor(param, group["lr"]), int(group["delay"]))
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """As ``torch.optim.Optimizer``'s, keeping each lr tensor in float32 (the base
+        class casts state tensors to their parameter's dtype; graphs read lr as FP32)."""
+        super().load_state_dict(state_dict)
+        for state in self.state.values():
+            if "lr" in state:
+                state["lr"] = state["lr"].to(torch.float32)
 
     @torch.no_grad()
     def predicted_weight(self, param: torch.Tensor) -> torch.Tensor:

@@ -40,6 +40,7 @@ stage ``s`` applies at step ``t`` comes from its forward of step ``t - D_s``.
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -110,15 +111,23 @@ class CapturedArg:
 
     state: bool  # a parameter or buffer
     example: torch.Tensor | None  # the tensor itself, for state only
+    position: int | None = None  # a model input: its index among the call's arguments
 
 
 def keep_grapharg(gm: torch.fx.GraphModule) -> None:
-    """Keep what the partition needs of the placeholders' ``grapharg`` (Dynamo drops it)."""
+    """Keep what the partition needs of the placeholders' ``grapharg`` (Dynamo drops it).
+
+    Dynamo orders input placeholders by first use, not by argument position: a
+    model input's position comes from its source, ``L['args'][i]``.
+    """
     for node in gm.graph.find_nodes(op="placeholder"):
         grapharg = node.meta.get("grapharg")
         if grapharg is not None:
             state = _grapharg_is_state(grapharg)
-            node.meta[KEPT_GRAPHARG] = CapturedArg(state, grapharg.example if state else None)
+            source = grapharg.source.name if isinstance(grapharg.source.name, str) else grapharg.source.name()
+            match = re.fullmatch(r"L\['args'\]\[(\d+)\]", source)
+            position = int(match.group(1)) if match and not state else None
+            node.meta[KEPT_GRAPHARG] = CapturedArg(state, grapharg.example if state else None, position)
 
 
 def check_no_batchnorm(gm: torch.fx.GraphModule) -> None:
@@ -283,7 +292,7 @@ def partition_graph(gm: torch.fx.GraphModule, stages: int | str | None = None) -
     """
     check_no_batchnorm(gm)
     markers = [n for n in gm.graph.nodes if is_pipe_split(n)]
-    if stages is not None and not (stages == "layer" or (isinstance(stages, int) and stages >= 1)):
+    if stages is not None and not (stages == "layer" or (type(stages) is int and stages >= 1)):
         raise ValueError(f"stages must be None, an int >= 1 or 'layer', got {stages!r}")
     if markers:
         if stages == "layer" or (isinstance(stages, int) and stages != len(markers) + 1):
@@ -314,8 +323,9 @@ def partition_graph(gm: torch.fx.GraphModule, stages: int | str | None = None) -
             if is_state(node):
                 if len(readers) > 1:
                     raise ValueError(
-                        f"{node.name} is read by stages {sorted(readers)}: a parameter shared between "
-                        "pipeline stages (weight tying) is not supported"
+                        f"{node.name} is read by stages {sorted(readers)}: a parameter or buffer shared "
+                        "between pipeline stages (weight tying, or one buffer read on both sides of a "
+                        "cut) is not supported; move the cut, or give each stage its own copy"
                     )
                 node.meta[STAGE] = min(readers, default=0)
             else:
@@ -416,10 +426,12 @@ class StageGraph:
     """One stage of a pipeline: ``module(*state, *inputs) -> outputs``.
 
     ``state`` are the names of the parameters/buffers the stage owns;
-    ``inputs`` the values it receives from the previous stage (the model's
-    inputs for stage 0), ``outputs`` those it sends to the next one (the graph
-    outputs, a tuple, for the last stage). A value that a later stage needs is
-    handed through every stage in between, as a pipeline would.
+    ``inputs`` the values it receives from the previous stage (for stage 0 the
+    model's inputs, in argument order), ``outputs`` those it sends to the next
+    one (the graph outputs, a tuple, for the last stage). A value that a later
+    stage needs is handed through every stage in between, as a pipeline would.
+    ``positions``: for stage 0, the argument index of each input (arguments the
+    graph does not read have none).
     """
 
     index: int
@@ -427,6 +439,7 @@ class StageGraph:
     state: list[str]
     inputs: list[str]
     outputs: list[str]
+    positions: list[int] = field(default_factory=list)
 
 
 def split_pipeline(gm: torch.fx.GraphModule) -> list[StageGraph]:
@@ -441,7 +454,9 @@ def split_pipeline(gm: torch.fx.GraphModule) -> list[StageGraph]:
     values = [n for n in nodes if n.op != "output" and not is_state(n) and n.users]
     # live[b]: values made before boundary b (in stages < b) that stage b or later reads
     live = [[n for n in values if n.meta[STAGE] < b <= last_reader(n)] for b in range(num_stages + 1)]
-    model_inputs = [n for n in nodes if n.op == "placeholder" and not is_state(n)]
+    model_inputs = sorted(
+        (n for n in nodes if n.op == "placeholder" and not is_state(n)), key=_argument_position
+    )
     result = []
     for s in range(num_stages):
         state = [n for n in nodes if is_state(n) and n.meta[STAGE] == s]
@@ -459,6 +474,14 @@ def split_pipeline(gm: torch.fx.GraphModule) -> list[StageGraph]:
                 [n.name for n in state_inputs],
                 [n.name for n in inputs],
                 [n.name for n in live[s + 1]] if s < num_stages - 1 else ["output"],
+                [_argument_position(n) for n in inputs] if s == 0 else [],
             )
         )
     return result
+
+
+def _argument_position(node: torch.fx.Node) -> int:
+    kept = node.meta.get(KEPT_GRAPHARG)
+    if kept is None or kept.position is None:
+        raise ValueError(f"model input {node.name} is not one of the call's arguments")
+    return kept.position

@@ -12,8 +12,8 @@ The last stage runs forward, loss and backward of a sample in one step.
 Schedule (derivation in :mod:`lpcompile.pipeline.partition`): sample n enters
 stage 0 at step n, is at stage s at step ``n + s`` and back at stage s at step
 ``n + 2(S-1) - s``, so stage s applies at step t the gradient of its forward of
-step ``t - D_s`` with ``D_s = 2(S-1-s)``. During warm-up (``t < D_s``) a
-stage has no gradient yet and does not step. :attr:`PipelinedTrainer.history`
+step ``t - D_s`` with ``D_s = 2(S-1-s)``. During warm-up (``t < s + D_s``,
+before the first sample's gradient is back) a stage does not step. :attr:`PipelinedTrainer.history`
 records every forward and backward so tests can check this.
 
 Weights. The forward of stage s at step t reads ``w_t`` (the weights after the
@@ -188,6 +188,8 @@ class PipelinedTrainer:
         self.loss_scale = float(loss_scale)
         self.record = record
         example = example_input if isinstance(example_input, tuple) else (example_input,)
+        # what step() checks each sample against: the graph is traced for these shapes
+        self._example_shapes = [getattr(v, "shape", None) for v in example]
         gm = capture_graph(model, *example)
         self.partition: Partition = partition_graph(gm, stages)
         self.graph = gm
@@ -296,7 +298,14 @@ class PipelinedTrainer:
         fwd_next: list[Any] = [None] * self.num_stages
         bwd_next: list[Any] = [None] * self.num_stages
         if x is not None:
-            self._fwd[0] = (self.samples, list(x) if isinstance(x, tuple) else [x], y)
+            args = list(x) if isinstance(x, tuple) else [x]
+            shapes = [getattr(v, "shape", None) for v in args]
+            if shapes != self._example_shapes:
+                raise ValueError(
+                    f"the model was traced for inputs of shapes {self._example_shapes}, got {shapes}: "
+                    "each step feeds one sample shaped as example_input (batch dimension 1)"
+                )
+            self._fwd[0] = (self.samples, [args[i] for i in self.stages[0].graph.positions], y)
             self.samples += 1
         loss = None
         for stage in self.stages:
