@@ -88,8 +88,9 @@ def main() -> None:
     )
     body += "\n".join(checks)
     body += (
-        "\n\nThe ceiling is the speed-up a compiled FP8 step would have if its quantization cost"
-        " nothing (the fp32 Inductor step, which it adds work to)."
+        "\n\nThe ceiling is the speed-up of a compiled FP8 step as fast as the fp32 Inductor step,"
+        " i.e. with quantization free; the compiled FP8 step passes it only where it runs faster"
+        " than fp32 Inductor."
     )
     print(body)
     write_results("train_step", "Training-step time (bench_train_step.py)", body)

@@ -96,6 +96,11 @@ def _report(args: argparse.Namespace) -> int:
     except FileNotFoundError as error:
         print(f"lowprec report: {error}", file=sys.stderr)
         return 2
+    except ModuleNotFoundError as error:
+        if not (error.name or "").startswith("matplotlib"):
+            raise
+        print("lowprec report: plotting needs matplotlib (pip install matplotlib)", file=sys.stderr)
+        return 2
     print(f"lowprec report: {page} (and {page.with_suffix('.md').name}, PNG plots beside it)")
     return 0
 

@@ -78,11 +78,17 @@ OP_KINDS = {
     "stage_boundary": "stage_boundary",
 }
 GRAPH_ORDER = ("dynamo", "forward", "backward", "inference")
-KERNEL_NOTE = (
-    "No lowprec kernels: this graph was compiled with codegen='inductor', so Inductor fused the "
-    "decomposed operators into kernels of its own (TORCH_COMPILE_DEBUG=1 writes them). "
-    "With codegen='triton' the generated Triton kernels are written here."
-)
+KERNEL_NOTES = {
+    "inductor": (
+        "No lowprec kernels: this graph was compiled with codegen='inductor', so Inductor fused the "
+        "decomposed operators into kernels of its own (TORCH_COMPILE_DEBUG=1 writes them). "
+        "With codegen='triton' the generated Triton kernels are written here."
+    ),
+    "eager": (
+        "No kernels: executor='eager' runs the AOT graphs op by op as plain FX, lowprec operators "
+        "included. With codegen='triton' the generated Triton kernels are written here."
+    ),
+}
 DECOMPOSED_NOTE = (
     "Inductor's ATen graph, as its inner compiler receives it: the lowprec operators are already "
     "decomposed into ATen operations, so they are not marked here; see the dynamo graph."
@@ -540,10 +546,11 @@ def write_graph(session: _Session, entry: _Entry) -> Path:
     (folder / "kernels").mkdir()
     for name, source in sorted(kernels.items()):
         (folder / "kernels" / f"{_safe(name)}.py").write_text(source)
-    if not kernels:
-        (folder / "kernels" / "README.md").write_text(f"# Kernels of {entry.folder}\n\nNone. {KERNEL_NOTE}\n")
-    stages = _stages(views)
     config = _config(record)
+    note = KERNEL_NOTES["eager" if (config or {}).get("executor") == "eager" else "inductor"]
+    if not kernels:
+        (folder / "kernels" / "README.md").write_text(f"# Kernels of {entry.folder}\n\nNone. {note}\n")
+    stages = _stages(views)
     manifest = {
         "format": FORMAT,
         "name": entry.folder,
@@ -560,7 +567,7 @@ def write_graph(session: _Session, entry: _Entry) -> Path:
         "kernels": {
             "count": len(kernels),
             "files": [f"kernels/{_safe(name)}.py" for name in sorted(kernels)],
-            "note": None if kernels else KERNEL_NOTE,
+            "note": None if kernels else note,
         },
         "stages": stages,
     }
@@ -884,7 +891,9 @@ def summary(root: Path | str) -> str:
         done = [f"{p['graph']}:{p['name']} +{p['nodes_added']}/-{p['nodes_removed']}" for p in m["passes"]]
         lines.append("  passes: " + (", ".join(done) or "none"))
         kernels = m["kernels"]["count"]
-        note = "" if kernels else " (codegen='inductor': Inductor's own)"
+        eager = m.get("executor") == "eager"
+        why = "executor='eager': none" if eager else "codegen='inductor': Inductor's own"
+        note = "" if kernels else f" ({why})"
         lines.append(f"  kernels: {kernels}{note}")
         stages = m.get("stages")
         lines.append(f"  stages: {stages['count'] if stages else 'none (no pipeline partition)'}")

@@ -108,6 +108,10 @@ def load_runs(root: str | os.PathLike) -> list[dict[str, Any]]:
             continue
         if isinstance(data, dict) and data.get("format") == TELEMETRY_FORMAT:
             data["path"] = str(path)
+            # a file written by hand or cut short may lack sections: treat them as empty
+            data.setdefault("name", path.stem)
+            data.setdefault("layers", {})
+            data.setdefault("steps", {}).setdefault("step", [])
             runs.append(data)
     return runs
 
@@ -214,10 +218,12 @@ def _summary_row(run: dict[str, Any]) -> dict[str, str]:
     skipped = sum(1 for v in steps.get("skipped", []) if v)
     result = run.get("result") or {}
     accuracy = result.get("test_accuracy")
+    # the run's own final loss (mean over its last epoch, as `lowprec demo` prints), else the last step's
+    final = result.get("final_loss", losses[-1] if losses else None)
     return {
         "run": run["name"],
         "steps": str(len(steps["step"])),
-        "final loss": f"{losses[-1]:.4f}" if losses else "-",
+        "final loss": f"{final:.4f}" if isinstance(final, int | float) else "-",
         "median step ms": f"{statistics.median(times[1:] or times) * 1e3:.2f}" if times else "-",
         "skipped": str(skipped),
         "layers": str(len(run["layers"])),

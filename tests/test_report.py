@@ -146,3 +146,24 @@ def test_adaptive_run_records_per_layer_telemetry_that_report_plots(tmp_path, mo
     assert page.is_file()
     assert_png(tmp_path / "report" / "layer_scale.png")
     assert_png(tmp_path / "report" / "underflow.png")
+
+
+def test_report_shows_the_runs_final_loss_and_reads_partial_files(recorded, tmp_path):
+    """"final loss" is the run's own (mean over its last epoch, as ``lowprec demo``
+    prints it), not the last step's; a file without per-layer or step sections is read."""
+    (recorded / "telemetry" / "bare.json").write_text(json.dumps({"format": TELEMETRY_FORMAT}))
+    runs = {r["name"]: r for r in load_runs(recorded)}
+    assert set(runs) == {"bare", "fp32 eager"}
+    final = runs["fp32 eager"]["result"]["final_loss"]
+    assert final != runs["fp32 eager"]["steps"]["loss"][-1]
+    markdown = (write_report(recorded).parent / "report.md").read_text()
+    assert f"{final:.4f}" in markdown
+
+
+def test_report_without_matplotlib_says_what_to_install(recorded, monkeypatch, capsys):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ModuleNotFoundError
+    monkeypatch.setitem(sys.modules, "matplotlib.figure", None)
+    assert main(["report", str(recorded)]) == 2
+    assert "needs matplotlib" in capsys.readouterr().err
