@@ -206,6 +206,61 @@ def test_amax_reductions_are_exact():
     assert all(v.isnan() for v in gm(x)[1:])
 
 
+def test_a_reduction_read_by_a_pointwise_op_is_not_fused_with_it():
+    """``q - q.sum()``: the sum exists only after the kernel, so its reader cannot be in
+    the same kernel (this made a cycle and failed to compile)."""
+    x = torch.randn(6, 7)
+
+    def f(x, seed):
+        q = Q(x, "e5m2", "stochastic", "inf", seed, 3, None)
+        return q - q.sum()
+
+    gm, kernels = fuse(f, x, SEED)
+    assert kernels
+    torch.testing.assert_close(gm(x, SEED), f(x, SEED), rtol=1e-6, atol=1e-6)  # the sum's order may differ
+
+
+def test_negation_keeps_the_sign_of_zero(same_bits):
+    """Triton's unary minus is 0 - x: -(+0.0) came out +0.0 where torch gives -0.0."""
+    x = torch.tensor([0.0, 1e-9, -1e-9, 1.5, -0.0])
+
+    def f(x, seed):
+        return -Q(x, "e5m2", "stochastic", "inf", seed, 3, None)
+
+    gm, kernels = fuse(f, x, SEED)
+    assert len(kernels) == 1
+    same_bits(gm(x, SEED), f(x, SEED), x, "neg")
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.uint8])
+def test_a_seed_of_any_integer_dtype(dtype, same_bits):
+    x = torch.randn(40)
+    seed = torch.tensor(123, dtype=dtype)
+
+    def f(x, seed):
+        return Q(x, "e5m2", "stochastic", "inf", seed, 3, None) * 2
+
+    gm, kernels = fuse(f, x, seed)
+    assert len(kernels) == 1
+    same_bits(gm(x, seed), f(x, seed), x, str(dtype))
+
+
+def test_addresses_past_two_to_the_31(same_bits):
+    """A strided input whose addresses pass 2**31 elements (12 elements over 2 GiB of
+    storage, never touched): the offsets are int64 (in int32 they wrapped, and crashed)."""
+    stride = 2**30 + 16
+    mask = torch.empty(2 * stride + 8, dtype=torch.bool).as_strided((3, 4), (stride, 1))
+    mask.copy_(torch.tensor([[False] * 4, [True, False] * 2, [True] * 4]))
+    x = torch.randn(3, 4)
+
+    def f(x, mask):
+        return torch.where(mask, Q(x, "e5m2", "nearest", "inf", None, 0, None), -1.0)
+
+    gm, kernels = fuse(f, x, mask)
+    assert len(kernels) == 1
+    same_bits(gm(x, mask), f(x, mask), x, "strided mask")
+
+
 def test_identity_only_regions_are_left_alone():
     def f(x):
         return QG(x, "e5m2", "nearest", "inf", None, 0) * 2

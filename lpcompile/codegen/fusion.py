@@ -259,14 +259,17 @@ def grow_group(seed: torch.fx.Node) -> FusionGroup | None:
                 if red is not None:
                     candidates.append(red)
         for cand in candidates:
+            # A reduction's value exists only after the kernel: no member may read it.
             if isinstance(cand, Reduction):
                 if cand.node in reductions or cand.node.meta.get("stage") != stage:
+                    continue
+                if any(user in nodes for user in cand.node.users):
                     continue
                 trial = all_members() | {cand.node, *cand.helpers}
                 if order.convex(trial):
                     reductions[cand.node] = cand
             else:
-                if cand in nodes:
+                if cand in nodes or any(arg in reductions for arg in cand.all_input_nodes):
                     continue
                 if order.convex(all_members() | {cand}):
                     nodes.add(cand)

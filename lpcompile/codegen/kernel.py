@@ -381,7 +381,7 @@ def _assemble(
     buf.writeline("):")
     with buf.indented():
         buf.writeline("pid = tl.program_id(axis=0)")
-        buf.writeline("block_start = pid * BLOCK_SIZE")
+        buf.writeline("block_start = pid.to(tl.int64) * BLOCK_SIZE  # int64: 2**31+ elements or bytes")
         buf.writeline("offsets = block_start + tl.arange(0, BLOCK_SIZE)")
         buf.writeline("mask = offsets < n_elements")
         if w.coords:

@@ -161,6 +161,7 @@ def lowbias32(x):
 @triton.jit
 def stream_key(seed, offset):
     # lpcompile.rng.key_tensor: the 32-bit key of a 64-bit seed and a 32-bit stream offset.
+    seed = seed.to(tl.int64)  # any integer seed tensor, as the reference's key_tensor takes
     lo = (seed & 0xFFFFFFFF).to(tl.uint32)
     hi = (seed >> 32).to(tl.uint32)
     return lowbias32(lowbias32(lo ^ lowbias32(hi ^ 0x{rng.SEED_HI_SALT:08X})) ^ offset.to(tl.uint32))
@@ -400,7 +401,9 @@ def _unary_ok(node: torch.fx.Node) -> bool:
 
 def _render_neg(w: Writer, node: torch.fx.Node) -> Value:
     dtype = out_dtype(node)
-    return w.assign(f"-{w.operand(node.args[0], dtype)}", dtype)
+    operand = w.operand(node.args[0], dtype)
+    # Triton's unary minus is 0 - x, which turns +0.0 into +0.0; * -1.0 flips the sign bit.
+    return w.assign(f"{operand} * -1.0" if dtype.is_floating_point else f"-{operand}", dtype)
 
 
 def _render_abs(w: Writer, node: torch.fx.Node) -> Value:
