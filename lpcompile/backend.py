@@ -36,13 +36,16 @@ from lpcompile.config import LowPrecConfig
 from lpcompile.passes import CompileContext, PassRecord, Site, run_passes
 from lpcompile.passes.layout import remove_permute_pairs
 from lpcompile.passes.loss_scale import insert_loss_scale
+from lpcompile.passes.partition import recompute_bool_masks
 from lpcompile.passes.pipeline import PIPELINE_ATEN_PASSES, PIPELINE_GRAPH_PASSES
 from lpcompile.passes.quantize import SEED_INPUT, annotate_lowprec_nodes, insert_quantize
 
 # The ordered pass lists: graph-level rewrites, then passes over each AOT graph.
 GRAPH_PASSES = (insert_loss_scale, insert_quantize)
 ATEN_PASSES = (annotate_lowprec_nodes,)
-# executor="inductor": passes over each AOT graph before Inductor compiles it.
+# executor="inductor": passes over the joint graph before AOT partitions it,
+# then over each AOT graph before Inductor compiles it.
+JOINT_PASSES = (recompute_bool_masks,)
 INDUCTOR_PASSES = (remove_permute_pairs,)
 # codegen="triton": after the passes, each fusion group becomes one generated Triton kernel.
 CODEGEN_PASSES = (fuse_lowprec_kernels,)
@@ -138,6 +141,19 @@ class SourceStamp(CustomGraphPass):
         return _package_hash()
 
 
+class JointPasses(SourceStamp):
+    """Inductor's joint-graph hook: runs :data:`JOINT_PASSES` before AOT partitions.
+
+    Its uuid is SourceStamp's: the passes' own source is part of that hash.
+    """
+
+    def __init__(self, ctx: CompileContext, tag: str) -> None:
+        self.ctx, self.tag = ctx, tag
+
+    def __call__(self, graph: torch.fx.Graph) -> None:
+        run_passes(graph.owning_module, JOINT_PASSES, self.ctx, graph="joint" + self.tag)
+
+
 @functools.cache
 def _package_hash() -> str:
     return source_hash(Path(__file__).parent)
@@ -146,16 +162,17 @@ def _package_hash() -> str:
 def source_hash(package: Path) -> str:
     """Hash of the modules whose Python ends up in Inductor's compiled code: the
     operators (``*ops*.py``: decompositions and autograd rules), what they call,
-    and the passes run inside Inductor's compile (``passes/layout.py``)."""
+    and the passes run inside Inductor's compile (``passes/partition.py``,
+    ``passes/layout.py``)."""
     digest = hashlib.sha256()
     traced = [p for p in sorted(package.glob("*.py")) if "ops" in p.stem or p.stem in ("rng", "formats")]
-    for path in (*traced, package / "passes" / "layout.py"):
+    for path in (*traced, package / "passes" / "partition.py", package / "passes" / "layout.py"):
         digest.update(path.read_bytes())
     return digest.hexdigest()
 
 
-def _source_stamp() -> dict[str, Any]:
-    return {"post_grad_custom_post_pass": SourceStamp()}
+def _config_patches(ctx: CompileContext, tag: str) -> dict[str, Any]:
+    return {"post_grad_custom_post_pass": SourceStamp(), "joint_custom_post_pass": JointPasses(ctx, tag)}
 
 
 def _aten_compiler(ctx: CompileContext, record: CompiledGraph, kind: str) -> Callable:
@@ -200,7 +217,7 @@ def _execute(
                 gm,
                 example_inputs,
                 inner_compile=_inductor_compiler(inner, ctx, tag),
-                config_patches=_source_stamp(),
+                config_patches=_config_patches(ctx, tag),
             )
     dump.graph_compiled(record, gm, tag)  # LOWPREC_DUMP: write what was done to this graph
     return compiled

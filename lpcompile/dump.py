@@ -77,7 +77,7 @@ OP_KINDS = {
     "predict_weight": "weight_prediction",
     "stage_boundary": "stage_boundary",
 }
-GRAPH_ORDER = ("dynamo", "forward", "backward", "inference")
+GRAPH_ORDER = ("dynamo", "joint", "forward", "backward", "inference")
 KERNEL_NOTES = {
     "inductor": (
         "No lowprec kernels: this graph was compiled with codegen='inductor', so Inductor fused the "

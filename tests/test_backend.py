@@ -405,14 +405,50 @@ def test_inductor_gets_the_saved_weight_without_the_transpose_pair(monkeypatch):
         got = step(model, lambda: torch.compile(model, backend="lowprec", options=options)(x))
     record = records.only()
     assert {(r.name, r.graph): r.nodes_removed for r in record.records if r.graph != "dynamo"} == {
+        ("recompute_bool_masks", "joint"): 0,
         ("remove_permute_pairs", "forward"): 1,
         ("remove_permute_pairs", "backward"): 0,
     }
     forward = received["forward"]
     permutes = forward.graph.find_nodes(op="call_function", target=torch.ops.aten.permute.default)
     assert not any(p.args[0] in permutes for p in permutes)
+    # recompute_bool_masks: the ReLU's mask is recomputed in the backward, not saved as bool.
+    saved = [n.meta["val"].dtype for n in forward.graph.output_node().args[0] if isinstance(n, torch.fx.Node)]
+    assert torch.bool not in saved, saved
+    backward = received["backward"]
+    assert backward.graph.find_nodes(op="call_function", target=torch.ops.aten.le.Scalar)
     ref = Ref.for_recipe("fp8-e5m2-sr", step_seed(0, 0), record.stream)
     assert_same_step(got, step(model, lambda: mlp_ref(model, x, ref)))
+
+
+def test_recompute_bool_masks_tags_forward_comparisons_the_backward_reads():
+    """Only a comparison computed before the tangents and read after them is tagged."""
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    from lpcompile.passes.partition import recompute_bool_masks
+
+    aten = torch.ops.aten
+
+    def joint(primals_1, tangents_1):
+        mask = aten.le.Scalar(primals_1, 0.0)  # forward, read by the backward: tagged
+        only_forward = aten.gt.Scalar(primals_1, 1.0)  # never read by the backward
+        out = aten.where.self(only_forward, primals_1, 0.0)
+        in_backward = aten.lt.Scalar(tangents_1, 0.0)  # computed from a tangent
+        grad = aten.where.self(mask, 0.0, aten.where.self(in_backward, 0.0, tangents_1))
+        return out, grad
+
+    gm = torch.fx.symbolic_trace(joint)
+    for node in gm.graph.find_nodes(op="placeholder"):
+        node.meta["val"] = torch.empty(3)
+    recompute_bool_masks(gm, None)
+    tags = {n.target: n.meta.get("recompute") for n in gm.graph.nodes}
+    assert tags[aten.le.Scalar] is CheckpointPolicy.MUST_RECOMPUTE
+    assert tags[aten.gt.Scalar] is None and tags[aten.lt.Scalar] is None
+    for node in gm.graph.find_nodes(op="placeholder"):  # a graph on another device is left alone
+        node.meta["val"] = torch.empty(3, device="meta")
+    del gm.graph.find_nodes(op="call_function", target=aten.le.Scalar)[0].meta["recompute"]
+    recompute_bool_masks(gm, None)
+    assert all("recompute" not in n.meta for n in gm.graph.nodes)
 
 
 class _KeywordLinear(nn.Module):

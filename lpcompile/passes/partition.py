@@ -1,0 +1,49 @@
+"""Steering AOT autograd's partitioner on the joint graph, before Inductor compiles.
+
+A ReLU's backward needs its mask. Where the ReLU's output feeds a quantize
+rather than the next matmul, nothing else saves a float the mask could be
+recomputed from, so the partitioner saves the mask itself, ``le(x, 0)``: a
+``bool`` tensor, the cheapest to store. Inductor's C++ code (torch 2.13)
+writes ``bool`` tensors through a generic 64-lane mask conversion that costs
+about 5 ns an element on this repository's CPUs: storing the 128x1024 masks of
+the benchmark MLP took ~0.7 ms each, 30x a float store of the same tensor.
+``recompute_bool_masks`` marks such comparisons for recomputation: the
+partitioner then saves their float operand instead (4x the bytes) and the
+backward recomputes the comparison inside the kernel that reads it.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.fx
+from torch.utils.checkpoint import CheckpointPolicy
+
+from lpcompile.passes import CompileContext
+
+aten = torch.ops.aten
+COMPARISONS = frozenset(
+    overload
+    for op in (aten.eq, aten.ne, aten.lt, aten.le, aten.gt, aten.ge)
+    for overload in (op.Scalar, op.Tensor)
+)
+
+
+def _on_cpu(graph: torch.fx.Graph) -> bool:
+    values = [node.meta.get("val") for node in graph.find_nodes(op="placeholder")]
+    return all(v.device.type == "cpu" for v in values if isinstance(v, torch.Tensor))
+
+
+def recompute_bool_masks(gm: torch.fx.GraphModule, ctx: CompileContext | None) -> None:
+    """Tag forward comparisons the backward reads as ``MUST_RECOMPUTE`` (CPU graphs only)."""
+    if not _on_cpu(gm.graph):
+        return
+    backward: set[torch.fx.Node] = set()
+    for node in gm.graph.nodes:  # topological: the nodes that depend on a tangent
+        if (node.op == "placeholder" and node.name.startswith("tangents")) or any(
+            arg in backward for arg in node.all_input_nodes
+        ):
+            backward.add(node)
+    for target in COMPARISONS:
+        for node in gm.graph.find_nodes(op="call_function", target=target):
+            if node not in backward and any(user in backward for user in node.users):
+                node.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
