@@ -2,10 +2,11 @@
 
 The generator is a stateless integer hash (Wellons' ``lowbias32``: xor-shift,
 multiply, xor-shift, multiply, xor-shift), applied twice per element. It is
-defined once, as the data in :data:`MIX_STEPS`, and executed three ways from
+defined once, as the data in :data:`MIX_STEPS`, and executed four ways from
 that data: on Python ints (for host-side keys and tests), on torch int32
-tensors (the reference, which Inductor compiles to vectorised C++), and in
-generated Triton (``lpcompile.codegen``). All three give the same bits.
+tensors (the reference and eager kernel), in Inductor's ops handler (the
+lowering of ``lowprec::counter_bits``, compiled to vectorised C++), and in
+generated Triton (``lpcompile.codegen``). All give the same bits.
 
 Only 32-bit integer operations are used: 64-bit integer multiplies vectorise
 poorly on CPUs. Torch has no logical right shift for int32, so a shift by
@@ -90,16 +91,43 @@ def bits_from_index(index: torch.Tensor, key: torch.Tensor | int) -> torch.Tenso
     return mix(mix(torch.bitwise_xor(index, key)) + key)
 
 
+def check_numel(numel: int) -> None:
+    """Element indices are 32-bit: refuse a tensor with 2^31 elements or more."""
+    if numel >= 1 << 31:
+        raise ValueError("counter-based bits index elements with 32 bits: tensor too large")
+
+
+def index_bits(shape: torch.Size | tuple[int, ...] | list[int], key: torch.Tensor) -> torch.Tensor:
+    """Random int32 bits for a tensor of ``shape`` under a 0-dim int32 ``key``, row-major."""
+    numel = 1
+    for size in shape:
+        numel *= size
+    check_numel(numel)
+    index = torch.arange(numel, dtype=torch.int32, device=key.device).view(shape)
+    return bits_from_index(index, key)
+
+
 def random_bits(
     shape: torch.Size | tuple[int, ...], seed: int | torch.Tensor, offset: int = 0, device=None
 ) -> torch.Tensor:
     """Random int32 bits for a tensor of ``shape``, indexed in row-major order."""
-    numel = 1
-    for size in shape:
-        numel *= size
-    if numel >= 1 << 31:
-        raise ValueError("counter-based bits index elements with 32 bits: tensor too large")
-    index = torch.arange(numel, dtype=torch.int32, device=device).view(shape)
     if isinstance(seed, torch.Tensor):
-        return bits_from_index(index, key_tensor(seed.to(index.device), offset))
-    return bits_from_index(index, key_int(int(seed), offset))
+        key = key_tensor(seed.to(device), offset)
+    else:
+        key = torch.tensor(to_int32(key_int(int(seed), offset)), dtype=torch.int32, device=device)
+    return index_bits(shape, key)
+
+
+def mix_ops(x, ops):
+    """One hash round in Inductor's ops handler (``torch._inductor.virtualized.ops``).
+
+    ``x`` is an int32 value of that handler; the round is built once per kernel
+    body, each step's value reused (see ``lpcompile.ops._lower_counter_bits``).
+    """
+    for op, c in MIX_STEPS:
+        if op == "xorshr":
+            shifted = ops.bitwise_right_shift(x, ops.constant(c, torch.int32))
+            x = ops.bitwise_xor(x, ops.bitwise_and(shifted, ops.constant((1 << (32 - c)) - 1, torch.int32)))
+        else:
+            x = ops.mul(x, ops.constant(to_int32(c), torch.int32))
+    return x

@@ -149,3 +149,38 @@ def test_golden_bits():
 
 GOLDEN_KEY_0_0 = 2488251732
 GOLDEN_BITS_0_0 = [2433943828, 1076417154, 1286042608, 4182323959]
+
+
+@pytest.mark.parametrize("shape", [(), (0, 3), (7,), (5, 33), (2, 3, 17)])
+def test_counter_bits_lowering_matches_the_reference(shape):
+    """Inductor lowers ``lowprec::counter_bits`` itself (the hash issued once per kernel
+    body, not decomposed): its bits equal the reference's, for any shape."""
+    from lpcompile import ops  # noqa: F401  (registers the op and its lowering)
+
+    calls = []
+    mix_ops = rng.mix_ops
+
+    def counted(x, handler):
+        calls.append(1)
+        return mix_ops(x, handler)
+
+    seed = torch.tensor(-(2**40) + 3)
+    fn = torch.compile(lambda s: torch.ops.lowprec.counter_bits(rng.key_tensor(s, 5), list(shape)))
+    torch._dynamo.reset()
+    with pytest.MonkeyPatch.context() as m, torch._inductor.config.patch(fx_graph_cache=False):
+        m.setattr(rng, "mix_ops", counted)
+        got = fn(seed)
+    assert torch.equal(got, rng.random_bits(shape, seed, 5))
+    assert calls or not math.prod(shape), "Inductor decomposed the hash instead of lowering it"
+
+
+def test_counter_bits_lowering_with_a_dynamic_size():
+    from lpcompile import ops  # noqa: F401
+
+    torch._dynamo.reset()
+    fn = torch.compile(
+        lambda s, x: torch.ops.lowprec.counter_bits(rng.key_tensor(s, 1), list(x.shape)), dynamic=True
+    )
+    for rows in (3, 8, 11):
+        x = torch.empty(rows, 5)
+        assert torch.equal(fn(torch.tensor(9), x), rng.random_bits((rows, 5), 9, 1)), rows
