@@ -444,6 +444,10 @@ def test_recompute_bool_masks_tags_forward_comparisons_the_backward_reads():
     tags = {n.target: n.meta.get("recompute") for n in gm.graph.nodes}
     assert tags[aten.le.Scalar] is CheckpointPolicy.MUST_RECOMPUTE
     assert tags[aten.gt.Scalar] is None and tags[aten.lt.Scalar] is None
+    le = gm.graph.find_nodes(op="call_function", target=aten.le.Scalar)[0]
+    le.meta["recompute"] = CheckpointPolicy.MUST_SAVE  # a user's checkpointing policy wins
+    recompute_bool_masks(gm, None)
+    assert le.meta["recompute"] is CheckpointPolicy.MUST_SAVE
     for node in gm.graph.find_nodes(op="placeholder"):  # a graph on another device is left alone
         node.meta["val"] = torch.empty(3, device="meta")
     del gm.graph.find_nodes(op="call_function", target=aten.le.Scalar)[0].meta["recompute"]

@@ -34,7 +34,10 @@ def _on_cpu(graph: torch.fx.Graph) -> bool:
 
 
 def recompute_bool_masks(gm: torch.fx.GraphModule, ctx: CompileContext | None) -> None:
-    """Tag forward comparisons the backward reads as ``MUST_RECOMPUTE`` (CPU graphs only)."""
+    """Tag forward comparisons the backward reads as ``MUST_RECOMPUTE`` (CPU graphs only).
+
+    A comparison already tagged (``torch.utils.checkpoint`` policies) keeps its tag.
+    """
     if not _on_cpu(gm.graph):
         return
     backward: set[torch.fx.Node] = set()
@@ -45,5 +48,7 @@ def recompute_bool_masks(gm: torch.fx.GraphModule, ctx: CompileContext | None) -
             backward.add(node)
     for target in COMPARISONS:
         for node in gm.graph.find_nodes(op="call_function", target=target):
+            if "recompute" in node.meta:  # the user's activation-checkpointing policy decides
+                continue
             if node not in backward and any(user in backward for user in node.users):
                 node.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
