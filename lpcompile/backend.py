@@ -151,7 +151,9 @@ class JointPasses(SourceStamp):
         self.ctx, self.tag = ctx, tag
 
     def __call__(self, graph: torch.fx.Graph) -> None:
-        run_passes(graph.owning_module, JOINT_PASSES, self.ctx, graph="joint" + self.tag)
+        # Inductor runs its joint-graph passes on inference graphs too: nothing to partition.
+        if any(p.name.startswith("tangents") for p in graph.find_nodes(op="placeholder")):
+            run_passes(graph.owning_module, JOINT_PASSES, self.ctx, graph="joint" + self.tag)
 
 
 @functools.cache

@@ -154,13 +154,21 @@ def quantize_reference(
     return out.to(x.dtype)
 
 
+def _check_key(key: torch.Tensor) -> None:
+    if key.dim() != 0 or key.dtype != torch.int32:
+        got = f"{key.dtype} {tuple(key.shape)}"
+        raise ValueError(f"counter_bits takes a 0-dim int32 key (rng.key_tensor), got {got}")
+
+
 @torch.library.custom_op("lowprec::counter_bits", mutates_args=())
 def counter_bits_op(key: torch.Tensor, shape: list[int]) -> torch.Tensor:
+    _check_key(key)
     return rng.index_bits(shape, key)
 
 
 @counter_bits_op.register_fake
 def _(key, shape):
+    _check_key(key)
     return key.new_empty(shape, dtype=torch.int32)
 
 
@@ -172,7 +180,8 @@ def _lower_counter_bits(key: ir.TensorBox, shape: list) -> ir.TensorBox:
     twice, and Inductor re-traces an inlined value once per read: the six
     xor-shifts made 2^6 traces of the hash per kernel body, and a stochastic
     rounding model compiled ~4x slower than round-to-nearest (digits CNN, cold
-    cache: 91 s against 19 s). Here the ops are issued once, from ``MIX_STEPS``.
+    cache, one run each: 91 s against 19 s). Here the ops are issued once, from
+    ``MIX_STEPS`` (``benchmarks/results/compile.md``: 21 s).
     """
     numel = sympy_product(shape)
     rng.check_numel(V.graph.sizevars.optimization_hint(numel))

@@ -111,6 +111,7 @@ def random_bits(
     shape: torch.Size | tuple[int, ...], seed: int | torch.Tensor, offset: int = 0, device=None
 ) -> torch.Tensor:
     """Random int32 bits for a tensor of ``shape``, indexed in row-major order."""
+    device = torch.get_default_device() if device is None else device
     if isinstance(seed, torch.Tensor):
         key = key_tensor(seed.to(device), offset)
     else:

@@ -374,15 +374,12 @@ def test_remove_permute_pairs(first, second, removed):
         assert torch.equal(got, want) and got.stride() == want.stride()
 
 
-def test_inductor_gets_the_saved_weight_without_the_transpose_pair(monkeypatch):
-    """AOT's partitioner saves layer "2"'s quantized weight as ``permute(permute(w_q))``.
+def _inductor_runs_fx(monkeypatch) -> dict:
+    """Stand in for Inductor's compiler with one that runs the graph it gets as FX.
 
-    Under Inductor that pair made the forward write the quantized weight twice
-    (one buffer for the matmul, one for the backward). The compiler the backend hands
-    Inductor runs ``remove_permute_pairs`` first: the saved output becomes ``w_q``
-    itself. Inductor's compiler is stood in for by one that runs the graph it gets
-    as FX (and AOT's cache is off: on a hit no compiler runs), so the graphs
-    Inductor would receive are checked, and run, without Inductor's C++.
+    The graphs Inductor would receive (after lowprec's passes) are checked and run
+    without Inductor's C++; returns them by kind ("forward", "backward") as compiled.
+    Callers turn AOT's cache off: on a hit no compiler runs.
     """
     import contextlib
 
@@ -397,6 +394,49 @@ def test_inductor_gets_the_saved_weight_without_the_transpose_pair(monkeypatch):
         return make_boxed_func(gm)
 
     monkeypatch.setattr(dump, "capture_inductor", lambda record, tag: contextlib.nullcontext(inner))
+    return received
+
+
+def test_a_mask_of_an_input_mutated_in_place_is_saved_not_recomputed(monkeypatch):
+    """Recomputed in the backward, ``buf > 0`` read ``buf`` after ``buf.sub_``: the
+    gradient was zero where eager gives one."""
+
+    def f(w, buf):
+        mask = buf > 0
+        buf.sub_(10.0)
+        return (w * mask).sum()
+
+    received = _inductor_runs_fx(monkeypatch)
+    w = torch.randn(8, requires_grad=True)
+    with torch._functorch.config.patch(enable_autograd_cache=False):
+        torch.compile(f, backend="lowprec", options={"recipe": "fp8-e5m2"})(w, torch.rand(8) + 0.5).backward()
+    assert "backward" in received
+    assert torch.equal(w.grad, torch.ones(8))
+
+
+def test_inference_graphs_get_no_joint_pass_record(monkeypatch):
+    """Inductor runs joint-graph passes on inference graphs too; with nothing to
+    partition they used to leave a "joint" record (and dump folder) of the inference graph."""
+    received = _inductor_runs_fx(monkeypatch)
+    records = Records()
+    model = mlp()
+    with torch.no_grad(), torch._functorch.config.patch(enable_autograd_cache=False):
+        torch.compile(model, backend="lowprec", options={"recipe": "fp8-e5m2"})(mlp_input())
+    assert "inference" in received
+    assert {r.graph for r in records.only().records} == {"dynamo", "inference"}
+
+
+def test_inductor_gets_the_saved_weight_without_the_transpose_pair(monkeypatch):
+    """AOT's partitioner saves layer "2"'s quantized weight as ``permute(permute(w_q))``.
+
+    Under Inductor that pair made the forward write the quantized weight twice
+    (one buffer for the matmul, one for the backward). The compiler the backend hands
+    Inductor runs ``remove_permute_pairs`` first: the saved output becomes ``w_q``
+    itself. Inductor's compiler is stood in for by one that runs the graph it gets
+    as FX (and AOT's cache is off: on a hit no compiler runs), so the graphs
+    Inductor would receive are checked, and run, without Inductor's C++.
+    """
+    received = _inductor_runs_fx(monkeypatch)
     records = Records()
     model = mlp()
     x = mlp_input()

@@ -184,3 +184,15 @@ def test_counter_bits_lowering_with_a_dynamic_size():
     for rows in (3, 8, 11):
         x = torch.empty(rows, 5)
         assert torch.equal(fn(torch.tensor(9), x), rng.random_bits((rows, 5), 9, 1)), rows
+
+
+@pytest.mark.parametrize("key", [torch.tensor(3), torch.tensor([3], dtype=torch.int32)])
+def test_counter_bits_takes_a_0_dim_int32_key(key):
+    """The lowering loads the key as a 0-dim int32: an int64 key made the compiled
+    kernel write int64 lanes into the int32 output."""
+    from lpcompile import ops  # noqa: F401
+
+    with pytest.raises(ValueError, match="0-dim int32 key"):
+        torch.ops.lowprec.counter_bits(key, [4])
+    with pytest.raises(ValueError, match="0-dim int32 key"), torch._subclasses.FakeTensorMode() as mode:
+        torch.ops.lowprec.counter_bits(mode.from_tensor(key), [4])

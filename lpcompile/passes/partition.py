@@ -33,22 +33,31 @@ def _on_cpu(graph: torch.fx.Graph) -> bool:
     return all(v.device.type == "cpu" for v in values if isinstance(v, torch.Tensor))
 
 
+def _depending_on(graph: torch.fx.Graph, sources: set[torch.fx.Node]) -> set[torch.fx.Node]:
+    """``sources`` and every node computed from one of them (the graph is topological)."""
+    found = set(sources)
+    for node in graph.nodes:
+        if any(arg in found for arg in node.all_input_nodes):
+            found.add(node)
+    return found
+
+
 def recompute_bool_masks(gm: torch.fx.GraphModule, ctx: CompileContext | None) -> None:
     """Tag forward comparisons the backward reads as ``MUST_RECOMPUTE`` (CPU graphs only).
 
-    A comparison already tagged (``torch.utils.checkpoint`` policies) keeps its tag.
+    A comparison already tagged (``torch.utils.checkpoint`` policies) keeps its tag,
+    and one computed from an input the graph mutates in place is left alone: the
+    backward would recompute it from the mutated values.
     """
     if not _on_cpu(gm.graph):
         return
-    backward: set[torch.fx.Node] = set()
-    for node in gm.graph.nodes:  # topological: the nodes that depend on a tangent
-        if (node.op == "placeholder" and node.name.startswith("tangents")) or any(
-            arg in backward for arg in node.all_input_nodes
-        ):
-            backward.add(node)
+    placeholders = gm.graph.find_nodes(op="placeholder")
+    backward = _depending_on(gm.graph, {p for p in placeholders if p.name.startswith("tangents")})
+    copies = gm.graph.find_nodes(op="call_function", target=torch.ops.aten.copy_.default)
+    mutated = _depending_on(gm.graph, {c.args[0] for c in copies if c.args[0] in placeholders})
     for target in COMPARISONS:
         for node in gm.graph.find_nodes(op="call_function", target=target):
-            if "recompute" in node.meta:  # the user's activation-checkpointing policy decides
+            if "recompute" in node.meta or node in backward or node in mutated:
                 continue
-            if node not in backward and any(user in backward for user in node.users):
+            if any(user in backward for user in node.users):
                 node.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
