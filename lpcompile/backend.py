@@ -164,11 +164,12 @@ def _package_hash() -> str:
 def source_hash(package: Path) -> str:
     """Hash of the modules whose Python ends up in Inductor's compiled code: the
     operators (``*ops*.py``: decompositions and autograd rules), what they call,
-    and the passes run inside Inductor's compile (``passes/partition.py``,
-    ``passes/layout.py``)."""
+    the passes run inside Inductor's compile (``passes/partition.py``,
+    ``passes/layout.py``) and the pass lists that name them (this module)."""
     digest = hashlib.sha256()
     traced = [p for p in sorted(package.glob("*.py")) if "ops" in p.stem or p.stem in ("rng", "formats")]
-    for path in (*traced, package / "passes" / "partition.py", package / "passes" / "layout.py"):
+    passes = [package / "passes" / "partition.py", package / "passes" / "layout.py", package / "backend.py"]
+    for path in (*traced, *passes):
         digest.update(path.read_bytes())
     return digest.hexdigest()
 

@@ -341,6 +341,9 @@ def test_inductor_cache_keys_follow_the_operator_sources(tmp_path):
         f.write("\n# unrelated\n")
     (copy / "ops.py").write_bytes((package / "ops.py").read_bytes())
     assert source_hash(copy) == source_hash(package)
+    with open(copy / "backend.py", "a") as f:  # the pass lists run inside Inductor's compile
+        f.write("\nINDUCTOR_PASSES = ()\n")
+    assert source_hash(copy) != source_hash(package)
 
 
 @pytest.mark.parametrize(
