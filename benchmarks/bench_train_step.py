@@ -28,15 +28,19 @@ VARIANTS = {
 }
 
 
-def step_fn(model_fn, x, y, backend):
-    torch.manual_seed(0)
-    model = model_fn()
-    if backend == "inductor":
-        run = torch.compile(model)
-    elif backend is not None:
-        run = torch.compile(model, backend="lowprec", options=backend)
-    else:
-        run = model
+# The models timed, with their input batch and labels.
+CASES = {
+    "MLP 784-1024-1024-10, batch 128": (
+        lambda: MLP(784, 1024, 1024, 10),
+        torch.randn(128, 1, 28, 28),
+        torch.randint(0, 10, (128,)),
+    ),
+    "digits CNN, batch 64": (DigitsCNN, torch.rand(64, 1, 8, 8), torch.randint(0, 10, (64,))),
+}
+
+
+def sgd_step(model: torch.nn.Module, run, x: torch.Tensor, y: torch.Tensor):
+    """One training step: ``run(x)`` (the model, compiled or not), cross-entropy, SGD with momentum."""
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
 
     def step():
@@ -47,21 +51,25 @@ def step_fn(model_fn, x, y, backend):
     return step
 
 
+def step_fn(model_fn, x, y, backend):
+    torch.manual_seed(0)
+    model = model_fn()
+    if backend == "inductor":
+        run = torch.compile(model)
+    elif backend is not None:
+        run = torch.compile(model, backend="lowprec", options=backend)
+    else:
+        run = model
+    return sgd_step(model, run, x, y)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--rounds", type=int, default=15)
     args = parser.parse_args()
-    cases = {
-        "MLP 784-1024-1024-10, batch 128": (
-            lambda: MLP(784, 1024, 1024, 10),
-            torch.randn(128, 1, 28, 28),
-            torch.randint(0, 10, (128,)),
-        ),
-        "digits CNN, batch 64": (DigitsCNN, torch.rand(64, 1, 8, 8), torch.randint(0, 10, (64,))),
-    }
     rows = ["| model | variant | step ms | × fp32 inductor | fp8 eager ÷ this |", "|---|---|---|---|---|"]
     checks = []
-    for case, (model_fn, x, y) in cases.items():
+    for case, (model_fn, x, y) in CASES.items():
         torch._dynamo.reset()
         steps = {variant: step_fn(model_fn, x, y, backend) for variant, backend in VARIANTS.items()}
         times = {name: statistics.median(ts) for name, ts in interleaved_times(steps, args.rounds).items()}
