@@ -29,13 +29,14 @@ from torch._dynamo.backends.common import aot_autograd
 from torch._inductor.custom_graph_pass import CustomGraphPass
 from torch.utils.weak import WeakIdKeyDictionary
 
-from lpcompile import dump
+from lpcompile import cpu_gemm, dump, ops
 from lpcompile.adaptive import AdaptiveScaleState
 from lpcompile.codegen import fuse_lowprec_kernels
 from lpcompile.config import LowPrecConfig
 from lpcompile.passes import CompileContext, PassRecord, Site, run_passes
 from lpcompile.passes.layout import remove_permute_pairs
 from lpcompile.passes.loss_scale import insert_loss_scale
+from lpcompile.passes.matmul import remove_grid_marks, use_bf16_matmuls, uses_bf16_kernel
 from lpcompile.passes.partition import recompute_bool_masks
 from lpcompile.passes.pipeline import PIPELINE_ATEN_PASSES, PIPELINE_GRAPH_PASSES
 from lpcompile.passes.quantize import SEED_INPUT, annotate_lowprec_nodes, insert_quantize
@@ -43,9 +44,11 @@ from lpcompile.passes.quantize import SEED_INPUT, annotate_lowprec_nodes, insert
 # The ordered pass lists: graph-level rewrites, then passes over each AOT graph.
 GRAPH_PASSES = (insert_loss_scale, insert_quantize)
 ATEN_PASSES = (annotate_lowprec_nodes,)
-# executor="inductor": passes over the joint graph before AOT partitions it,
-# then over each AOT graph before Inductor compiles it.
-JOINT_PASSES = (recompute_bool_masks,)
+# executor="inductor": passes over the joint graph before AOT partitions it (an
+# inference graph, which has none, gets the first two in its stead), then over
+# each AOT graph before Inductor compiles it.
+JOINT_PASSES = (use_bf16_matmuls, remove_grid_marks, recompute_bool_masks)
+INFERENCE_PASSES = (use_bf16_matmuls, remove_grid_marks)
 INDUCTOR_PASSES = (remove_permute_pairs,)
 # codegen="triton": after the passes, each fusion group becomes one generated Triton kernel.
 CODEGEN_PASSES = (fuse_lowprec_kernels,)
@@ -144,11 +147,17 @@ class SourceStamp(CustomGraphPass):
 class JointPasses(SourceStamp):
     """Inductor's joint-graph hook: runs :data:`JOINT_PASSES` before AOT partitions.
 
-    Its uuid is SourceStamp's: the passes' own source is part of that hash.
+    Its uuid is SourceStamp's (the passes' own source is part of that hash) plus
+    what they decide from outside the graph: whether matmuls go to the bf16 kernel.
+    AOT autograd's cache keys on the graph before the passes, so without it a
+    ``matmul="fp32"`` compile was served an earlier ``"auto"`` compile's kernels.
     """
 
     def __init__(self, ctx: CompileContext, tag: str) -> None:
         self.ctx, self.tag = ctx, tag
+
+    def uuid(self) -> str:
+        return f"{_package_hash()}-bf16-matmuls-{uses_bf16_kernel(self.ctx.config)}"
 
     def __call__(self, graph: torch.fx.Graph) -> None:
         # Inductor runs its joint-graph passes on inference graphs too: nothing to partition.
@@ -165,10 +174,12 @@ def source_hash(package: Path) -> str:
     """Hash of the modules whose Python ends up in Inductor's compiled code: the
     operators (``*ops*.py``: decompositions and autograd rules), what they call,
     the passes run inside Inductor's compile (``passes/partition.py``,
-    ``passes/layout.py``) and the pass lists that name them (this module)."""
+    ``passes/layout.py``, ``passes/matmul.py``) and the pass lists that name
+    them (this module)."""
     digest = hashlib.sha256()
     traced = [p for p in sorted(package.glob("*.py")) if "ops" in p.stem or p.stem in ("rng", "formats")]
-    passes = [package / "passes" / "partition.py", package / "passes" / "layout.py", package / "backend.py"]
+    passes = [package / "passes" / name for name in ("partition.py", "layout.py", "matmul.py")]
+    passes.append(package / "backend.py")
     for path in (*traced, *passes):
         digest.update(path.read_bytes())
     return digest.hexdigest()
@@ -194,7 +205,9 @@ def _inductor_compiler(inner: Callable, ctx: CompileContext, tag: str) -> Callab
     """Inductor's ``inner_compile`` after lowprec's passes over each AOT graph."""
 
     def inner_compile(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *args: Any, **kwargs: Any):
-        run_passes(gm, INDUCTOR_PASSES, ctx, graph=dump.inductor_graph_kind(kwargs) + tag)
+        kind = dump.inductor_graph_kind(kwargs)
+        passes = (*INFERENCE_PASSES, *INDUCTOR_PASSES) if kind == "inference" else INDUCTOR_PASSES
+        run_passes(gm, passes, ctx, graph=kind + tag)
         return inner(gm, example_inputs, *args, **kwargs)
 
     return inner_compile
@@ -215,7 +228,8 @@ def _execute(
     else:
         from torch._inductor.compile_fx import compile_fx
 
-        with dump.capture_inductor(record, tag) as inner:  # Inductor's own unless dumping
+        # Inductor's own compiler unless dumping; quantize decompositions leave grid marks.
+        with dump.capture_inductor(record, tag) as inner, ops.grid_marks():
             compiled = compile_fx(
                 gm,
                 example_inputs,
@@ -231,6 +245,8 @@ def lowprec(
 ) -> Callable:
     """The backend: rewrite ``gm`` for low-precision training and compile it."""
     config = LowPrecConfig.from_options(options)
+    if config.matmul == "bf16" and (why := cpu_gemm.unavailable()):
+        raise ValueError(f"matmul='bf16': lowprec's bf16 matmul kernel cannot run here: {why}")
     ctx = CompileContext(config=config, graph_id=next(_graph_ids), stream=graph_stream(gm))
     record = CompiledGraph(ctx.graph_id, ctx.stream, config, ctx.sites, ctx.records, fused=ctx.kernels)
     COMPILED_GRAPHS.append(record)

@@ -26,6 +26,7 @@ ROLES = tuple(role.value for role in Role)
 EXECUTORS = ("inductor", "eager")
 LOSS_SCALES = ("none", "adaptive")
 CODEGENS = ("inductor", "triton")
+MATMULS = ("auto", "fp32", "bf16")
 # options key -> AdaptiveScaleConfig field
 ADAPTIVE_KEYS = {
     "loss_scale_rule": "rule",
@@ -146,6 +147,10 @@ class LowPrecConfig:
     ``keep_first_last`` does that for the first and last matmul/conv of each
     graph, as Mellempudi et al. do. ``loss_scale="adaptive"`` scales each
     layer's error by its own power of two (``adaptive`` holds the settings).
+    ``matmul`` says how Inductor runs a matmul of two tensors quantized to a
+    format bfloat16 holds exactly (E5M2, E4M3): ``"auto"`` on the CPU's
+    bfloat16 dot products where it has them (``lowprec::mm_bf16``), ``"fp32"``
+    as an FP32 GEMM, ``"bf16"`` like auto but an error where the kernel is missing.
     """
 
     recipe: str = "fp32"
@@ -161,6 +166,7 @@ class LowPrecConfig:
     adaptive: AdaptiveScaleConfig = AdaptiveScaleConfig()
     codegen: str = "inductor"
     pipeline: PipelineConfig | None = None
+    matmul: str = "auto"
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "pipeline", PipelineConfig.from_option(self.pipeline))
@@ -172,6 +178,13 @@ class LowPrecConfig:
             raise ValueError(f"codegen must be one of {CODEGENS}, got {self.codegen!r}")
         if self.executor not in EXECUTORS:
             raise ValueError(f"executor must be one of {EXECUTORS}, got {self.executor!r}")
+        if self.matmul not in MATMULS:
+            raise ValueError(f"matmul must be one of {MATMULS}, got {self.matmul!r}")
+        if self.matmul == "bf16" and (self.executor != "inductor" or self.codegen != "inductor"):
+            raise ValueError(
+                "matmul='bf16' is a kernel Inductor calls: it needs executor='inductor' and"
+                f" codegen='inductor', got executor={self.executor!r}, codegen={self.codegen!r}"
+            )
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed < 2**32:
             raise ValueError(f"seed must be an int in [0, 2**32), got {self.seed!r}")
         if not isinstance(self.keep_first_last, bool):

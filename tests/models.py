@@ -171,3 +171,26 @@ class Records:
     def only(self) -> CompiledGraph:
         assert len(self.new) == 1, f"expected one compiled graph, got {len(self.new)}"
         return self.new[0]
+
+
+def inductor_runs_fx(monkeypatch) -> dict:
+    """Stand in for Inductor's compiler with one that runs the graph it gets as FX.
+
+    The graphs Inductor would receive (after lowprec's passes) are checked and run
+    without Inductor's C++; returns them by kind ("forward", "backward") as compiled.
+    Callers turn AOT's cache off: on a hit no compiler runs.
+    """
+    import contextlib
+
+    from functorch.compile import make_boxed_func
+
+    from lpcompile import dump
+
+    received = {}
+
+    def inner(gm, example_inputs, *args, **kwargs):
+        received[dump.inductor_graph_kind(kwargs)] = gm
+        return make_boxed_func(gm)
+
+    monkeypatch.setattr(dump, "capture_inductor", lambda record, tag: contextlib.nullcontext(inner))
+    return received

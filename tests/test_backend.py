@@ -18,6 +18,7 @@ from models import (
     capture_dynamo_graphs,
     convnet,
     convnet_input,
+    inductor_runs_fx,
     lowprec_nodes,
     mlp,
     mlp_input,
@@ -377,29 +378,6 @@ def test_remove_permute_pairs(first, second, removed):
         assert torch.equal(got, want) and got.stride() == want.stride()
 
 
-def _inductor_runs_fx(monkeypatch) -> dict:
-    """Stand in for Inductor's compiler with one that runs the graph it gets as FX.
-
-    The graphs Inductor would receive (after lowprec's passes) are checked and run
-    without Inductor's C++; returns them by kind ("forward", "backward") as compiled.
-    Callers turn AOT's cache off: on a hit no compiler runs.
-    """
-    import contextlib
-
-    from functorch.compile import make_boxed_func
-
-    from lpcompile import dump
-
-    received = {}
-
-    def inner(gm, example_inputs, *args, **kwargs):
-        received[dump.inductor_graph_kind(kwargs)] = gm
-        return make_boxed_func(gm)
-
-    monkeypatch.setattr(dump, "capture_inductor", lambda record, tag: contextlib.nullcontext(inner))
-    return received
-
-
 def test_a_mask_of_an_input_mutated_in_place_is_saved_not_recomputed(monkeypatch):
     """Recomputed in the backward, ``buf > 0`` read ``buf`` after ``buf.sub_``: the
     gradient was zero where eager gives one."""
@@ -409,7 +387,7 @@ def test_a_mask_of_an_input_mutated_in_place_is_saved_not_recomputed(monkeypatch
         buf.sub_(10.0)
         return (w * mask).sum()
 
-    received = _inductor_runs_fx(monkeypatch)
+    received = inductor_runs_fx(monkeypatch)
     w = torch.randn(8, requires_grad=True)
     with torch._functorch.config.patch(enable_autograd_cache=False):
         torch.compile(f, backend="lowprec", options={"recipe": "fp8-e5m2"})(w, torch.rand(8) + 0.5).backward()
@@ -420,7 +398,7 @@ def test_a_mask_of_an_input_mutated_in_place_is_saved_not_recomputed(monkeypatch
 def test_inference_graphs_get_no_joint_pass_record(monkeypatch):
     """Inductor runs joint-graph passes on inference graphs too; with nothing to
     partition they used to leave a "joint" record (and dump folder) of the inference graph."""
-    received = _inductor_runs_fx(monkeypatch)
+    received = inductor_runs_fx(monkeypatch)
     records = Records()
     model = mlp()
     with torch.no_grad(), torch._functorch.config.patch(enable_autograd_cache=False):
@@ -439,7 +417,7 @@ def test_inductor_gets_the_saved_weight_without_the_transpose_pair(monkeypatch):
     as FX (and AOT's cache is off: on a hit no compiler runs), so the graphs
     Inductor would receive are checked, and run, without Inductor's C++.
     """
-    received = _inductor_runs_fx(monkeypatch)
+    received = inductor_runs_fx(monkeypatch)
     records = Records()
     model = mlp()
     x = mlp_input()
@@ -448,6 +426,8 @@ def test_inductor_gets_the_saved_weight_without_the_transpose_pair(monkeypatch):
         got = step(model, lambda: torch.compile(model, backend="lowprec", options=options)(x))
     record = records.only()
     assert {(r.name, r.graph): r.nodes_removed for r in record.records if r.graph != "dynamo"} == {
+        ("use_bf16_matmuls", "joint"): 0,  # matmuls this small stay ATen's
+        ("remove_grid_marks", "joint"): 8,  # one per quantize
         ("recompute_bool_masks", "joint"): 0,
         ("remove_permute_pairs", "forward"): 1,
         ("remove_permute_pairs", "backward"): 0,

@@ -81,6 +81,9 @@ def test_unknown_option_key_names_it_and_lists_valid_ones():
         ({"recipe": "fp8-e5m2", "weight": 3}, "3", "dict"),
         ({"seed": "abc"}, "abc", "int"),
         ({"recipe": "fp8-e5m2", "loss_scale_interval": 5}, "loss_scale_interval", "adaptive"),
+        ({"matmul": "fp8"}, "fp8", "bf16"),
+        ({"recipe": "fp8-e5m2", "matmul": "bf16", "executor": "eager"}, "eager", "inductor"),
+        ({"recipe": "fp8-e5m2", "matmul": "bf16", "codegen": "triton"}, "triton", "inductor"),
     ],
 )
 def test_bad_values_name_the_value_and_what_is_valid(options, named, listed):

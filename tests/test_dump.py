@@ -410,7 +410,7 @@ def test_inductor_dump_end_to_end(dump_to):
     assert manifest["graphs"]["forward"]["decomposed"] and manifest["graphs"]["backward"]["decomposed"]
     assert len([n for n in manifest["inserted"] if n["graph"] == "dynamo"]) == 8
     # The joint graph AOT partitions, before and after the pass that steers the partitioner.
-    assert manifest["graphs"]["joint"]["final"] == "joint/01_recompute_bool_masks.py"
+    assert manifest["graphs"]["joint"]["final"] == "joint/03_recompute_bool_masks.py"
     assert (dump_to / "Sequential_0" / "joint" / "00_captured.py").exists()
 
 
