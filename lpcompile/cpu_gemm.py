@@ -66,10 +66,9 @@ def _library() -> ctypes.CDLL | str:
         return f"{shlex.join(cc)} could not build {SOURCE.name}: {err.stderr.decode(errors='replace')[-500:]}"
     except OSError as err:
         return f"could not build or load {SOURCE.name}: {err}"
-    i64 = ctypes.c_int64
-    lib.lp_mm_bf16.argtypes = [ctypes.c_void_p, i64, i64, ctypes.c_void_p, i64, i64, ctypes.c_void_p]
-    lib.lp_mm_bf16.argtypes += [i64, i64, i64, i64, ctypes.c_int]
-    lib.lp_mm_bf16.restype = ctypes.c_int
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    lib.lp_bmm_bf16.argtypes = [ptr, i64, i64, i64, ptr, i64, i64, i64, ptr, i64, i64, i64, i64, ctypes.c_int]
+    lib.lp_bmm_bf16.restype = ctypes.c_int
     return lib
 
 
@@ -79,34 +78,46 @@ def unavailable() -> str | None:
     return lib if isinstance(lib, str) else None
 
 
-def check_operands(a: torch.Tensor, b: torch.Tensor) -> None:
-    """``a @ b`` must be a product of two FP32 CPU matrices."""
-    if a.dim() != 2 or b.dim() != 2 or a.shape[1] != b.shape[0]:
-        shapes = f"{tuple(a.shape)} @ {tuple(b.shape)}"
-        raise ValueError(f"mm_bf16 multiplies matrices (M, K) @ (K, N), got {shapes}")
+def check_operands(a: torch.Tensor, b: torch.Tensor, batched: bool = False) -> None:
+    """``a @ b`` must be a product of two FP32 CPU matrices, or of two equal batches of them."""
+    name, dims = ("bmm_bf16", "(B, M, K) @ (B, K, N)") if batched else ("mm_bf16", "(M, K) @ (K, N)")
+    rank = 3 if batched else 2
+    if a.dim() != rank or b.dim() != rank or a.shape[-1] != b.shape[-2] or a.shape[:-2] != b.shape[:-2]:
+        raise ValueError(f"{name} multiplies {dims}, got {tuple(a.shape)} @ {tuple(b.shape)}")
     if a.dtype != torch.float32 or b.dtype != torch.float32:
-        raise ValueError(f"mm_bf16 takes float32 operands, got {a.dtype} and {b.dtype}")
+        raise ValueError(f"{name} takes float32 operands, got {a.dtype} and {b.dtype}")
     if a.device.type != "cpu" or b.device.type != "cpu":
-        raise ValueError(f"mm_bf16 runs on the CPU, got {a.device} and {b.device}")
+        raise ValueError(f"{name} runs on the CPU, got {a.device} and {b.device}")
 
 
-def mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """``a @ b`` in FP32 from bfloat16 products: exact only for operands bfloat16 holds.
+def _run(a: torch.Tensor, b: torch.Tensor, a_strides, b_strides, batch: int, m: int, k: int, n: int):
+    """The kernel on ``batch`` products of (m, k) @ (k, n) with the given strides."""
+    lib = _library()
+    if isinstance(lib, str):
+        raise RuntimeError(f"lowprec's bf16 matmul kernel is unavailable: {lib}")
+    out = torch.empty(batch, m, n, dtype=torch.float32)
+    operands = (a.data_ptr(), *a_strides, b.data_ptr(), *b_strides)
+    status = lib.lp_bmm_bf16(*operands, out.data_ptr(), batch, m, n, k, torch.get_num_threads())
+    if status != 0:
+        raise MemoryError(f"bf16 matmul: no memory to pack a {batch} x ({m}, {k}) @ ({k}, {n}) product")
+    return out
+
+
+def bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a @ b`` for batches of matrices, in FP32 from bfloat16 products: exact only
+    for operands bfloat16 holds.
 
     Values bfloat16 does not hold are cut to their high 16 bits: the caller
     guarantees the operands (the lowprec pass only rewrites matmuls of quantized
     tensors).
     """
+    check_operands(a, b, batched=True)
+    (batch, m, k), n = a.shape, b.shape[2]
+    return _run(a, b, a.stride(), b.stride(), batch, m, k, n)
+
+
+def mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a @ b`` for two matrices (see :func:`bmm`)."""
     check_operands(a, b)
-    lib = _library()
-    if isinstance(lib, str):
-        raise RuntimeError(f"lowprec's bf16 matmul kernel is unavailable: {lib}")
     (m, k), n = a.shape, b.shape[1]
-    out = torch.empty(m, n, dtype=torch.float32)
-    status = lib.lp_mm_bf16(
-        a.data_ptr(), a.stride(0), a.stride(1), b.data_ptr(), b.stride(0), b.stride(1),
-        out.data_ptr(), n, m, n, k, torch.get_num_threads(),
-    )  # fmt: skip
-    if status != 0:
-        raise MemoryError(f"mm_bf16: no memory to pack a ({m}, {k}) @ ({k}, {n}) product")
-    return out
+    return _run(a, b, (0, *a.stride()), (0, *b.stride()), 1, m, k, n).view(m, n)

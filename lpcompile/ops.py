@@ -14,8 +14,9 @@
   Inductor compiles (:func:`grid_marks`), the decomposition of an unscaled
   ``quantize`` ends in it, so the joint-graph passes know which tensors lie on
   which grid (``lpcompile.passes.matmul``); then they remove it.
-* ``lowprec::mm_bf16(a, b)``: ``a @ b`` on the CPU's bfloat16 dot products
-  (``lpcompile.cpu_gemm``), for operands bfloat16 holds exactly.
+* ``lowprec::mm_bf16(a, b)``, ``lowprec::bmm_bf16(a, b)``: ``a @ b`` on the
+  CPU's bfloat16 dot products (``lpcompile.cpu_gemm``), for operands bfloat16
+  holds exactly.
 
 The reference implementations below are plain torch ops on the FP32 bit
 pattern, in 32-bit integers. They are the eager kernels, the decomposition
@@ -216,12 +217,20 @@ def _lower_counter_bits(key: ir.TensorBox, shape: list) -> ir.TensorBox:
 _LIBRARY = torch.library.Library("lowprec", "FRAGMENT")
 _LIBRARY.define("mm_bf16(Tensor a, Tensor b) -> Tensor")
 _LIBRARY.impl("mm_bf16", cpu_gemm.mm, "CPU")
+_LIBRARY.define("bmm_bf16(Tensor a, Tensor b) -> Tensor")
+_LIBRARY.impl("bmm_bf16", cpu_gemm.bmm, "CPU")
 
 
 @torch.library.register_fake("lowprec::mm_bf16")
 def _(a, b):
     cpu_gemm.check_operands(a, b)
     return a.new_empty(a.shape[0], b.shape[1])
+
+
+@torch.library.register_fake("lowprec::bmm_bf16")
+def _(a, b):
+    cpu_gemm.check_operands(a, b, batched=True)
+    return a.new_empty(a.shape[0], a.shape[1], b.shape[2])
 
 
 @torch.library.custom_op("lowprec::quantize", mutates_args=())

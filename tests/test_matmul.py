@@ -56,6 +56,21 @@ def test_kernel_is_within_the_error_bound_of_an_fp32_gemm(m, k, n, layout):
 
 
 @needs_kernel
+@pytest.mark.parametrize("layout", ["contiguous", "transposed", "expanded"])
+def test_batched_kernel_is_within_the_error_bound(layout):
+    a, b = on_e5m2(5, 9, 70, seed=1), on_e5m2(5, 70, 33, seed=2)
+    if layout == "transposed":
+        a, b = on_e5m2(5, 70, 9, seed=1).transpose(1, 2), on_e5m2(33, 70, 5, seed=2).permute(2, 1, 0)
+    elif layout == "expanded":  # batch stride 0, as matmul's broadcasting leaves it
+        b = on_e5m2(1, 70, 33, seed=2).expand(5, 70, 33)
+    got = cpu_gemm.bmm(a, b)
+    assert got.shape == (5, 9, 33) and got.is_contiguous()
+    exact = a.double() @ b.double()
+    bound = 70 * 2.0**-24 * (a.double().abs() @ b.double().abs())
+    assert ((got.double() - exact).abs() <= bound).all()
+
+
+@needs_kernel
 def test_kernel_equals_torch_where_every_sum_is_exact():
     g = torch.Generator().manual_seed(0)
     a = torch.randint(-4, 5, (37, 70), generator=g).float()  # integers E5M2 holds
@@ -105,6 +120,8 @@ def test_kernel_refuses_what_it_cannot_multiply():
         cpu_gemm.mm(torch.ones(2, 3), torch.ones(4, 2))
     with pytest.raises(ValueError, match=r"\(M, K\) @ \(K, N\)"):
         cpu_gemm.mm(torch.ones(1, 2, 3), torch.ones(3, 2))
+    with pytest.raises(ValueError, match=r"\(B, M, K\) @ \(B, K, N\)"):
+        cpu_gemm.bmm(torch.ones(2, 2, 3), torch.ones(3, 3, 2))
 
 
 def test_which_formats_multiply_exactly_in_bf16():
@@ -126,8 +143,8 @@ def wide_input() -> torch.Tensor:
     return torch.randn(WIDTH, WIDTH, generator=torch.Generator().manual_seed(5))
 
 
-def compiled_step(model: nn.Module, options: dict):
-    x = wide_input()
+def compiled_step(model: nn.Module, options: dict, x: torch.Tensor | None = None):
+    x = wide_input() if x is None else x
     with torch._functorch.config.patch(enable_autograd_cache=False):
         return step(model, lambda: torch.compile(model, backend="lowprec", options=options)(x))
 
@@ -180,6 +197,34 @@ def test_matmul_fp32_and_formats_bf16_does_not_hold_keep_the_fp32_gemm(monkeypat
     record = records.only()
     ref = Ref.for_recipe(record.config.recipe, step_seed(0, 0), record.stream)
     assert torch.equal(got[0], step(model, lambda: mlp_ref(model, wide_input(), ref))[0])
+
+
+class Scores(nn.Module):
+    """Attention-like scores ``q @ q^T`` of a projection: a bmm of two activations."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.proj = nn.Linear(64, 64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q = self.proj(x)
+        return torch.matmul(q, q.transpose(1, 2))
+
+
+@needs_kernel
+def test_a_batched_matmul_of_quantized_activations_runs_on_the_kernel(monkeypatch):
+    """Forward ``q @ q^T`` and both of its backward products (8 x 64 x 64 x 64 each)."""
+    received = inductor_runs_fx(monkeypatch)
+    x = torch.randn(8, 64, 64, generator=torch.Generator().manual_seed(2))
+    results = []
+    for matmul in ("auto", "fp32"):
+        torch._dynamo.reset()
+        results.append(compiled_step(Scores(), {"recipe": "fp8-e5m2-sr", "matmul": matmul}, x))
+        bmm = torch.ops.lowprec.bmm_bf16.default
+        kernels = [count(received[kind], bmm) for kind in ("forward", "backward")]
+        assert kernels == ([1, 2] if matmul == "auto" else [0, 0]), matmul
+    assert_close_step(*results)
 
 
 @needs_kernel

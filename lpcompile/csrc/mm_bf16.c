@@ -6,8 +6,8 @@
  * MR x NR block of C accumulates in FP32 with _mm512_dpbf16_ps: every product
  * of two bfloat16 values is exact in FP32, so the result differs from an FP32
  * GEMM's only in the order of the FP32 additions. A and B may have any
- * strides; C is row-major with leading dimension ldc. Built and loaded by
- * lpcompile/cpu_gemm.py.
+ * strides; C is contiguous. A batch of products shares one parallel region.
+ * Built and loaded by lpcompile/cpu_gemm.py.
  */
 #include <immintrin.h>
 #include <stdint.h>
@@ -48,36 +48,39 @@ static uint32_t* scratch_for(size_t words) {
   return scratch;
 }
 
-/* Pack rows [0, rows) x K of X (row stride sr, K stride sk) into panels of
- * `width` rows: out[(panel * KP + p) * width + r] holds X[r][2p], X[r][2p + 1].
- * Reads run along whichever of X's dimensions is contiguous. */
-static void pack(const float* x, int64_t sr, int64_t sk, int64_t rows, int64_t K, int width, uint32_t* out) {
+/* Pack rows [0, rows) x K of each of `batch` matrices X (batch stride sb, row
+ * stride sr, K stride sk) into panels of `width` rows: for q = matrix * panels +
+ * panel, out[(q * KP + p) * width + r] holds X[r][2p], X[r][2p + 1] of that
+ * panel's row r. Reads run along whichever of X's dimensions is contiguous. */
+static void pack(const float* x, int64_t sb, int64_t sr, int64_t sk, int64_t batch, int64_t rows, int64_t K,
+                 int width, uint32_t* out) {
   int64_t KP = (K + 1) / 2, panels = (rows + width - 1) / width;
   if (sr == 1 && sk != 1) {
 #pragma omp for collapse(2)
-    for (int64_t panel = 0; panel < panels; panel++)
+    for (int64_t q = 0; q < batch * panels; q++)
       for (int64_t p = 0; p < KP; p++)
         for (int r = 0; r < width; r++) {
-          int64_t row = panel * width + r, k = 2 * p;
+          int64_t row = q % panels * width + r, k = 2 * p;
+          const float* src = x + q / panels * sb;
           uint32_t v = 0;
           if (row < rows) {
-            v = bf16_bits(x[row + k * sk]);
-            if (k + 1 < K) v |= bf16_bits(x[row + (k + 1) * sk]) << 16;
+            v = bf16_bits(src[row + k * sk]);
+            if (k + 1 < K) v |= bf16_bits(src[row + (k + 1) * sk]) << 16;
           }
-          out[(panel * KP + p) * width + r] = v;
+          out[(q * KP + p) * width + r] = v;
         }
     return;
   }
 #pragma omp for collapse(2)
-  for (int64_t panel = 0; panel < panels; panel++)
+  for (int64_t q = 0; q < batch * panels; q++)
     for (int r = 0; r < width; r++) {
-      int64_t row = panel * width + r;
-      uint32_t* dst = out + panel * KP * width + r;
+      int64_t row = q % panels * width + r;
+      uint32_t* dst = out + q * KP * width + r;
       if (row >= rows) {
         for (int64_t p = 0; p < KP; p++) dst[p * width] = 0;
         continue;
       }
-      const float* src = x + row * sr;
+      const float* src = x + q / panels * sb + row * sr;
       for (int64_t p = 0; p < K / 2; p++)
         dst[p * width] = bf16_bits(src[2 * p * sk]) | bf16_bits(src[(2 * p + 1) * sk]) << 16;
       if (K % 2) dst[(KP - 1) * width] = bf16_bits(src[(K - 1) * sk]);
@@ -106,30 +109,33 @@ static void block(const uint32_t* a, const uint32_t* b, int64_t KP, float* c, in
   }
 }
 
-/* C[M, N] = A[M, K] @ B[K, N] on `threads` OpenMP threads. Returns 0, or -1
- * when the scratch for the packed operands cannot be allocated. */
-int lp_mm_bf16(const float* A, int64_t sam, int64_t sak, const float* B, int64_t sbk, int64_t sbn, float* C,
-               int64_t ldc, int64_t M, int64_t N, int64_t K, int threads) {
-  if (M == 0 || N == 0) return 0;
+/* C[i] = A[i] @ B[i] for i < batch, A[i] (M, K) and B[i] (K, N) with the given
+ * strides, C contiguous (batch, M, N), on `threads` OpenMP threads. Returns 0,
+ * or -1 when the scratch for the packed operands cannot be allocated. */
+int lp_bmm_bf16(const float* A, int64_t sab, int64_t sam, int64_t sak, const float* B, int64_t sbb, int64_t sbk,
+                int64_t sbn, float* C, int64_t batch, int64_t M, int64_t N, int64_t K, int threads) {
+  if (batch == 0 || M == 0 || N == 0) return 0;
   if (K == 0) {
-    for (int64_t m = 0; m < M; m++) memset(C + m * ldc, 0, N * sizeof(float));
+    memset(C, 0, (size_t)(batch * M * N) * sizeof(float));
     return 0;
   }
   int64_t KP = (K + 1) / 2, MB = (M + MR - 1) / MR, NB = (N + NR - 1) / NR;
-  size_t a_words = ((size_t)(MB * MR * KP) + 15) / 16 * 16; /* b starts 64-byte aligned */
-  uint32_t* a = scratch_for(a_words + (size_t)(NB * NR * KP));
+  size_t a_words = ((size_t)(batch * MB * MR * KP) + 15) / 16 * 16; /* b starts 64-byte aligned */
+  uint32_t* a = scratch_for(a_words + (size_t)(batch * NB * NR * KP));
   if (!a) return -1;
   uint32_t* b = a + a_words;
 #pragma omp parallel num_threads(threads)
   {
-    pack(A, sam, sak, M, K, MR, a);
-    pack(B, sbn, sbk, N, K, NR, b); /* B's columns are the rows of B^T */
-#pragma omp for collapse(2)
-    for (int64_t nb = 0; nb < NB; nb++)
-      for (int64_t mb = 0; mb < MB; mb++) {
-        int64_t rows = M - mb * MR < MR ? M - mb * MR : MR, cols = N - nb * NR < NR ? N - nb * NR : NR;
-        block(a + mb * KP * MR, b + nb * KP * NR, KP, C + mb * MR * ldc + nb * NR, ldc, rows, cols);
-      }
+    pack(A, sab, sam, sak, batch, M, K, MR, a);
+    pack(B, sbb, sbn, sbk, batch, N, K, NR, b); /* B's columns are the rows of B^T */
+#pragma omp for collapse(3)
+    for (int64_t i = 0; i < batch; i++)
+      for (int64_t nb = 0; nb < NB; nb++)
+        for (int64_t mb = 0; mb < MB; mb++) {
+          int64_t rows = M - mb * MR < MR ? M - mb * MR : MR, cols = N - nb * NR < NR ? N - nb * NR : NR;
+          block(a + (i * MB + mb) * KP * MR, b + (i * NB + nb) * KP * NR, KP, C + (i * M + mb * MR) * N + nb * NR,
+                N, rows, cols);
+        }
   }
   release_large_scratch();
   return 0;

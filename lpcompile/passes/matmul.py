@@ -2,13 +2,13 @@
 
 Every E5M2 or E4M3 value is a bfloat16 value, and the product of two is exact
 in FP32. So a matmul whose two operands were both just quantized to such a
-format can run on AVX512-BF16 instructions (``lowprec::mm_bf16``) with FP32
+format can run on AVX512-BF16 instructions (``lowprec::mm_bf16``, ``bmm_bf16``) with FP32
 accumulation and give what an FP32 GEMM gives, up to the order of the FP32
 additions, at about twice the speed on CPUs that have them.
 
 Inductor's decomposition of an unscaled ``quantize`` ends in a
 ``lowprec::on_grid`` mark naming the format (``lpcompile.ops``).
-``use_bf16_matmuls`` follows each ``mm``/``addmm`` operand back through views to
+``use_bf16_matmuls`` follows each ``mm``/``addmm``/``bmm`` operand back through views to
 such a mark; ``remove_grid_marks`` then takes the marks out, so the partitioner
 and Inductor see the graph without them.
 """
@@ -26,7 +26,12 @@ from lpcompile.passes import CompileContext
 
 aten = torch.ops.aten
 ON_GRID = torch.ops.lowprec.on_grid.default
-MM_BF16 = torch.ops.lowprec.mm_bf16.default
+# What each matmul becomes when both operands qualify.
+KERNELS = {
+    aten.mm.default: torch.ops.lowprec.mm_bf16.default,
+    aten.addmm.default: torch.ops.lowprec.mm_bf16.default,
+    aten.bmm.default: torch.ops.lowprec.bmm_bf16.default,
+}
 # Ops whose output holds exactly their input's values.
 VALUE_PRESERVING = frozenset(
     {
@@ -72,8 +77,11 @@ def _fp32_cpu(node: torch.fx.Node) -> bool:
 
 
 def _worth_it(node: torch.fx.Node) -> bool:
-    (m, k), n = node.args[-2].meta["val"].shape, node.args[-1].meta["val"].shape[1]
-    return optimization_hint(m, 0) * optimization_hint(n, 0) * optimization_hint(k, 0) >= MIN_MACS
+    a, b = node.args[-2].meta["val"].shape, node.args[-1].meta["val"].shape
+    macs = 1
+    for size in (*a, b[-1]):  # [batch,] M, K and N
+        macs *= optimization_hint(size, 0)
+    return macs >= MIN_MACS
 
 
 def _rewritable(node: torch.fx.Node) -> bool:
@@ -93,7 +101,7 @@ def uses_bf16_kernel(config: LowPrecConfig) -> bool:
 
 
 def use_bf16_matmuls(gm: torch.fx.GraphModule, ctx: CompileContext) -> None:
-    """Run ``mm``/``addmm`` of two quantized FP32 CPU operands as ``lowprec::mm_bf16``.
+    """Run ``mm``/``addmm``/``bmm`` of two quantized FP32 CPU operands on the bf16 kernel.
 
     Only with ``matmul="auto"`` (when the kernel is available here) or ``"bf16"``;
     ``addmm(bias, a, b)`` becomes ``mm_bf16(a, b) + bias``.
@@ -101,12 +109,12 @@ def use_bf16_matmuls(gm: torch.fx.GraphModule, ctx: CompileContext) -> None:
     if not uses_bf16_kernel(ctx.config):
         return  # matmul="bf16" without the kernel was refused before compiling
     graph = gm.graph
-    for target in (aten.mm.default, aten.addmm.default):
+    for target, kernel in KERNELS.items():
         for node in list(graph.find_nodes(op="call_function", target=target)):
             if not _rewritable(node):
                 continue
             with graph.inserting_before(node):
-                product = graph.call_function(MM_BF16, tuple(node.args[-2:]))
+                product = graph.call_function(kernel, tuple(node.args[-2:]))
                 product.meta = dict(node.meta)
                 result = product
                 if target is aten.addmm.default:
