@@ -202,10 +202,10 @@ def test_matmul_fp32_and_formats_bf16_does_not_hold_keep_the_fp32_gemm(monkeypat
 class Scores(nn.Module):
     """Attention-like scores ``q @ q^T`` of a projection: a bmm of two activations."""
 
-    def __init__(self) -> None:
+    def __init__(self, width: int = 64) -> None:
         super().__init__()
         torch.manual_seed(0)
-        self.proj = nn.Linear(64, 64)
+        self.proj = nn.Linear(width, width)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         q = self.proj(x)
@@ -225,6 +225,16 @@ def test_a_batched_matmul_of_quantized_activations_runs_on_the_kernel(monkeypatc
         kernels = [count(received[kind], bmm) for kind in ("forward", "backward")]
         assert kernels == ([1, 2] if matmul == "auto" else [0, 0]), matmul
     assert_close_step(*results)
+
+
+@needs_kernel
+def test_a_batch_of_small_matrices_keeps_atens_bmm(monkeypatch):
+    """512 products of 16x16x16: 2^21 multiply-adds in all, but 2^12 per matrix."""
+    received = inductor_runs_fx(monkeypatch)
+    x = torch.randn(512, 16, 16, generator=torch.Generator().manual_seed(2))
+    compiled_step(Scores(width=16), {"recipe": "fp8-e5m2-sr"}, x)
+    assert count(received["forward"], torch.ops.aten.bmm.default) == 1
+    assert all(count(gm, torch.ops.lowprec.bmm_bf16.default) == 0 for gm in received.values())
 
 
 @needs_kernel

@@ -51,6 +51,9 @@ VALUE_PRESERVING = frozenset(
 # Below this many multiply-adds ATen's lower call overhead wins (break-even
 # measured at 2^21 on this repository's 2-core AMD EPYC: 64x512x64 and 512x64x64).
 MIN_MACS = 1 << 21
+# A bmm also needs this many per matrix: below it the kernel's padding of each
+# matrix to 8x32 blocks loses to ATen's bmm (break-even near 2^16: 32 x 32x64x32).
+MIN_MACS_PER_MATRIX = 1 << 17
 
 
 def exact_in_bf16_products(fmt: FloatFormat) -> bool:
@@ -78,10 +81,9 @@ def _fp32_cpu(node: torch.fx.Node) -> bool:
 
 def _worth_it(node: torch.fx.Node) -> bool:
     a, b = node.args[-2].meta["val"].shape, node.args[-1].meta["val"].shape
-    macs = 1
-    for size in (*a, b[-1]):  # [batch,] M, K and N
-        macs *= optimization_hint(size, 0)
-    return macs >= MIN_MACS
+    m, k, n = (optimization_hint(size, 0) for size in (*a[-2:], b[-1]))
+    batch = optimization_hint(a[0], 0) if len(a) == 3 else 1
+    return batch * m * k * n >= MIN_MACS and m * k * n >= (MIN_MACS_PER_MATRIX if len(a) == 3 else 0)
 
 
 def _rewritable(node: torch.fx.Node) -> bool:
