@@ -1,4 +1,4 @@
-"""``lowprec::mm_bf16`` (the AVX512-BF16 kernel) and the joint-graph pass that uses it.
+"""``lowprec::mm_bf16`` and ``bmm_bf16`` (the AVX512-BF16 kernel) and the joint-graph pass that uses them.
 
 The kernel's results are held to the error bound of any FP32-accumulated dot
 product, |error| <= K * 2^-24 * (|A| @ |B|): it adds the same exact products as
