@@ -98,7 +98,7 @@ def _rewritable(node: torch.fx.Node) -> bool:
 
 
 def uses_bf16_kernel(config: LowPrecConfig) -> bool:
-    """Whether quantized matmuls may run on ``lowprec::mm_bf16`` under ``config`` here."""
+    """Whether quantized matmuls may run on the bf16 kernel (``mm_bf16``, ``bmm_bf16``) here."""
     return config.matmul != "fp32" and cpu_gemm.unavailable() is None
 
 
