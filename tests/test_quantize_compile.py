@@ -10,6 +10,7 @@ import math
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch._dynamo.testing import CompileCounter, CompileCounterWithBackend
 from torch._inductor.utils import run_and_get_code
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -135,6 +136,28 @@ def test_inductor_fuses_the_decomposition():
     got, (code, *_) = run_and_get_code(torch.compile(f, fullgraph=True), x, torch.tensor(9))
     assert_bits_equal(got, f(x, torch.tensor(9)), "compiled")
     assert "lowprec" not in code.replace("cpp_fused_quantize", ""), "the custom op was not decomposed"
+
+
+def test_quantize_into_a_convolution_stores_no_bit_patterns():
+    """GroupNorm, ReLU and a quantize feeding a convolution that Inductor runs
+    channels-last on CPUs: the kernel writes the quantized floats in the
+    convolution's layout and no int32 buffer. (The sign once went back on as
+    bits before an int32 -> float32 view; Inductor then stored those bits
+    contiguous and transposed them into the convolution's layout.)"""
+
+    def f(x, w1, w2, gamma, beta):
+        h = F.relu(F.group_norm(F.conv2d(x, w1, padding=1), 2, gamma, beta))
+        return F.conv2d(q(h, "e5m2", "nearest", "saturate", None, 0, None), w2)
+
+    g = torch.Generator().manual_seed(0)
+    shapes = [(2, 3, 16, 16), (8, 3, 3, 3), (8, 8, 3, 3), (8,), (8,)]
+    args = [torch.randn(s, generator=g) for s in shapes]
+    got, (code, *_) = run_and_get_code(torch.compile(f, fullgraph=True), *args)
+    activation = "empty_strided_cpu((2, 8, 16, 16)"
+    int32_buffers = [line.strip() for line in code.splitlines() if activation in line and "int32" in line]
+    assert not int32_buffers, int32_buffers
+    # Only the convolutions' summation order may differ from eager's.
+    torch.testing.assert_close(got, f(*args), rtol=1e-5, atol=1e-5)
 
 
 # ---------------------------------------------------------------- opcheck
