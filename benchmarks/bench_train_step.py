@@ -4,19 +4,35 @@ A step is forward, backward and an SGD update. "fp8 eager" runs the same
 FP8 numerics (recipe fp8-e5m2-sr) without compilation: the lowprec graphs
 executed op by op (``executor="eager"``), which is the eager reference.
 "fp8-e5m2 compiled" (round to nearest everywhere, no random bits) shows how
-much of the compiled FP8 step is stochastic rounding.
+much of the compiled FP8 step is stochastic rounding. The issue's two models
+are the MLP and the digits CNN; the 32x32 CNN shows a convolutional step whose
+time is not mostly per-call overhead.
+
+The eager steps allocate a fresh tensor per op. With glibc's default malloc,
+buffers above its mmap threshold come from fresh pages and are page-faulted in
+on every step; the threshold rises as large blocks are freed, so the eager
+times depend on what the process allocated before (the 32x32 CNN's FP8 eager
+step: 55 ms after the MLP's cases, 103 ms run alone). ``--malloc keep``
+re-runs the script with malloc keeping freed memory (``GLIBC_TUNABLES``), which
+takes that history out, and writes ``train_step_malloc_keep.md``.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
+import sys
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from benchmarks.common import interleaved_times, write_results
 from lpcompile.models import MLP, DigitsCNN
+
+# malloc serves blocks up to 32 MiB from its heap and never trims it.
+KEEP_TUNABLES = "glibc.malloc.mmap_threshold=33554432:glibc.malloc.trim_threshold=4294967296"
 
 FP8 = {"recipe": "fp8-e5m2-sr"}
 VARIANTS = {
@@ -28,6 +44,15 @@ VARIANTS = {
 }
 
 
+def cnn32(width: int = 32) -> nn.Sequential:
+    """Three strided convolutions with GroupNorm for 3x32x32 images (CIFAR-sized)."""
+    layers: list[nn.Module] = []
+    for i, (c_in, c_out) in enumerate([(3, width), (width, 2 * width), (2 * width, 4 * width)]):
+        conv = nn.Conv2d(c_in, c_out, 3, stride=1 if i == 0 else 2, padding=1)
+        layers += [conv, nn.GroupNorm(4, c_out), nn.ReLU()]
+    return nn.Sequential(*layers, nn.Flatten(), nn.Linear(4 * width * 8 * 8, 10))
+
+
 # The models timed, with their input batch and labels.
 CASES = {
     "MLP 784-1024-1024-10, batch 128": (
@@ -36,6 +61,7 @@ CASES = {
         torch.randint(0, 10, (128,)),
     ),
     "digits CNN, batch 64": (DigitsCNN, torch.rand(64, 1, 8, 8), torch.randint(0, 10, (64,))),
+    "CNN 3x32x32, batch 32": (cnn32, torch.randn(32, 3, 32, 32), torch.randint(0, 10, (32,))),
 }
 
 
@@ -66,7 +92,15 @@ def step_fn(model_fn, x, y, backend):
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument("--malloc", choices=["default", "keep"], default="default")
     args = parser.parse_args()
+    if args.malloc == "keep" and os.environ.get("GLIBC_TUNABLES") != KEEP_TUNABLES:
+        # glibc reads its tunables at start-up: run again with them set.
+        os.execve(
+            sys.executable,
+            [sys.executable, "-m", "benchmarks.bench_train_step", *sys.argv[1:]],
+            {**os.environ, "GLIBC_TUNABLES": KEEP_TUNABLES},
+        )
     rows = ["| model | variant | step ms | × fp32 inductor | fp8 eager ÷ this |", "|---|---|---|---|---|"]
     checks = []
     for case, (model_fn, x, y) in CASES.items():
@@ -85,7 +119,12 @@ def main() -> None:
             f"| {case} | {fp8 / times['fp32 inductor']:.2f}× (target ≤ 1.5×) "
             f"| {eager / fp8:.1f}× (target ≥ 5×) | {eager / times['fp32 inductor']:.1f}× |"
         )
-    body = "\n".join(rows)
+    malloc = (
+        f"malloc: glibc with `GLIBC_TUNABLES={KEEP_TUNABLES}` (freed memory kept, no page faults on reuse)"
+        if args.malloc == "keep"
+        else "malloc: glibc defaults (eager times depend on allocation history; see the script's docstring)"
+    )
+    body = malloc + "\n\n" + "\n".join(rows)
     body += (
         f"\n\nMedian step of each variant over {args.rounds} rounds; a round runs 10 steps of"
         " every variant in turn (after 3 warm-up steps, compile excluded).\n\n"
@@ -101,7 +140,8 @@ def main() -> None:
         " than fp32 Inductor."
     )
     print(body)
-    write_results("train_step", "Training-step time (bench_train_step.py)", body)
+    name = "train_step" if args.malloc == "default" else "train_step_malloc_keep"
+    write_results(name, f"Training-step time (bench_train_step.py --malloc {args.malloc})", body)
 
 
 if __name__ == "__main__":
