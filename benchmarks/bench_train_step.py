@@ -45,7 +45,7 @@ VARIANTS = {
 
 
 def cnn32(width: int = 32) -> nn.Sequential:
-    """Three strided convolutions with GroupNorm for 3x32x32 images (CIFAR-sized)."""
+    """Three convolutions (the last two strided) with GroupNorm for 3x32x32 images (CIFAR-sized)."""
     layers: list[nn.Module] = []
     for i, (c_in, c_out) in enumerate([(3, width), (width, 2 * width), (2 * width, 4 * width)]):
         conv = nn.Conv2d(c_in, c_out, 3, stride=1 if i == 0 else 2, padding=1)
