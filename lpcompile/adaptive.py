@@ -203,7 +203,8 @@ class AdaptiveScaleState:
         stay finite; so when ``found_inf`` (the step found inf/NaN in some gradient)
         and no probe saw one, the layers' weight gradients are checked too.
         """
-        hit = [] if self.flags.grad is None else torch.nonzero(self.flags.grad > 0).flatten().tolist()
+        counts = [] if self.flags.grad is None else self.flags.grad.tolist()
+        hit = [i for i, count in enumerate(counts) if count > 0]
         if found_inf and not hit:
             grads = [None if w is None or w() is None else w().grad for w in self.weights]
             hit = [i for i, g in enumerate(grads) if g is not None and not bool(torch.isfinite(g).all())]
