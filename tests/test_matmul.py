@@ -80,6 +80,22 @@ def test_kernel_equals_torch_where_every_sum_is_exact():
 
 
 @needs_kernel
+@pytest.mark.parametrize("n", [528, 520])
+def test_kernel_streams_a_large_output_to_memory(n):
+    """Outputs of 2^17 floats or more go out with non-temporal stores where a block is
+    whole and aligned (n=528: a row is 33 vectors; the last 16 columns and the last 5
+    rows take ordinary stores); with n=520 rows are not 64-byte aligned and every store
+    is ordinary. Exact sums, so equal to torch; batched as well."""
+    g = torch.Generator().manual_seed(0)
+    a = torch.randint(-4, 5, (517, 70), generator=g).float()
+    b = torch.randint(-4, 5, (70, n), generator=g).float() * 0.25
+    assert a.shape[0] * n >= 1 << 17
+    assert torch.equal(cpu_gemm.mm(a, b), a @ b)
+    a3, b3 = a[:512].reshape(2, 256, 70), torch.stack([b, b.flip(1)])
+    assert torch.equal(cpu_gemm.bmm(a3, b3), a3 @ b3)
+
+
+@needs_kernel
 @pytest.mark.parametrize("m,k,n", [(0, 5, 3), (4, 0, 3), (4, 5, 0)])
 def test_kernel_with_an_empty_dimension(m, k, n):
     a, b = torch.ones(m, k), torch.ones(k, n)
