@@ -11,6 +11,10 @@ any gradient does, with no mutation inside the graph:
   zeros and FP32 subnormals, bin 255 inf and NaN), then the sum and the sum of
   squares of the finite values;
 * ``stats="nonfinite"``: the number of inf/NaN values (a scalar probe).
+
+The histogram traces into ``index_add`` (what the Triton codegen fuses);
+:func:`count_bins` is the same count as one opaque call, which
+``passes.histogram.count_histograms_serially`` puts in its place for Inductor.
 """
 
 from __future__ import annotations
@@ -35,6 +39,21 @@ def gradient_stats(grad: torch.Tensor, stats: str) -> torch.Tensor:
     finite = torch.where(torch.isfinite(g), g, 0.0)
     moments = torch.stack([finite.sum(), (finite * finite).sum()])
     return torch.cat([counts, moments])
+
+
+@torch.library.custom_op("lowprec::count_bins", mutates_args=())
+def count_bins(bins: torch.Tensor, size: int) -> torch.Tensor:
+    """How many elements of the integer tensor ``bins`` hold each of ``0 .. size-1``
+    (FP32 counts, as ``index_add(zeros(size), 0, bins.view(-1), ones)`` makes them)."""
+    counts = torch.bincount(bins.reshape(-1), minlength=size)
+    if counts.numel() != size:
+        raise ValueError(f"count_bins: a bin index is {counts.numel() - 1}, outside 0..{size - 1}")
+    return counts.to(torch.float32)
+
+
+@count_bins.register_fake
+def _(bins, size):
+    return bins.new_empty((size,), dtype=torch.float32)
 
 
 @torch.library.custom_op("lowprec::scale_grad", mutates_args=())

@@ -34,6 +34,7 @@ from lpcompile.adaptive import AdaptiveScaleState
 from lpcompile.codegen import fuse_lowprec_kernels
 from lpcompile.config import LowPrecConfig
 from lpcompile.passes import CompileContext, PassRecord, Site, run_passes
+from lpcompile.passes.histogram import count_histograms_serially
 from lpcompile.passes.layout import remove_permute_pairs
 from lpcompile.passes.loss_scale import insert_loss_scale
 from lpcompile.passes.matmul import remove_grid_marks, use_bf16_matmuls, uses_bf16_kernel
@@ -49,7 +50,7 @@ ATEN_PASSES = (annotate_lowprec_nodes,)
 # each AOT graph before Inductor compiles it.
 JOINT_PASSES = (use_bf16_matmuls, remove_grid_marks, recompute_bool_masks)
 INFERENCE_PASSES = (use_bf16_matmuls, remove_grid_marks)
-INDUCTOR_PASSES = (remove_permute_pairs,)
+INDUCTOR_PASSES = (remove_permute_pairs, count_histograms_serially)
 # codegen="triton": after the passes, each fusion group becomes one generated Triton kernel.
 CODEGEN_PASSES = (fuse_lowprec_kernels,)
 
@@ -174,11 +175,12 @@ def source_hash(package: Path) -> str:
     """Hash of the modules whose Python ends up in Inductor's compiled code: the
     operators (``*ops*.py``: decompositions and autograd rules), what they call,
     the passes run inside Inductor's compile (``passes/partition.py``,
-    ``passes/layout.py``, ``passes/matmul.py``) and the pass lists that name
-    them (this module)."""
+    ``passes/layout.py``, ``passes/matmul.py``, ``passes/histogram.py``) and the pass
+    lists that name them (this module)."""
     digest = hashlib.sha256()
     traced = [p for p in sorted(package.glob("*.py")) if "ops" in p.stem or p.stem in ("rng", "formats")]
-    passes = [package / "passes" / name for name in ("partition.py", "layout.py", "matmul.py")]
+    inductor_passes = ("partition.py", "layout.py", "matmul.py", "histogram.py")
+    passes = [package / "passes" / name for name in inductor_passes]
     passes.append(package / "backend.py")
     for path in (*traced, *passes):
         digest.update(path.read_bytes())
