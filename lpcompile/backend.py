@@ -283,9 +283,10 @@ def lowprec(
     def state_for(args: Sequence[Any]) -> AdaptiveScaleState:
         key = default_key if key_input is None else args[key_input]
         key = getattr(key, "lowprec_state_key", key)  # a stand-in's owner (pipeline weight slots)
-        if key not in states:
-            states[key] = layout.new_state(tuple(args))
-        return states[key]
+        state = states.get(key)
+        if state is None:
+            state = states[key] = layout.new_state(tuple(args))
+        return state
 
     first = state_for(inputs)
     recording = compile_variant(own_copy(gm), first.example_inputs(True), "[stats]")

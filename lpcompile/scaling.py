@@ -45,7 +45,7 @@ from typing import Any
 
 import torch
 
-from lpcompile.adaptive import defer_states
+from lpcompile.adaptive import defer_states, live_states
 from lpcompile.telemetry import adaptive_states
 
 MODES = ("static", "dynamic", "enhanced", "adaptive")
@@ -265,6 +265,12 @@ class LossScaler:
         flags = [f.to(device) for f in state["found_inf_per_device"].values()]
         return sum(flags[1:], flags[0]) if flags else torch.zeros((), device=device)
 
+    def _found_inf_bool(self, state: dict[str, Any], device: torch.device) -> bool:
+        """Whether ``state``'s optimizer saw inf/NaN (read once, by ``step``, or here)."""
+        if "found_inf" not in state:
+            state["found_inf"] = bool(self._found_inf(state, device).item())
+        return state["found_inf"]
+
     def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
         """Unscale (unless :meth:`unscale_` did) and step ``optimizer`` if all grads are finite.
 
@@ -285,7 +291,8 @@ class LossScaler:
                 state["found_inf_per_device"] = self._unscale_grads(optimizer, torch.ones_like(scale))
             optimizer.grad_scale = None if state["stage"] is _Stage.UNSCALED else scale
             optimizer.found_inf = self._found_inf(state, scale.device)
-            self.skipped_steps += int(bool(optimizer.found_inf.item()))
+            state["found_inf"] = bool(optimizer.found_inf.item())
+            self.skipped_steps += int(state["found_inf"])
             try:
                 retval = optimizer.step(*args, **kwargs)
             finally:
@@ -297,7 +304,7 @@ class LossScaler:
         if not state["found_inf_per_device"]:
             raise RuntimeError("step() found no gradients on this optimizer's parameters")
         retval = None
-        if not self._found_inf(state, scale.device).item():
+        if not self._found_inf_bool(state, scale.device):
             retval = optimizer.step(*args, **kwargs)
         else:
             self.skipped_steps += 1
@@ -321,21 +328,18 @@ class LossScaler:
             else:
                 scale.fill_(float(new_scale))
         else:
-            flags = [
-                flag.to(scale.device)
-                for state in self._per_optimizer.values()
-                for flag in state["found_inf_per_device"].values()
-            ]
-            if not flags:
+            optimizers = list(self._per_optimizer.values())
+            if not any(state["found_inf_per_device"] for state in optimizers):
                 raise RuntimeError("update() found no inf checks: call step() (or unscale_()) first")
             if self.mode == "adaptive":
-                found_inf = bool(sum(flags[1:], flags[0]).item())
-                states = adaptive_states()
+                found_inf = any(self._found_inf_bool(state, scale.device) for state in optimizers)
+                states = live_states()
                 hit = [state.back_off(found_inf) for state in states]
                 if found_inf and not any(hit):  # no layer's gradients show it: back off them all
                     for state in states:
                         state.back_off(everywhere=True)
             elif self.mode != "static":
+                flags = [self._found_inf(state, scale.device) for state in optimizers]
                 torch._amp_update_scale_(
                     scale,
                     self._tracker,

@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import lpcompile  # noqa: F401  (registers the ops and the backend)
+from lpcompile.adaptive import live_states
 from lpcompile.adaptive_ops import STATS_SIZE, gradient_stats
 from lpcompile.backend import COMPILED_GRAPHS, step_seed
 from lpcompile.formats import parse_format
@@ -332,6 +333,7 @@ def test_resume_continues_with_the_checkpointed_scales(warm_up):
     del model, run
     gc.collect()
     assert adaptive_states() == [], "a dropped model's state is still registered"
+    assert live_states() == [], "a dropped model's state is still visited by LossScaler.update"
 
     torch._dynamo.reset()
     model = _mlp()
