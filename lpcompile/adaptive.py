@@ -207,6 +207,13 @@ class AdaptiveScaleState:
         for t, s in reversed(list(zip(self.telemetry, scales, strict=True))):
             t.cumulative, t.scale, above = s, s / above, s
 
+    def trained_by(self, params: set[int]) -> bool:
+        """Whether an optimizer holding the parameters with these ids trains this state's
+        layers (so its scaler backs them off); a state whose layers read no parameter
+        belongs to every scaler."""
+        weights = [w() for w in self.weights if w is not None]
+        return not weights or any(id(getattr(w, "lowprec_state_key", w)) in params for w in weights)
+
     def overflowed(self, found_inf: bool = False) -> list[int]:
         """Indices of layers whose gradients held inf/NaN since the last back-off.
 

@@ -16,8 +16,10 @@ updates the scale. Modes (:data:`MODES`):
 * ``"adaptive"``: for models compiled with ``loss_scale="adaptive"`` (per-layer
   scales in the graph, Zhao et al. 2019). The loss itself is not scaled
   (``init_scale`` defaults to 1); steps with non-finite gradients are skipped
-  and ``update`` halves the scale of each layer whose gradients overflowed.
-  ``state_dict`` carries the per-layer scales and telemetry.
+  and ``update`` halves the scale of each layer whose gradients overflowed,
+  among the models whose parameters the stepped optimizers hold (two models
+  with their own scalers do not back off each other's layers). ``state_dict``
+  carries the per-layer scales and telemetry (of every compiled model).
 
 Usage is ``GradScaler``'s::
 
@@ -127,7 +129,7 @@ class _Stage(Enum):
 
 
 def _fresh_state() -> dict[str, Any]:
-    return {"stage": _Stage.READY, "found_inf_per_device": {}}
+    return {"stage": _Stage.READY, "found_inf_per_device": {}, "param_groups": []}
 
 
 class LossScaler:
@@ -259,6 +261,7 @@ class LossScaler:
             raise RuntimeError("unscale_() is being called after step().")
         inv_scale = scale.double().reciprocal().float()
         state["found_inf_per_device"] = self._unscale_grads(optimizer, inv_scale)
+        state["param_groups"] = optimizer.param_groups
         state["stage"] = _Stage.UNSCALED
 
     def _found_inf(self, state: dict[str, Any], device: torch.device) -> torch.Tensor:
@@ -289,6 +292,7 @@ class LossScaler:
             # The optimizer unscales and skips by itself (GradScaler's protocol).
             if state["stage"] is _Stage.READY:
                 state["found_inf_per_device"] = self._unscale_grads(optimizer, torch.ones_like(scale))
+                state["param_groups"] = optimizer.param_groups
             optimizer.grad_scale = None if state["stage"] is _Stage.UNSCALED else scale
             optimizer.found_inf = self._found_inf(state, scale.device)
             state["found_inf"] = bool(optimizer.found_inf.item())
@@ -333,7 +337,10 @@ class LossScaler:
                 raise RuntimeError("update() found no inf checks: call step() (or unscale_()) first")
             if self.mode == "adaptive":
                 found_inf = any(self._found_inf_bool(state, scale.device) for state in optimizers)
-                states = live_states()
+                params = {
+                    id(p) for state in optimizers for group in state["param_groups"] for p in group["params"]
+                }
+                states = [state for state in live_states() if state.trained_by(params)]
                 hit = [state.back_off(found_inf) for state in states]
                 if found_inf and not any(hit):  # no layer's gradients show it: back off them all
                     for state in states:

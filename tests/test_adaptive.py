@@ -234,6 +234,38 @@ def test_overflow_skips_the_step_and_backs_off_the_layer(bias):
         assert state.scales[i] == expected
 
 
+def test_each_scaler_backs_off_only_the_model_its_optimizer_trains():
+    """Two models, each with its own optimizer and scaler, in one process: one model's
+    overflow is read, and its scales backed off, by its own scaler alone."""
+    x = torch.randn(8, 12)
+    models = [_mlp(), _mlp()]
+    runs = [_adaptive(model) for model in models]
+    opts = [torch.optim.SGD(model.parameters(), lr=0.1) for model in models]
+    scalers = [LossScaler("adaptive"), LossScaler("adaptive")]
+
+    def backward(i, k):
+        opts[i].zero_grad()
+        scalers[i].scale(runs[i](x).square().mean() * k).backward()
+
+    for _ in range(2):  # settle the scales
+        for i in (0, 1):
+            backward(i, 1e-4)
+            scalers[i].step(opts[i])
+            scalers[i].update()
+    states = [adaptive_states(model)[0] for model in models]
+    backward(0, 1e-4)
+    backward(1, 1e6)  # model 1's E5M2 errors overflow in all three layers (see above)
+    used = [state.scales.clone() for state in states]
+    scalers[0].step(opts[0])
+    scalers[0].update()
+    assert scalers[0].skipped_steps == 0 and torch.equal(states[0].scales, used[0])
+    assert torch.equal(states[1].scales, used[1]), "model 0's scaler backed off model 1's layers"
+    scalers[1].step(opts[1])
+    scalers[1].update()
+    assert scalers[1].skipped_steps == 1
+    assert torch.equal(states[1].scales, used[1] / 2), (used[1], states[1].scales)
+
+
 def test_weight_gradient_overflow_backs_off_its_layer():
     """A weight gradient sums over the batch: it can overflow E5M2 while the layer's
     error and bias gradient stay finite, so the in-graph probe (on the bias gradient)
