@@ -8,8 +8,9 @@ One :class:`AdaptiveScaleState` belongs to each compiled graph rewritten by
   histogram. It requires grad only on refresh calls, which run a second
   compiled variant of the graph; the other calls skip the statistics;
 * ``flags`` (L,): a probe whose gradient counts inf/NaN in one gradient of
-  each layer (its smallest: bias, input or weight), every call (for
-  ``LossScaler("adaptive")``). It accumulates over backward passes (gradient
+  each layer without a trained weight (its smallest input gradient), every
+  call (for ``LossScaler("adaptive")``; a trained weight's gradient shows the
+  layer's overflow instead). It accumulates over backward passes (gradient
   accumulation) until :meth:`AdaptiveScaleState.back_off` reads it.
 
 Every ``interval`` calls (the first included) the backward records the
@@ -217,17 +218,17 @@ class AdaptiveScaleState:
     def overflowed(self, found_inf: bool = False) -> list[int]:
         """Indices of layers whose gradients held inf/NaN since the last back-off.
 
-        The in-graph probe sees each layer's smallest gradient. A weight gradient,
-        a sum over the batch, can overflow while the layer's error and bias gradient
-        stay finite; so when ``found_inf`` (the step found inf/NaN in some gradient)
-        and no probe saw one, the layers' weight gradients are checked too.
+        The in-graph probe counts them in layers without a trained weight. The
+        others show an overflow in their weight gradient (a product of the layer's
+        error, or a sum over the batch that overflowed by itself): when
+        ``found_inf`` (the step found inf/NaN in some gradient) those are checked.
         """
         counts = [] if self.flags.grad is None else self.flags.grad.tolist()
-        hit = [i for i, count in enumerate(counts) if count > 0]
-        if found_inf and not hit:
+        hit = {i for i, count in enumerate(counts) if count > 0}
+        if found_inf:
             grads = [None if w is None or w() is None else w().grad for w in self.weights]
-            hit = [i for i, g in enumerate(grads) if g is not None and not bool(torch.isfinite(g).all())]
-        return hit
+            hit |= {i for i, g in enumerate(grads) if g is not None and not bool(torch.isfinite(g).all())}
+        return sorted(hit)
 
     def back_off(self, found_inf: bool = False, everywhere: bool = False) -> list[str]:
         """Halve the scale of every layer that overflowed (see :meth:`overflowed`), or of

@@ -337,9 +337,8 @@ class LossScaler:
                 raise RuntimeError("update() found no inf checks: call step() (or unscale_()) first")
             if self.mode == "adaptive":
                 found_inf = any(self._found_inf_bool(state, scale.device) for state in optimizers)
-                params = {
-                    id(p) for state in optimizers for group in state["param_groups"] for p in group["params"]
-                }
+                groups = [group for state in optimizers for group in state["param_groups"]]
+                params = {id(p) for group in groups for p in group["params"]}
                 states = [state for state in live_states() if state.trained_by(params)]
                 hit = [state.back_off(found_inf) for state in states]
                 if found_inf and not any(hit):  # no layer's gradients show it: back off them all

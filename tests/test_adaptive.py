@@ -223,7 +223,7 @@ def test_overflow_skips_the_step_and_backs_off_the_layer(bias):
     opt.zero_grad()
     scaler.scale(run(x).square().mean() * 1e6).backward()  # E5M2 errors overflow to inf
     before_scales = state.scales.clone()  # the scales this call used
-    overflowed = state.overflowed()
+    overflowed = state.overflowed(found_inf=True)  # the layers' weight gradients show it
     scaler.step(opt)
     scaler.update()
     assert overflowed == [0, 1, 2], "the top layer overflows and its inf reaches the layers below"
@@ -264,6 +264,43 @@ def test_each_scaler_backs_off_only_the_model_its_optimizer_trains():
     scalers[1].update()
     assert scalers[1].skipped_steps == 1
     assert torch.equal(states[1].scales, used[1] / 2), (used[1], states[1].scales)
+
+
+class _SelfProduct(nn.Module):
+    """A matmul of two activations between two linear layers: a layer with no weight."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b = nn.Linear(12, 16), nn.Linear(8, 5)
+
+    def forward(self, x):
+        h = self.a(x)
+        return self.b(h @ h.t())
+
+
+def test_a_layer_without_a_weight_counts_its_overflow_in_graph():
+    """Only the matmul of two activations gets the in-graph inf/NaN probe; the linear
+    layers' overflows show in their weight gradients, which the step checks."""
+    model = _SelfProduct()
+    run = _adaptive(model, interval=1000)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = LossScaler("adaptive")
+    x = torch.randn(8, 12)
+    for k in (1e-4, 1e8):  # a step to set the scales, then an overflow
+        opt.zero_grad()
+        scaler.scale(run(x).square().mean() * k).backward()
+        (state,) = adaptive_states(model)
+        used = state.scales.tolist()
+        probed = state.overflowed()
+        scaler.step(opt)
+        scaler.update()
+    forward = _graph_of(model).aten_graphs["forward"]
+    probes = [n for n in forward.graph.nodes if "nonfinite" in n.args]
+    assert len(probes) == 1 and state.layers[1] not in ("a", "b")
+    assert probed == [1], state.layers
+    assert scaler.skipped_steps == 1
+    assert state.scales.tolist() == [s / 2 for s in used]
 
 
 def test_weight_gradient_overflow_backs_off_its_layer():
@@ -308,7 +345,7 @@ def test_an_overflow_in_any_micro_batch_is_backed_off():
             scaler.scale(run(x).square().mean() * k).backward()
         (state,) = adaptive_states(model)
         used = state.scales.tolist()
-        flagged = state.overflowed()  # the probes alone, before any weight gradient is read
+        flagged = state.overflowed(found_inf=True)  # the accumulated weight gradients
         scaler.step(opt)
         scaler.update()
     assert flagged == [0, 1, 2]
