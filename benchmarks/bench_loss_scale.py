@@ -3,7 +3,11 @@
 1. Overhead: mean step time (forward, backward, SGD) of the 784-1024-1024-10 MLP,
    batch 128, compiled with Inductor: fp8-e5m2-sr with a fixed loss scale vs
    fp8-e5m2-als refreshing every K steps. The mean over a multiple of K steps
-   includes the refresh steps (a median would hide them).
+   includes the refresh steps (a median would hide them). By default malloc keeps
+   freed memory (``--malloc keep``, see ``benchmarks.common.use_malloc``): with
+   glibc's defaults the steps' 3-4 MB gradient buffers are page-faulted in or not
+   depending on allocation history, and one-process A/B overheads of the same
+   code ranged from -2% to +12%.
 2. The experiment of the slow test: a deep tanh MLP with E4M3 errors (round to
    nearest) on the digits set, fixed scales 1, 2^8, 2^16 vs adaptive.
 """
@@ -16,7 +20,7 @@ import statistics
 import torch
 import torch.nn.functional as F
 
-from benchmarks.common import interleaved_times, write_results
+from benchmarks.common import MALLOC_NOTES, interleaved_times, use_malloc, write_results
 from lpcompile.experiments import compare_loss_scaling, format_runs
 from lpcompile.models import MLP
 from lpcompile.scaling import LossScaler
@@ -48,7 +52,9 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=1200)
     parser.add_argument("--skip-experiment", action="store_true")
+    parser.add_argument("--malloc", choices=["default", "keep"], default="keep")
     args = parser.parse_args()
+    use_malloc(args.malloc, "benchmarks.bench_loss_scale")
     if args.steps % 100:
         parser.error("--steps must be a multiple of 100, so every variant runs whole refresh intervals")
     variants = {"fixed scale 2^8": ({"recipe": "fp8-e5m2-sr"}, "static")}
@@ -66,7 +72,8 @@ def main() -> None:
         mean, median = statistics.fmean(ts), statistics.median(ts)
         rows.append(f"| {name} | {mean * 1e3:.2f} | {100 * (mean / fixed - 1):+.1f}% | {median * 1e3:.2f} |")
     print("\n".join(rows), flush=True)
-    body = "## Overhead (MLP 784-1024-1024-10, batch 128, Inductor)\n\n" + "\n".join(rows)
+    body = "## Overhead (MLP 784-1024-1024-10, batch 128, Inductor)\n\n" + MALLOC_NOTES[args.malloc] + "\n\n"
+    body += "\n".join(rows)
     body += (
         f"\n\nMean over {args.steps} steps of each variant (after 5 warm-up steps), run one step of"
         " each in turn; the means include the refresh steps (every K-th), which a median"

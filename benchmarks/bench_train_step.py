@@ -20,19 +20,14 @@ takes that history out, and writes ``train_step_malloc_keep.md``.
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
-import sys
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from benchmarks.common import interleaved_times, write_results
+from benchmarks.common import MALLOC_NOTES, interleaved_times, use_malloc, write_results
 from lpcompile.models import MLP, DigitsCNN
-
-# malloc serves blocks up to 32 MiB from its heap and never trims it.
-KEEP_TUNABLES = "glibc.malloc.mmap_threshold=33554432:glibc.malloc.trim_threshold=4294967296"
 
 FP8 = {"recipe": "fp8-e5m2-sr"}
 VARIANTS = {
@@ -94,13 +89,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--malloc", choices=["default", "keep"], default="default")
     args = parser.parse_args()
-    if args.malloc == "keep" and os.environ.get("GLIBC_TUNABLES") != KEEP_TUNABLES:
-        # glibc reads its tunables at start-up: run again with them set.
-        os.execve(
-            sys.executable,
-            [sys.executable, "-m", "benchmarks.bench_train_step", *sys.argv[1:]],
-            {**os.environ, "GLIBC_TUNABLES": KEEP_TUNABLES},
-        )
+    use_malloc(args.malloc, "benchmarks.bench_train_step")
     rows = ["| model | variant | step ms | × fp32 inductor | fp8 eager ÷ this |", "|---|---|---|---|---|"]
     checks = []
     for case, (model_fn, x, y) in CASES.items():
@@ -119,11 +108,9 @@ def main() -> None:
             f"| {case} | {fp8 / times['fp32 inductor']:.2f}× (target ≤ 1.5×) "
             f"| {eager / fp8:.1f}× (target ≥ 5×) | {eager / times['fp32 inductor']:.1f}× |"
         )
-    malloc = (
-        f"malloc: glibc with `GLIBC_TUNABLES={KEEP_TUNABLES}` (freed memory kept, no page faults on reuse)"
-        if args.malloc == "keep"
-        else "malloc: glibc defaults (eager times depend on allocation history; see the script's docstring)"
-    )
+    malloc = MALLOC_NOTES[args.malloc]
+    if args.malloc == "default":
+        malloc += " (eager times depend on allocation history; see the script's docstring)"
     body = malloc + "\n\n" + "\n".join(rows)
     body += (
         f"\n\nMedian step of each variant over {args.rounds} rounds; a round runs 10 steps of"

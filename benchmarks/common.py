@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import platform
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -11,6 +12,31 @@ from pathlib import Path
 import torch
 
 RESULTS = Path(__file__).parent / "results"
+
+# malloc serves blocks up to 32 MiB from its heap and never trims it.
+KEEP_TUNABLES = "glibc.malloc.mmap_threshold=33554432:glibc.malloc.trim_threshold=4294967296"
+MALLOC_NOTES = {
+    "default": "malloc: glibc defaults",
+    "keep": f"malloc: glibc with `GLIBC_TUNABLES={KEEP_TUNABLES}`"
+    " (freed memory kept, no page faults on reuse)",
+}
+
+
+def use_malloc(mode: str, module: str) -> None:
+    """With ``mode="keep"``, run ``python -m module`` again (same arguments) with glibc's
+    malloc keeping freed memory, unless this process already does.
+
+    With glibc's defaults, blocks above the mmap threshold (which moves with what the
+    process freed before) come from fresh pages, page-faulted in on every use, and
+    freed heap tops are trimmed: step times then depend on allocation history.
+    """
+    if mode == "keep" and os.environ.get("GLIBC_TUNABLES") != KEEP_TUNABLES:
+        # glibc reads its tunables at start-up: run again with them set.
+        os.execve(
+            sys.executable,
+            [sys.executable, "-m", module, *sys.argv[1:]],
+            {**os.environ, "GLIBC_TUNABLES": KEEP_TUNABLES},
+        )
 
 
 def interleaved_times(
