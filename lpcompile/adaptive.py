@@ -1,9 +1,10 @@
 """Per-layer adaptive loss scaling: the state a compiled graph reads, and its telemetry.
 
 One :class:`AdaptiveScaleState` belongs to each compiled graph rewritten by
-``insert_loss_scale``. It owns three tensors the graph takes as inputs:
+``insert_loss_scale``. It owns the tensors the graph takes as inputs:
 
-* ``scales`` (L,): the power-of-two scale ``s_i`` of each layer's error;
+* ``scales`` (L,): the power-of-two scale ``s_i`` of each layer's error, and
+  ``inverses``, their reciprocals (for the unscaling);
 * ``hist`` (L, STATS_SIZE): a probe whose gradient is each layer's error
   histogram. It requires grad only on refresh calls, which run a second
   compiled variant of the graph; the other calls skip the statistics;
@@ -40,6 +41,7 @@ from lpcompile.scale_rules import (
 
 # Names of the graph inputs that insert_loss_scale adds.
 SCALES_INPUT, HIST_INPUT, FLAGS_INPUT = "lowprec_scales", "lowprec_hist", "lowprec_flags"
+INVERSES_INPUT = "lowprec_inverse_scales"
 
 # Every state alive, for LossScaler.update's per-step visit; a dead state's reference
 # removes itself. Walking the compiled graphs' records instead (telemetry.adaptive_states)
@@ -161,6 +163,18 @@ class AdaptiveScaleState:
         self._set([float(config.init)] * count)
         _live.append(weakref.ref(self, _live.remove))
 
+    @property
+    def scales(self) -> torch.Tensor:
+        """The scales ``s_i`` the next call reads (a new tensor whenever they change)."""
+        return self._scales
+
+    @scales.setter
+    def scales(self, value: torch.Tensor) -> None:
+        self._scales = value
+        # 1/s_i, exact for powers of two, as an input of its own: a division by s_i in
+        # Inductor's loops is redone per vector (the scale's pointer may alias the output)
+        self.inverses = value.reciprocal()
+
     def next_inputs(self) -> tuple[dict[str, torch.Tensor], bool]:
         """The graph inputs for the next call, and whether it records statistics.
 
@@ -178,7 +192,8 @@ class AdaptiveScaleState:
     def example_inputs(self, recording: bool) -> dict[str, torch.Tensor]:
         """Graph inputs by name; the histogram probe requires grad only when recording."""
         hist = self.hist if recording else self.hist_off
-        return {SCALES_INPUT: self.scales, HIST_INPUT: hist, FLAGS_INPUT: self.flags}
+        scales = {SCALES_INPUT: self.scales, INVERSES_INPUT: self.inverses}
+        return {**scales, HIST_INPUT: hist, FLAGS_INPUT: self.flags}
 
     def refresh(self, stats: torch.Tensor) -> None:
         """Set new scales from per-layer statistics by the configured rule."""

@@ -6,7 +6,8 @@ matmul/conv that the quantize pass keeps) it inserts ``lowprec::scale_grad``:
 * on the output, with scale ``s_i`` and the histogram probe: in the backward
   the error entering the layer is measured, then multiplied by ``s_i`` before
   its quantize (which ``insert_quantize`` puts between the layer and this node);
-* on every input (activation, weight, bias), with scale ``1/s_i``: the layer's
+* on every input (activation, weight, bias), with scale ``1/s_i`` (an input of
+  its own, so compiled loops multiply rather than divide): the layer's
   input gradient and weight gradient leave it in true units, the weight
   gradient after its quantize. In a layer without a trained weight (e.g. a
   matmul of two activations) the smallest of these gradients also carries the
@@ -29,7 +30,7 @@ import torch
 import torch.fx
 from torch.fx.experimental.symbolic_shapes import optimization_hint
 
-from lpcompile.adaptive import FLAGS_INPUT, HIST_INPUT, SCALES_INPUT, AdaptiveLayout
+from lpcompile.adaptive import FLAGS_INPUT, HIST_INPUT, INVERSES_INPUT, SCALES_INPUT, AdaptiveLayout
 from lpcompile.adaptive_ops import STATS_SIZE
 from lpcompile.passes import CompileContext
 from lpcompile.passes.quantize import SCALE_GRAD, base_of, kept_layers, layer_name, parameter_of
@@ -70,6 +71,7 @@ def insert_loss_scale(gm: torch.fx.GraphModule, ctx: CompileContext) -> None:
     count = len(calls)
     placeholders = gm.graph.find_nodes(op="placeholder")
     scales = ctx.add_input(gm, SCALES_INPUT, torch.ones(count))
+    inverses = ctx.add_input(gm, INVERSES_INPUT, torch.ones(count))
     hist = ctx.add_input(gm, HIST_INPUT, torch.zeros(count, STATS_SIZE))
     flags = ctx.add_input(gm, FLAGS_INPUT, torch.zeros(count))
     layers, weight_inputs = [], []
@@ -77,7 +79,7 @@ def insert_loss_scale(gm: torch.fx.GraphModule, ctx: CompileContext) -> None:
         layer = layer_name(call)
         with gm.graph.inserting_before(call):
             scale = gm.graph.call_function(torch.select, (scales, 0, i))
-            inverse = gm.graph.call_function(torch.reciprocal, (scale,))
+            inverse = gm.graph.call_function(torch.select, (inverses, 0, i))
             hist_i = gm.graph.call_function(torch.select, (hist, 0, i))
             flag_i = gm.graph.call_function(torch.select, (flags, 0, i))
             inputs = [(index, arg) for index, arg in enumerate(call.args[:3]) if _needs_grad(arg)]
