@@ -15,7 +15,7 @@ matmul/conv that the quantize pass keeps) it inserts ``lowprec::scale_grad``:
   inf/NaN there shows in all of them. A layer with a trained weight gets no
   probe: an inf/NaN in its error shows in that weight's gradient, which
   ``LossScaler`` checks anyway (the per-call count, fused into the backward's
-  kernels, made the adaptive MLP's backward 2% slower).
+  kernels, made the adaptive MLP's backward 3-5% slower).
 
 ``s_i`` is the paper's cumulative scale ``A_i`` (the rules and bounds are in
 ``lpcompile.scale_rules``). Unscaling at each layer's inputs, in FP32 and by
