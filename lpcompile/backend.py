@@ -35,7 +35,7 @@ from lpcompile.codegen import fuse_lowprec_kernels
 from lpcompile.config import LowPrecConfig
 from lpcompile.passes import CompileContext, PassRecord, Site, run_passes
 from lpcompile.passes.histogram import count_histograms_serially
-from lpcompile.passes.layout import remove_permute_pairs
+from lpcompile.passes.layout import prefers_contiguous_layout, remove_permute_pairs
 from lpcompile.passes.loss_scale import insert_loss_scale
 from lpcompile.passes.matmul import remove_grid_marks, use_bf16_matmuls, uses_bf16_kernel
 from lpcompile.passes.partition import recompute_bool_masks
@@ -71,6 +71,8 @@ class CompiledGraph:
     # compiled graph between instances of a module class), keyed by its first weight.
     adaptive: WeakIdKeyDictionary | None = None  # first weight -> AdaptiveScaleState
     fused: list = field(default_factory=list)  # codegen.KernelRecord of every generated kernel
+    # Inductor settings lowprec chose for this graph (executor="inductor")
+    inductor_options: dict[str, Any] = field(default_factory=dict)
 
     @property
     def kernels(self) -> dict[str, str]:
@@ -187,8 +189,9 @@ def source_hash(package: Path) -> str:
     return digest.hexdigest()
 
 
-def _config_patches(ctx: CompileContext, tag: str) -> dict[str, Any]:
-    return {"post_grad_custom_post_pass": SourceStamp(), "joint_custom_post_pass": JointPasses(ctx, tag)}
+def _config_patches(ctx: CompileContext, tag: str, record: CompiledGraph) -> dict[str, Any]:
+    patches = {"post_grad_custom_post_pass": SourceStamp(), "joint_custom_post_pass": JointPasses(ctx, tag)}
+    return {**patches, **record.inductor_options}
 
 
 def _aten_compiler(ctx: CompileContext, record: CompiledGraph, kind: str) -> Callable:
@@ -236,7 +239,7 @@ def _execute(
                 gm,
                 example_inputs,
                 inner_compile=_inductor_compiler(inner, ctx, tag),
-                config_patches=_config_patches(ctx, tag),
+                config_patches=_config_patches(ctx, tag, record),
             )
     dump.graph_compiled(record, gm, tag)  # LOWPREC_DUMP: write what was done to this graph
     return compiled
@@ -256,6 +259,9 @@ def lowprec(
         gm = run_passes(own_copy(gm), (*GRAPH_PASSES, *PIPELINE_GRAPH_PASSES), ctx, graph="dynamo")
     elif config.quantizes:
         gm = run_passes(own_copy(gm), GRAPH_PASSES, ctx, graph="dynamo")
+    inductor = config.executor == "inductor" and config.codegen != "triton"
+    if inductor and prefers_contiguous_layout(gm):  # small CPU convolutions: see passes/layout.py
+        record.inductor_options["layout_optimization"] = False
     inputs = list(example_inputs)
     if not ctx.inputs:
         return _execute(gm, inputs, ctx, record)

@@ -520,3 +520,35 @@ def test_operands_passed_by_keyword_are_quantized_too(loss_scale):
     records = Records()
     compile_(_KeywordLinear("weight="), "fp8-e5m2", exclude="w")(x).sum().backward()
     assert records.only().sites == {}
+
+
+@pytest.mark.parametrize("size, contiguous", [(8, True), (16, True), (32, False)])
+def test_small_cpu_convolutions_run_without_inductors_channels_last_layout(monkeypatch, size, contiguous):
+    """Channels-last conversions cost more than they gain for small images (see
+    ``lpcompile.passes.layout``): the backend turns Inductor's layout optimization off
+    for graphs whose convolutions all read at most 16x16 pixels."""
+    import contextlib
+
+    from functorch.compile import make_boxed_func
+
+    from lpcompile import dump
+
+    seen = []
+
+    def inner(gm, example_inputs, *args, **kwargs):
+        seen.append(torch._inductor.config.layout_optimization)  # as compile_fx patched it
+        return make_boxed_func(gm)
+
+    monkeypatch.setattr(dump, "capture_inductor", lambda record, tag: contextlib.nullcontext(inner))
+    records = Records()
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Conv2d(3, 4, 3, padding=1), nn.ReLU(), nn.Flatten(), nn.Linear(4 * size * size, 2)
+    )
+    x = torch.randn(2, 3, size, size)
+    options = {"recipe": "fp8-e5m2-sr", "executor": "inductor"}
+    with torch._functorch.config.patch(enable_autograd_cache=False):
+        step(model, lambda: torch.compile(model, backend="lowprec", options=options)(x))
+    assert seen == [not contiguous] * 2  # forward and backward
+    expected = {"layout_optimization": False} if contiguous else {}
+    assert records.only().inductor_options == expected
