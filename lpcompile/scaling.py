@@ -337,12 +337,17 @@ class LossScaler:
                 raise RuntimeError("update() found no inf checks: call step() (or unscale_()) first")
             if self.mode == "adaptive":
                 found_inf = any(self._found_inf_bool(state, scale.device) for state in optimizers)
+                states = live_states()
                 # without inf/NaN in the step, only states whose in-graph probes counted some
-                states = [s for s in live_states() if found_inf or s.flags.grad is not None]
-                if states:
+                if found_inf or any(state.flags.grad is not None for state in states):
                     groups = [group for state in optimizers for group in state["param_groups"]]
                     params = {id(p) for group in groups for p in group["params"]}
-                    states = [state for state in states if state.trained_by(params)]
+                    # optimizers that hold copies of the weights (FP32 masters kept apart) train
+                    # no state by these ids: then every state is theirs, as with one model
+                    mine = [state for state in states if state.trained_by(params)] or states
+                    states = [s for s in mine if found_inf or s.flags.grad is not None]
+                else:
+                    states = []
                 hit = [state.back_off(found_inf) for state in states]
                 if found_inf and not any(hit):  # no layer's gradients show it: back off them all
                     for state in states:

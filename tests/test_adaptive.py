@@ -266,6 +266,29 @@ def test_each_scaler_backs_off_only_the_model_its_optimizer_trains():
     assert torch.equal(states[1].scales, used[1] / 2), (used[1], states[1].scales)
 
 
+def test_an_optimizer_of_master_copies_still_backs_off_the_model():
+    """An optimizer over FP32 copies of the weights (grads copied over by hand, as in
+    apex-style master weights) trains no compiled model by identity: its scaler then
+    treats every model as its own, so an overflow still backs off the layers."""
+    model = _mlp()
+    run = _adaptive(model, interval=1000)
+    masters = [p.detach().clone().requires_grad_() for p in model.parameters()]
+    opt = torch.optim.SGD(masters, lr=0.1)
+    scaler = LossScaler("adaptive")
+    x = torch.randn(8, 12)
+    for k in (1e-4, 1e6):  # a step to set the scales, then an overflow in all three layers
+        model.zero_grad()
+        scaler.scale(run(x).square().mean() * k).backward()
+        for master, p in zip(masters, model.parameters(), strict=True):
+            master.grad = p.grad.clone()
+        (state,) = adaptive_states(model)
+        used = state.scales.tolist()
+        scaler.step(opt)
+        scaler.update()
+    assert scaler.skipped_steps == 1
+    assert state.scales.tolist() == [s / 2 for s in used]
+
+
 class _SelfProduct(nn.Module):
     """A matmul of two activations between two linear layers: a layer with no weight."""
 
