@@ -266,25 +266,36 @@ def test_each_scaler_backs_off_only_the_model_its_optimizer_trains():
     assert torch.equal(states[1].scales, used[1] / 2), (used[1], states[1].scales)
 
 
+def _train_steps(model, run, opt, scaler, multipliers, before_step=lambda state: None):
+    """A step per loss multiplier (on fixed inputs); returns the model's adaptive state
+    and the scales the last step used. ``before_step(state)`` runs after each backward."""
+    x = torch.randn(8, 12)
+    for k in multipliers:
+        model.zero_grad()
+        scaler.scale(run(x).square().mean() * k).backward()
+        (state,) = adaptive_states(model)
+        used = state.scales.tolist()
+        before_step(state)
+        scaler.step(opt)
+        scaler.update()
+    return state, used
+
+
 def test_an_optimizer_of_master_copies_still_backs_off_the_model():
     """An optimizer over FP32 copies of the weights (grads copied over by hand, as in
     apex-style master weights) trains no compiled model by identity: its scaler then
     treats every model as its own, so an overflow still backs off the layers."""
     model = _mlp()
-    run = _adaptive(model, interval=1000)
     masters = [p.detach().clone().requires_grad_() for p in model.parameters()]
-    opt = torch.optim.SGD(masters, lr=0.1)
     scaler = LossScaler("adaptive")
-    x = torch.randn(8, 12)
-    for k in (1e-4, 1e6):  # a step to set the scales, then an overflow in all three layers
-        model.zero_grad()
-        scaler.scale(run(x).square().mean() * k).backward()
+
+    def copy_grads(state):
         for master, p in zip(masters, model.parameters(), strict=True):
             master.grad = p.grad.clone()
-        (state,) = adaptive_states(model)
-        used = state.scales.tolist()
-        scaler.step(opt)
-        scaler.update()
+
+    # a step to set the scales, then an overflow in all three layers
+    args = (model, _adaptive(model, interval=1000), torch.optim.SGD(masters, lr=0.1), scaler)
+    state, used = _train_steps(*args, (1e-4, 1e6), copy_grads)
     assert scaler.skipped_steps == 1
     assert state.scales.tolist() == [s / 2 for s in used]
 
@@ -306,22 +317,15 @@ def test_a_layer_without_a_weight_counts_its_overflow_in_graph():
     """Only the matmul of two activations gets the in-graph inf/NaN probe; the linear
     layers' overflows show in their weight gradients, which the step checks."""
     model = _SelfProduct()
-    run = _adaptive(model, interval=1000)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
     scaler = LossScaler("adaptive")
-    x = torch.randn(8, 12)
-    for k in (1e-4, 1e8):  # a step to set the scales, then an overflow
-        opt.zero_grad()
-        scaler.scale(run(x).square().mean() * k).backward()
-        (state,) = adaptive_states(model)
-        used = state.scales.tolist()
-        probed = state.overflowed()
-        scaler.step(opt)
-        scaler.update()
+    probed = []
+    args = (model, _adaptive(model, interval=1000), torch.optim.SGD(model.parameters(), lr=0.1), scaler)
+    # a step to set the scales, then an overflow; the probes alone, before the step
+    state, used = _train_steps(*args, (1e-4, 1e8), lambda state: probed.append(state.overflowed()))
     forward = _graph_of(model).aten_graphs["forward"]
     probes = [n for n in forward.graph.nodes if "nonfinite" in n.args]
     assert len(probes) == 1 and state.layers[1] not in ("a", "b")
-    assert probed == [1], state.layers
+    assert probed == [[], [1]], state.layers
     assert scaler.skipped_steps == 1
     assert state.scales.tolist() == [s / 2 for s in used]
 
@@ -381,19 +385,20 @@ def test_an_overflow_no_layer_shows_backs_off_every_layer():
     """An inf in a gradient outside the lowprec layers (here set by hand on an extra
     parameter): the step is skipped and, with no layer to blame, every layer backs off."""
     model = _mlp()
-    run = _adaptive(model, interval=1000)
     extra = nn.Parameter(torch.zeros(3))
-    opt = torch.optim.SGD([*model.parameters(), extra], lr=0.1)
     scaler = LossScaler("adaptive")
-    x = torch.randn(8, 12)
-    for bad in (False, False, True):
-        opt.zero_grad()
-        scaler.scale(run(x).square().mean() * 1e-4).backward()
-        extra.grad = torch.tensor([0.0, float("inf") if bad else 0.0, 0.0])
-        (state,) = adaptive_states(model)
-        used = state.scales.tolist()
-        scaler.step(opt)
-        scaler.update()
+    calls = iter((False, False, True))
+
+    def set_extra_grad(state):
+        extra.grad = torch.tensor([0.0, float("inf") if next(calls) else 0.0, 0.0])
+
+    args = (
+        model,
+        _adaptive(model, interval=1000),
+        torch.optim.SGD([*model.parameters(), extra], lr=0.1),
+        scaler,
+    )
+    state, used = _train_steps(*args, (1e-4,) * 3, set_extra_grad)
     assert scaler.skipped_steps == 1
     assert state.scales.tolist() == [s / 2 for s in used]
     assert [t.overflow for t in state.telemetry] == [1, 1, 1]
