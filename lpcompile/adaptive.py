@@ -141,7 +141,14 @@ class AdaptiveLayout:
 
 
 class AdaptiveScaleState:
-    """Scales, probes and telemetry of one model's layers in one compiled graph."""
+    """Scales, probes and telemetry of one model's layers in one compiled graph.
+
+    ``calibrating``: the scales have not yet been set from statistics (the initial
+    ones, or a cascade of refreshes still raising them by more than a binade); the
+    last call's gradients came from errors quantized at such scales, and
+    ``LossScaler`` skips their step (after turning that call's statistics into
+    scales, which may end the calibration).
+    """
 
     def __init__(
         self, layout: AdaptiveLayout, weights: list[weakref.ref | None], device: torch.device
@@ -159,6 +166,9 @@ class AdaptiveScaleState:
         self.flags = torch.zeros(count, device=device, requires_grad=True)
         self.calls = 0
         self.recorded = self.scales  # the scales the last recording call read
+        # Until the scales come from statistics, every call records them and its
+        # gradients (errors quantized at the initial scale) are not to be stepped on.
+        self.calibrating = config.rule != "fixed"
         self.telemetry = [LayerTelemetry(name) for name in self.layers]
         self._set([float(config.init)] * count)
         _live.append(weakref.ref(self, _live.remove))
@@ -179,11 +189,10 @@ class AdaptiveScaleState:
         """The graph inputs for the next call, and whether it records statistics.
 
         First turns the statistics of the last recording call into new scales.
+        While :attr:`calibrating`, every call records.
         """
-        if self.hist.grad is not None:
-            self.refresh(self.hist.grad)
-            self.hist.grad = None
-        recording = self.calls % self.config.interval == 0
+        self.refresh_pending()
+        recording = self.calibrating or self.calls % self.config.interval == 0
         if recording:
             self.recorded = self.scales
         self.calls += 1
@@ -194,6 +203,12 @@ class AdaptiveScaleState:
         hist = self.hist if recording else self.hist_off
         scales = {SCALES_INPUT: self.scales, INVERSES_INPUT: self.inverses}
         return {**scales, HIST_INPUT: hist, FLAGS_INPUT: self.flags}
+
+    def refresh_pending(self) -> None:
+        """Turn the statistics of the last recording call, if not yet done, into scales."""
+        if self.hist.grad is not None:
+            self.refresh(self.hist.grad)
+            self.hist.grad = None
 
     def refresh(self, stats: torch.Tensor) -> None:
         """Set new scales from per-layer statistics by the configured rule."""
@@ -213,7 +228,15 @@ class AdaptiveScaleState:
                 for s, w in zip(stats, self.weights, strict=True)
             ]
         caps = [overflow_cap(s, self.fmt) for s in stats]
-        self._set(bound_scales(needed, self.scales.tolist(), caps, self.config.bounds(self.fmt)))
+        scales = bound_scales(needed, self.scales.tolist(), caps, self.config.bounds(self.fmt))
+        self._set(scales)
+        # Calibrated once a call's scales were within a binade of what its statistics ask
+        # for: errors that underflowed hid the layers below them (all zero there), so each
+        # refresh reaches further down. Bounded: a layer that overflows at the scale its
+        # underflow asks for would raise forever.
+        raised = any(new > 2 * old for new, old in zip(scales, used, strict=True))
+        if not raised or self.calls > len(self.layers):
+            self.calibrating = False
 
     def _set(self, scales: list[float]) -> None:
         # A new tensor, not an in-place update: a backward still to come (pipelining,
@@ -269,6 +292,7 @@ class AdaptiveScaleState:
             "recorded": self.recorded.detach().cpu().clone(),
             "pending": None if pending is None else pending.detach().cpu().clone(),
             "calls": self.calls,
+            "calibrating": self.calibrating,
             "telemetry": [dict(t.__dict__, history=list(t.history)) for t in self.telemetry],
         }
 
@@ -283,4 +307,5 @@ class AdaptiveScaleState:
         self.hist.grad = None if pending is None else pending.to(torch.float32).to(device).clone()
         self.flags.grad = None
         self.calls = state["calls"]
+        self.calibrating = state.get("calibrating", False)
         self.telemetry = [LayerTelemetry(**t) for t in state["telemetry"]]

@@ -18,8 +18,12 @@ updates the scale. Modes (:data:`MODES`):
   (``init_scale`` defaults to 1); steps with non-finite gradients are skipped
   and ``update`` halves the scale of each layer whose gradients overflowed,
   among the models whose parameters the stepped optimizers hold (two models
-  with their own scalers do not back off each other's layers). ``state_dict``
-  carries the per-layer scales and telemetry (of every compiled model).
+  with their own scalers do not back off each other's layers). Until a model's
+  scales have been set from its gradient statistics (the first call, and any
+  refreshes after it that still raise a scale by more than a binade), its steps
+  are skipped as well: their errors were quantized at scales that flush or, with
+  stochastic rounding, blow up the small ones (``calibration_steps`` counts them).
+  ``state_dict`` carries the per-layer scales and telemetry (of every compiled model).
 
 Usage is ``GradScaler``'s::
 
@@ -47,7 +51,7 @@ from typing import Any
 
 import torch
 
-from lpcompile.adaptive import defer_states, live_states
+from lpcompile.adaptive import AdaptiveScaleState, defer_states, live_states
 from lpcompile.telemetry import adaptive_states
 
 MODES = ("static", "dynamic", "enhanced", "adaptive")
@@ -122,6 +126,18 @@ def _check_positive(name: str, value: float) -> None:
         raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
 
 
+def _trained_states(
+    states: list[AdaptiveScaleState], groups: list[dict[str, Any]]
+) -> list[AdaptiveScaleState]:
+    """The adaptive states whose layers the optimizers with these param groups train.
+
+    Optimizers that hold copies of the weights (FP32 masters kept apart) train no
+    state by identity: then every state is theirs, as with one model.
+    """
+    params = {id(p) for group in groups for p in group["params"]}
+    return [state for state in states if state.trained_by(params)] or states
+
+
 class _Stage(Enum):
     READY = 0
     UNSCALED = 1
@@ -170,7 +186,8 @@ class LossScaler:
         self._config = config
         self._enabled = bool(enabled)
         self._iteration = 0  # update() calls so far
-        self.skipped_steps = 0  # steps skipped for non-finite gradients
+        self.skipped_steps = 0  # steps skipped for non-finite gradients, or to calibrate
+        self.calibration_steps = 0  # those skipped while adaptive scales were calibrating
         self._init_scale = max(config.init_scale, config.min_scale_at(0) or 0.0)
         self._init_tracker = 0
         self._scale: torch.Tensor | None = None
@@ -274,6 +291,19 @@ class LossScaler:
             state["found_inf"] = bool(self._found_inf(state, device).item())
         return state["found_inf"]
 
+    def _calibrating(self, state: dict[str, Any]) -> bool:
+        """Whether an adaptive model this optimizer trains ran its last call with scales
+        not yet set from statistics (its gradients are not to be stepped on)."""
+        if self.mode != "adaptive":
+            return False
+        states = live_states()
+        if not any(s.calibrating for s in states):  # the common case: one pass, no ownership
+            return False
+        calibrating = [s for s in _trained_states(states, state["param_groups"]) if s.calibrating]
+        for s in calibrating:  # the last call's statistics tell whether its scales were set
+            s.refresh_pending()
+        return any(s.calibrating for s in calibrating)
+
     def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
         """Unscale (unless :meth:`unscale_` did) and step ``optimizer`` if all grads are finite.
 
@@ -296,7 +326,11 @@ class LossScaler:
             optimizer.grad_scale = None if state["stage"] is _Stage.UNSCALED else scale
             optimizer.found_inf = self._found_inf(state, scale.device)
             state["found_inf"] = bool(optimizer.found_inf.item())
-            self.skipped_steps += int(state["found_inf"])
+            calibrating = not state["found_inf"] and self._calibrating(state)
+            if calibrating:
+                optimizer.found_inf = torch.ones_like(optimizer.found_inf)
+            self.calibration_steps += int(calibrating)
+            self.skipped_steps += int(state["found_inf"] or calibrating)
             try:
                 retval = optimizer.step(*args, **kwargs)
             finally:
@@ -308,10 +342,13 @@ class LossScaler:
         if not state["found_inf_per_device"]:
             raise RuntimeError("step() found no gradients on this optimizer's parameters")
         retval = None
-        if not self._found_inf_bool(state, scale.device):
-            retval = optimizer.step(*args, **kwargs)
-        else:
+        found_inf = self._found_inf_bool(state, scale.device)
+        calibrating = not found_inf and self._calibrating(state)
+        if found_inf or calibrating:
             self.skipped_steps += 1
+            self.calibration_steps += int(calibrating)
+        else:
+            retval = optimizer.step(*args, **kwargs)
         state["stage"] = _Stage.STEPPED
         return retval
 
@@ -341,10 +378,7 @@ class LossScaler:
                 # without inf/NaN in the step, only states whose in-graph probes counted some
                 if found_inf or any(state.flags.grad is not None for state in states):
                     groups = [group for state in optimizers for group in state["param_groups"]]
-                    params = {id(p) for group in groups for p in group["params"]}
-                    # optimizers that hold copies of the weights (FP32 masters kept apart) train
-                    # no state by these ids: then every state is theirs, as with one model
-                    mine = [state for state in states if state.trained_by(params)] or states
+                    mine = _trained_states(states, groups)
                     states = [s for s in mine if found_inf or s.flags.grad is not None]
                 else:
                     states = []
@@ -397,6 +431,7 @@ class LossScaler:
             "min_scale_schedule": dict(cfg.min_scale_schedule) if cfg.min_scale_schedule else None,
             "iteration": self._iteration,
             "skipped_steps": self.skipped_steps,
+            "calibration_steps": self.calibration_steps,
             "adaptive": (
                 [state.state_dict() for state in adaptive_states()] if cfg.mode == "adaptive" else None
             ),
@@ -426,6 +461,7 @@ class LossScaler:
         self._config = dataclasses.replace(self._config, **changes)
         self._iteration = int(state_dict.get("iteration", 0))
         self.skipped_steps = int(state_dict.get("skipped_steps", 0))
+        self.calibration_steps = int(state_dict.get("calibration_steps", 0))
         if self.mode == "adaptive":
             states = adaptive_states()
             saved = state_dict.get("adaptive") or []

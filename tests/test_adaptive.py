@@ -1,5 +1,6 @@
 """Per-layer adaptive loss scaling: rules, graph numerics, telemetry and state."""
 
+import copy
 import math
 
 import pytest
@@ -180,6 +181,78 @@ def _adaptive(model, interval=1):
     return torch.compile(model, backend="lowprec", options=options)
 
 
+def _calibrate(run, opt, scaler, x, k=1e-4, limit=6):
+    """Step on a loss ×k until a step is taken: until the adaptive scales are set."""
+    for _ in range(limit):
+        opt.zero_grad()
+        scaler.scale(run(x).square().mean() * k).backward()
+        calibrating = scaler.calibration_steps
+        scaler.step(opt)
+        scaler.update()
+        if scaler.calibration_steps == calibrating:
+            return
+    raise AssertionError(f"still calibrating after {limit} steps")
+
+
+def _cosine(a, b):
+    return float(F.cosine_similarity(a.flatten(), b.flatten(), dim=0))
+
+
+def test_steps_are_skipped_until_the_scales_are_calibrated():
+    """Errors below E5M2's smallest subnormal at the initial scale 1: stochastic
+    rounding leaves most at zero and turns the few it rounds up into spikes, so the
+    first call's weight gradients are noise. The scaler skips that step (weights and
+    optimizer state untouched), and every step until a refresh no longer raises a
+    scale by more than a binade; the first step taken has FP32's gradients to within
+    the format's rounding."""
+    model = _mlp()
+    reference = copy.deepcopy(model)
+    run = _adaptive(model, interval=100)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    scaler = LossScaler("adaptive")
+    x = torch.randn(64, 12)
+    k = 2.0**-10
+    reference.zero_grad()
+    (reference(x).square().mean() * k).backward()
+    want = [layer.weight.grad for layer in reference[::2]]
+    weights = [p.detach().clone() for p in model.parameters()]
+    cosines = []
+    while True:
+        opt.zero_grad()
+        scaler.scale(run(x).square().mean() * k).backward()
+        got = [layer.weight.grad.clone() for layer in model[::2]]
+        cosines.append([round(_cosine(g, w), 3) for g, w in zip(got, want, strict=True)])
+        calibrating = scaler.calibration_steps
+        scaler.step(opt)
+        scaler.update()
+        if scaler.calibration_steps == calibrating:
+            break
+        assert all(torch.equal(a, b) for a, b in zip(weights, model.parameters(), strict=True))
+        assert not opt.state, "a calibration step reached the optimizer"
+        assert len(cosines) < 5, f"still calibrating after {len(cosines)} calls: {cosines}"
+    assert scaler.calibration_steps == scaler.skipped_steps == len(cosines) - 1 >= 1
+    assert min(cosines[0]) < 0.5, f"the first call's gradients were fine after all: {cosines}"
+    assert min(cosines[-1]) > 0.95, cosines  # E5M2 keeps 2 bits: SR adds noise
+    assert not any(torch.equal(a, b) for a, b in zip(weights, model.parameters(), strict=True))
+    (state,) = adaptive_states(model)
+    assert not state.calibrating and not state.state_dict()["calibrating"]
+    assert scaler.state_dict()["calibration_steps"] == scaler.calibration_steps
+
+
+def test_a_fixed_scale_has_nothing_to_calibrate():
+    model = _mlp()
+    options = {"recipe": "fp8-e5m2-als", "executor": "eager", "loss_scale_rule": "fixed"}
+    run = torch.compile(model, backend="lowprec", options=options)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = LossScaler("adaptive")
+    weights = [p.detach().clone() for p in model.parameters()]
+    scaler.scale(run(torch.randn(8, 12)).square().mean()).backward()
+    scaler.step(opt)
+    scaler.update()
+    assert scaler.skipped_steps == 0 and not adaptive_states(model)[0].calibrating
+    assert not any(torch.equal(a, b) for a, b in zip(weights, model.parameters(), strict=True))
+
+
 def test_refresh_every_interval_and_telemetry():
     model = _mlp()
     run = _adaptive(model, interval=2)
@@ -189,8 +262,11 @@ def test_refresh_every_interval_and_telemetry():
         (run(x).square().mean() * 1e-2).backward()
     layers = stats(model)
     assert [t.layer for t in layers] == ["0", "2", "4"]
-    # statistics recorded on calls 0, 2, 4, 6 (turned into scales on the next call); call 8's are pending
-    assert [h[0] for h in layers[0].history] == [0, 2, 4, 6]
+    # statistics recorded on every call while calibrating (0 and 1: the refresh of call 0's
+    # raised the scales 2^11-fold, that of call 1's by at most a binade), then on calls 2, 4,
+    # 6 (each turned into scales on the next call); call 8's are pending
+    assert [h[0] for h in layers[0].history] == [0, 1, 2, 4, 6]
+    assert not adaptive_states(model)[0].calibrating
     # the first refresh sees errors that the upper layers' quantize flushed to zero at scale 1;
     # once the scales settle, each layer's error underflows about n_uf = 0.1% (the inputs
     # are fixed, but each refresh's statistics follow the scales of the layers above)
@@ -213,11 +289,7 @@ def test_overflow_skips_the_step_and_backs_off_the_layer(bias):
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     scaler = LossScaler("adaptive")
     x = torch.randn(8, 12)
-    for _ in range(2):  # settle the scales
-        opt.zero_grad()
-        scaler.scale(run(x).square().mean() * 1e-4).backward()
-        scaler.step(opt)
-        scaler.update()
+    _calibrate(run, opt, scaler, x)
     (state,) = adaptive_states(model)
     before = [p.detach().clone() for p in model.parameters()]
     opt.zero_grad()
@@ -227,7 +299,7 @@ def test_overflow_skips_the_step_and_backs_off_the_layer(bias):
     scaler.step(opt)
     scaler.update()
     assert overflowed == [0, 1, 2], "the top layer overflows and its inf reaches the layers below"
-    assert scaler.skipped_steps == 1
+    assert scaler.skipped_steps == scaler.calibration_steps + 1
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
     for i in range(3):
         expected = before_scales[i] / 2 if i in overflowed else before_scales[i]
@@ -247,37 +319,39 @@ def test_each_scaler_backs_off_only_the_model_its_optimizer_trains():
         opts[i].zero_grad()
         scalers[i].scale(runs[i](x).square().mean() * k).backward()
 
-    for _ in range(2):  # settle the scales
-        for i in (0, 1):
-            backward(i, 1e-4)
-            scalers[i].step(opts[i])
-            scalers[i].update()
+    for i in (0, 1):
+        _calibrate(runs[i], opts[i], scalers[i], x)
+    calibration = [scaler.skipped_steps for scaler in scalers]
     states = [adaptive_states(model)[0] for model in models]
     backward(0, 1e-4)
     backward(1, 1e6)  # model 1's E5M2 errors overflow in all three layers (see above)
     used = [state.scales.clone() for state in states]
     scalers[0].step(opts[0])
     scalers[0].update()
-    assert scalers[0].skipped_steps == 0 and torch.equal(states[0].scales, used[0])
+    assert scalers[0].skipped_steps == calibration[0] and torch.equal(states[0].scales, used[0])
     assert torch.equal(states[1].scales, used[1]), "model 0's scaler backed off model 1's layers"
     scalers[1].step(opts[1])
     scalers[1].update()
-    assert scalers[1].skipped_steps == 1
+    assert scalers[1].skipped_steps == calibration[1] + 1
     assert torch.equal(states[1].scales, used[1] / 2), (used[1], states[1].scales)
 
 
-def _train_steps(model, run, opt, scaler, multipliers, before_step=lambda state: None):
-    """A step per loss multiplier (on fixed inputs); returns the model's adaptive state
-    and the scales the last step used. ``before_step(state)`` runs after each backward."""
+def _train_steps(model, run, opt, scaler, multipliers, before_step=lambda state, i: None):
+    """A step per loss multiplier (on fixed inputs), each repeated while the scaler skips
+    it to calibrate the scales; returns the model's adaptive state and the scales the
+    last step used. ``before_step(state, i)`` runs after each backward (multiplier i)."""
     x = torch.randn(8, 12)
-    for k in multipliers:
+    i = 0
+    while i < len(multipliers):
         model.zero_grad()
-        scaler.scale(run(x).square().mean() * k).backward()
+        scaler.scale(run(x).square().mean() * multipliers[i]).backward()
         (state,) = adaptive_states(model)
         used = state.scales.tolist()
-        before_step(state)
+        before_step(state, i)
+        calibrating = scaler.calibration_steps
         scaler.step(opt)
         scaler.update()
+        i += scaler.calibration_steps == calibrating
     return state, used
 
 
@@ -289,14 +363,14 @@ def test_an_optimizer_of_master_copies_still_backs_off_the_model():
     masters = [p.detach().clone().requires_grad_() for p in model.parameters()]
     scaler = LossScaler("adaptive")
 
-    def copy_grads(state):
+    def copy_grads(state, i):
         for master, p in zip(masters, model.parameters(), strict=True):
             master.grad = p.grad.clone()
 
     # a step to set the scales, then an overflow in all three layers
     args = (model, _adaptive(model, interval=1000), torch.optim.SGD(masters, lr=0.1), scaler)
     state, used = _train_steps(*args, (1e-4, 1e6), copy_grads)
-    assert scaler.skipped_steps == 1
+    assert scaler.calibration_steps > 0 and scaler.skipped_steps == scaler.calibration_steps + 1
     assert state.scales.tolist() == [s / 2 for s in used]
 
 
@@ -318,15 +392,15 @@ def test_a_layer_without_a_weight_counts_its_overflow_in_graph():
     layers' overflows show in their weight gradients, which the step checks."""
     model = _SelfProduct()
     scaler = LossScaler("adaptive")
-    probed = []
+    probed = {}
     args = (model, _adaptive(model, interval=1000), torch.optim.SGD(model.parameters(), lr=0.1), scaler)
     # a step to set the scales, then an overflow; the probes alone, before the step
-    state, used = _train_steps(*args, (1e-4, 1e8), lambda state: probed.append(state.overflowed()))
+    state, used = _train_steps(*args, (1e-4, 1e8), lambda state, i: probed.update({i: state.overflowed()}))
     forward = _graph_of(model).aten_graphs["forward"]
     probes = [n for n in forward.graph.nodes if "nonfinite" in n.args]
     assert len(probes) == 1 and state.layers[1] not in ("a", "b")
-    assert probed == [[], [1]], state.layers
-    assert scaler.skipped_steps == 1
+    assert probed == {0: [], 1: [1]}, state.layers
+    assert scaler.skipped_steps == scaler.calibration_steps + 1
     assert state.scales.tolist() == [s / 2 for s in used]
 
 
@@ -351,7 +425,7 @@ def test_weight_gradient_overflow_backs_off_its_layer():
         scaler.step(opt)
         scaler.update()
     overflowing = [call for call, f in enumerate(finite) if not all(f)]
-    assert overflowing and scaler.skipped_steps == len(overflowing) < 5, finite
+    assert overflowing and scaler.skipped_steps - scaler.calibration_steps == len(overflowing) < 5, finite
     for call in overflowing:
         for i, ok in enumerate(finite[call]):
             assert used[call + 1][i] == (used[call][i] if ok else used[call][i] / 2), (used, finite)
@@ -366,17 +440,17 @@ def test_an_overflow_in_any_micro_batch_is_backed_off():
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     scaler = LossScaler("adaptive")
     x = torch.randn(8, 12)
-    for accumulate in ((1e-4,), (1e6, 1e-3)):  # a step to set the scales, then overflow first
-        opt.zero_grad()
-        for k in accumulate:
-            scaler.scale(run(x).square().mean() * k).backward()
-        (state,) = adaptive_states(model)
-        used = state.scales.tolist()
-        flagged = state.overflowed(found_inf=True)  # the accumulated weight gradients
-        scaler.step(opt)
-        scaler.update()
+    _calibrate(run, opt, scaler, x)
+    opt.zero_grad()
+    for k in (1e6, 1e-3):  # the overflow first
+        scaler.scale(run(x).square().mean() * k).backward()
+    (state,) = adaptive_states(model)
+    used = state.scales.tolist()
+    flagged = state.overflowed(found_inf=True)  # the accumulated weight gradients
+    scaler.step(opt)
+    scaler.update()
     assert flagged == [0, 1, 2]
-    assert scaler.skipped_steps == 1
+    assert scaler.skipped_steps == scaler.calibration_steps + 1
     assert state.scales.tolist() == [s / 2 for s in used]
     assert [t.overflow for t in state.telemetry] == [1, 1, 1]
 
@@ -387,10 +461,9 @@ def test_an_overflow_no_layer_shows_backs_off_every_layer():
     model = _mlp()
     extra = nn.Parameter(torch.zeros(3))
     scaler = LossScaler("adaptive")
-    calls = iter((False, False, True))
 
-    def set_extra_grad(state):
-        extra.grad = torch.tensor([0.0, float("inf") if next(calls) else 0.0, 0.0])
+    def set_extra_grad(state, i):
+        extra.grad = torch.tensor([0.0, float("inf") if i == 2 else 0.0, 0.0])
 
     args = (
         model,
@@ -399,7 +472,7 @@ def test_an_overflow_no_layer_shows_backs_off_every_layer():
         scaler,
     )
     state, used = _train_steps(*args, (1e-4,) * 3, set_extra_grad)
-    assert scaler.skipped_steps == 1
+    assert scaler.skipped_steps == scaler.calibration_steps + 1
     assert state.scales.tolist() == [s / 2 for s in used]
     assert [t.overflow for t in state.telemetry] == [1, 1, 1]
 
@@ -484,9 +557,13 @@ def test_telemetry_reports_the_scales_in_use_and_those_each_record_used(rule):
         used.append(adaptive_states(model)[0].scales.tolist())
         scaler.step(opt)
         scaler.update()
-    assert scaler.skipped_steps == 1
+    assert scaler.skipped_steps == scaler.calibration_steps + 1
+    assert scaler.calibration_steps == (rule == "quantile")  # the fixed rule has nothing to calibrate
     layers = stats(model)
-    assert [[h[1] for h in t.history] for t in layers] == [[u[i] for u in used[:2]] for i in range(3)]
+    # every entry (call, scale, underflow) holds the scale its call used; calls 0 and 1 have one
+    for i, t in enumerate(layers):
+        assert [h[1] for h in t.history] == [used[h[0]][i] for h in t.history]
+        assert [h[0] for h in t.history][:2] == [0, 1]
     assert [t.overflow for t in layers] == [0, 0, 0]
 
 
