@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import math
 
 import torch
 from torch import nn
@@ -40,21 +41,56 @@ class MLP(nn.Sequential):
         super().__init__(*layers[:-1])
 
 
+class ScaleBackward(nn.Module):
+    """The identity in the forward; multiplies the error by ``factor`` in the backward.
+
+    ``x.detach() + (x - x.detach()) * factor``: the forward adds an exact zero.
+    """
+
+    def __init__(self, factor: float) -> None:
+        super().__init__()
+        if not (math.isfinite(factor) and factor > 0):
+            raise ValueError(f"factor must be a finite number > 0, got {factor!r}")
+        self.factor = factor
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        fixed = x.detach()
+        return fixed + (x - fixed) * self.factor
+
+    def extra_repr(self) -> str:
+        return f"factor={self.factor:g}"
+
+
 class DeepTanhMLP(nn.Sequential):
     """A deep, narrow tanh MLP whose backward errors shrink layer by layer.
 
     ``gain`` multiplies PyTorch's default Linear init; below about 1.7 each
     layer shrinks the backward error (about 0.8 per layer at 1.5, 0.6 at 1.2),
     so the lowest layers' errors sit binades below the top ones: the case
-    per-layer loss scaling exists for.
+    per-layer loss scaling exists for. Adam's updates adapt the weights until the
+    forward and backward no longer shrink; ``error_decay`` < 1 keeps the backward
+    shrinking by that factor per hidden layer (a :class:`ScaleBackward` after each
+    tanh) while the forward, and so FP32 training with Adam (invariant to a
+    gradient's scale, up to its ``eps``), stay as they are.
     """
 
     def __init__(
-        self, depth: int = 12, width: int = 32, inputs: int = 64, classes: int = 10, gain: float = 1.5
+        self,
+        depth: int = 12,
+        width: int = 32,
+        inputs: int = 64,
+        classes: int = 10,
+        gain: float = 1.5,
+        error_decay: float = 1.0,
     ) -> None:
-        layers: list[nn.Module] = [nn.Flatten(), nn.Linear(inputs, width), nn.Tanh()]
+
+        def hidden(fan_in: int) -> list[nn.Module]:
+            decay = [ScaleBackward(error_decay)] if error_decay != 1.0 else []
+            return [nn.Linear(fan_in, width), nn.Tanh(), *decay]
+
+        layers: list[nn.Module] = [nn.Flatten(), *hidden(inputs)]
         for _ in range(depth - 2):
-            layers += [nn.Linear(width, width), nn.Tanh()]
+            layers += hidden(width)
         super().__init__(*layers, nn.Linear(width, classes))
         with torch.no_grad():
             for layer in self:

@@ -623,24 +623,37 @@ def test_adaptive_needs_a_quantized_error():
 
 @pytest.mark.slow
 def test_adaptive_scaling_keeps_every_layer_in_range_where_fixed_scales_cannot():
-    """Deep tanh MLP, E4M3 errors (18 binades), digits: see benchmarks/results/loss_scale.md.
+    """Issue 4's experiment: a deep tanh MLP on digits whose errors shrink layer by layer
+    (DECAYING_ERRORS), E4M3 errors (18 binades), five seeds; numbers in
+    benchmarks/results/loss_scale.md. No fixed scale of 1, 2^8, 2^16 fits every layer:
+    1 and 2^8 leave over 10% of some lower layer's errors underflowing, 2^16 overflows
+    at the top, and the best of them trails FP32 by more than a point. Adaptive scaling
+    keeps every layer's underflow at most 1% and comes within a point of FP32 (means
+    over the seeds: one test sample is 0.28 points, and seeds differ by about one)."""
+    from lpcompile.experiments import (
+        DECAYING_ERRORS,
+        SEEDS,
+        by_variant,
+        compare_loss_scaling,
+        format_runs,
+        mean_accuracy,
+        worst_underflow,
+    )
 
-    Issue 4's criteria, as measured: adaptive scaling keeps every layer's error
-    underflow at most 1% and accuracy within 1 point of FP32; fixed scales of 1 and
-    2^8 leave over 10% of some lower layer's errors underflowing and 2^16 overflows
-    every step. Not asserted, because not reproduced: that the best fixed scale
-    trails FP32 in accuracy (with 2^8 it does not; see docs/known-limitations.md).
-    """
-    from lpcompile.experiments import compare_loss_scaling, format_runs
-
-    runs = {run.name: run for run in compare_loss_scaling()}
-    table = format_runs(list(runs.values()))
-    fp32, adaptive = runs["fp32"].result, runs["adaptive"]
-    assert fp32.test_accuracy > 90, f"FP32 baseline did not train:\n{table}"
+    runs = compare_loss_scaling(**DECAYING_ERRORS, seeds=SEEDS)
+    table = format_runs(runs)
+    groups = by_variant(runs)
+    fp32 = mean_accuracy(groups["fp32"])
+    assert fp32 > 90, f"FP32 baseline did not train:\n{table}"
     for name in ("fixed 2^0", "fixed 2^8"):
-        lower = runs[name].underflow[: len(runs[name].underflow) // 2]
-        assert max(lower) > 0.10, f"{name}: lower layers in range after all:\n{table}"
-    overflowing = runs["fixed 2^16"].result
-    assert overflowing.skipped_steps > len(overflowing.losses) // 2, f"fixed 2^16 did not overflow:\n{table}"
-    assert all(u <= 0.01 for u in adaptive.underflow), f"adaptive scaling left underflow:\n{table}"
-    assert adaptive.result.test_accuracy >= fp32.test_accuracy - 1.0, f"adaptive lags FP32:\n{table}"
+        for run in groups[name]:
+            lower = worst_underflow([run])[: len(run.underflow) // 2]
+            assert max(lower) > 0.10, f"{name}, seed {run.seed}: lower layers in range after all:\n{table}"
+    for run in groups["fixed 2^16"]:
+        skipped = run.result.skipped_steps
+        assert skipped > len(run.result.losses) // 2, f"fixed 2^16 did not overflow:\n{table}"
+    best_fixed = max(mean_accuracy(groups[name]) for name in ("fixed 2^0", "fixed 2^8", "fixed 2^16"))
+    assert best_fixed < fp32 - 1.0, f"the best fixed scale keeps up with FP32:\n{table}"
+    adaptive = groups["adaptive"]
+    assert all(u <= 0.01 for u in worst_underflow(adaptive)), f"adaptive scaling left underflow:\n{table}"
+    assert mean_accuracy(adaptive) >= fp32 - 1.0, f"adaptive lags FP32:\n{table}"
