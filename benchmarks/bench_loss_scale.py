@@ -93,10 +93,11 @@ def main() -> None:
         body += f"Per-layer scales at the end (adaptive, seed {SEEDS[0]}): "
         body += ", ".join(f"{s:g}" for s in scales) + "\n"
         print(body, flush=True)
-    body += (
-        "\nSeeds set each run's initialisation and batch order; a layer that got no"
-        " non-zero error (everything above it flushed) counts as underflow 1.\n"
-    )
+    if not args.skip_experiment:
+        body += (
+            "\nSeeds set each run's initialisation and batch order; a layer that got no"
+            " non-zero error (everything above it flushed) counts as underflow 1.\n"
+        )
     print(body)
     write_results("loss_scale", "Adaptive loss scaling (bench_loss_scale.py)", body)
 
