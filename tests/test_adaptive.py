@@ -239,6 +239,29 @@ def test_steps_are_skipped_until_the_scales_are_calibrated():
     assert scaler.state_dict()["calibration_steps"] == scaler.calibration_steps
 
 
+def test_calibration_skips_optimizers_that_unscale_by_themselves():
+    """GradScaler's protocol (``_step_supports_amp_scaling``): the scaler hands the
+    optimizer ``found_inf`` set while the scales calibrate, and it skips the step."""
+    from lpcompile.optim import MasterWeightOptimizer
+
+    model = _mlp().to(torch.bfloat16)
+    run = _adaptive(model, interval=100)
+    opt = MasterWeightOptimizer(
+        model.parameters(), torch.optim.SGD, dtype=torch.bfloat16, lr=0.1, momentum=0.9
+    )
+    scaler = LossScaler("adaptive")
+    x = torch.randn(8, 12, dtype=torch.bfloat16)
+    momentum = []
+    for _ in range(4):
+        opt.zero_grad()
+        scaler.scale(run(x).float().square().mean() * 2.0**-10).backward()
+        scaler.step(opt)
+        scaler.update()
+        momentum.append(len(opt.optimizer.state))  # momentum buffers exist once a step ran
+    assert scaler.calibration_steps == scaler.skipped_steps >= 1
+    assert momentum == [0] * scaler.calibration_steps + [6] * (4 - scaler.calibration_steps)
+
+
 def test_a_fixed_scale_has_nothing_to_calibrate():
     model = _mlp()
     options = {"recipe": "fp8-e5m2-als", "executor": "eager", "loss_scale_rule": "fixed"}
