@@ -119,6 +119,7 @@ def worst_underflow(runs: Sequence[ScalingRun]) -> list[float]:
 
 
 def mean_accuracy(runs: Sequence[ScalingRun]) -> float:
+    """Mean test accuracy (percent) over the runs."""
     return statistics.fmean(r.result.test_accuracy for r in runs)
 
 
