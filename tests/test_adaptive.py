@@ -181,19 +181,6 @@ def _adaptive(model, interval=1):
     return torch.compile(model, backend="lowprec", options=options)
 
 
-def _calibrate(run, opt, scaler, x, k=1e-4, limit=6):
-    """Step on a loss ×k until a step is taken: until the adaptive scales are set."""
-    for _ in range(limit):
-        opt.zero_grad()
-        scaler.scale(run(x).square().mean() * k).backward()
-        calibrating = scaler.calibration_steps
-        scaler.step(opt)
-        scaler.update()
-        if scaler.calibration_steps == calibrating:
-            return
-    raise AssertionError(f"still calibrating after {limit} steps")
-
-
 def _cosine(a, b):
     return float(F.cosine_similarity(a.flatten(), b.flatten(), dim=0))
 
@@ -312,7 +299,7 @@ def test_overflow_skips_the_step_and_backs_off_the_layer(bias):
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     scaler = LossScaler("adaptive")
     x = torch.randn(8, 12)
-    _calibrate(run, opt, scaler, x)
+    _train_steps(model, run, opt, scaler, (1e-4,), x=x)  # until the scales are set
     (state,) = adaptive_states(model)
     before = [p.detach().clone() for p in model.parameters()]
     opt.zero_grad()
@@ -343,7 +330,7 @@ def test_each_scaler_backs_off_only_the_model_its_optimizer_trains():
         scalers[i].scale(runs[i](x).square().mean() * k).backward()
 
     for i in (0, 1):
-        _calibrate(runs[i], opts[i], scalers[i], x)
+        _train_steps(models[i], runs[i], opts[i], scalers[i], (1e-4,), x=x)  # set the scales
     calibration = [scaler.skipped_steps for scaler in scalers]
     states = [adaptive_states(model)[0] for model in models]
     backward(0, 1e-4)
@@ -359,11 +346,11 @@ def test_each_scaler_backs_off_only_the_model_its_optimizer_trains():
     assert torch.equal(states[1].scales, used[1] / 2), (used[1], states[1].scales)
 
 
-def _train_steps(model, run, opt, scaler, multipliers, before_step=lambda state, i: None):
-    """A step per loss multiplier (on fixed inputs), each repeated while the scaler skips
-    it to calibrate the scales; returns the model's adaptive state and the scales the
-    last step used. ``before_step(state, i)`` runs after each backward (multiplier i)."""
-    x = torch.randn(8, 12)
+def _train_steps(model, run, opt, scaler, multipliers, before_step=lambda state, i: None, x=None):
+    """A step per loss multiplier (on fixed inputs ``x``), each repeated while the scaler
+    skips it to calibrate the scales; returns the model's adaptive state and the scales
+    the last step used. ``before_step(state, i)`` runs after each backward (multiplier i)."""
+    x = torch.randn(8, 12) if x is None else x
     i = 0
     while i < len(multipliers):
         model.zero_grad()
@@ -463,7 +450,7 @@ def test_an_overflow_in_any_micro_batch_is_backed_off():
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     scaler = LossScaler("adaptive")
     x = torch.randn(8, 12)
-    _calibrate(run, opt, scaler, x)
+    _train_steps(model, run, opt, scaler, (1e-4,), x=x)  # until the scales are set
     opt.zero_grad()
     for k in (1e6, 1e-3):  # the overflow first
         scaler.scale(run(x).square().mean() * k).backward()
