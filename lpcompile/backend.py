@@ -245,6 +245,15 @@ def _execute(
     return compiled
 
 
+def uses_cpp_wrapper(wrapper: str, example_inputs: Sequence[Any]) -> bool:
+    """Whether Inductor generates C++ rather than Python to call a graph's kernels
+    (``wrapper="auto"``: for graphs whose tensors are all on the CPU)."""
+    if wrapper != "auto":
+        return wrapper == "cpp"
+    tensors = [x for x in example_inputs if isinstance(x, torch.Tensor)]
+    return bool(tensors) and all(x.device.type == "cpu" for x in tensors)
+
+
 def lowprec(
     gm: torch.fx.GraphModule, example_inputs: Sequence[Any], options: dict[str, Any] | None = None
 ) -> Callable:
@@ -262,6 +271,8 @@ def lowprec(
     inductor = config.executor == "inductor" and config.codegen != "triton"
     if inductor and prefers_contiguous_layout(gm):  # small CPU convolutions: see passes/layout.py
         record.inductor_options["layout_optimization"] = False
+    if inductor and uses_cpp_wrapper(config.wrapper, example_inputs):
+        record.inductor_options["cpp_wrapper"] = True
     inputs = list(example_inputs)
     if not ctx.inputs:
         return _execute(gm, inputs, ctx, record)

@@ -27,6 +27,7 @@ EXECUTORS = ("inductor", "eager")
 LOSS_SCALES = ("none", "adaptive")
 CODEGENS = ("inductor", "triton")
 MATMULS = ("auto", "fp32", "bf16")
+WRAPPERS = ("auto", "cpp", "python")
 # options key -> AdaptiveScaleConfig field
 ADAPTIVE_KEYS = {
     "loss_scale_rule": "rule",
@@ -151,6 +152,9 @@ class LowPrecConfig:
     format bfloat16 holds exactly (E5M2, E4M3): ``"auto"`` on the CPU's
     bfloat16 dot products where it has them (``lowprec::mm_bf16``), ``"fp32"``
     as an FP32 GEMM, ``"bf16"`` like auto but an error where the kernel is missing.
+    ``wrapper`` picks the code Inductor generates to call a graph's kernels:
+    ``"auto"`` C++ for graphs on the CPU (fewer microseconds per kernel call) and
+    Python elsewhere, ``"cpp"`` or ``"python"`` for every graph.
     """
 
     recipe: str = "fp32"
@@ -167,6 +171,7 @@ class LowPrecConfig:
     codegen: str = "inductor"
     pipeline: PipelineConfig | None = None
     matmul: str = "auto"
+    wrapper: str = "auto"
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "pipeline", PipelineConfig.from_option(self.pipeline))
@@ -180,6 +185,8 @@ class LowPrecConfig:
             raise ValueError(f"executor must be one of {EXECUTORS}, got {self.executor!r}")
         if self.matmul not in MATMULS:
             raise ValueError(f"matmul must be one of {MATMULS}, got {self.matmul!r}")
+        if self.wrapper not in WRAPPERS:
+            raise ValueError(f"wrapper must be one of {WRAPPERS}, got {self.wrapper!r}")
         if self.matmul == "bf16" and (self.executor != "inductor" or self.codegen != "inductor"):
             raise ValueError(
                 "matmul='bf16' is a kernel Inductor calls: it needs executor='inductor' and"

@@ -27,7 +27,7 @@ from models import (
 )
 from torch import nn
 
-from lpcompile.backend import step_seed
+from lpcompile.backend import step_seed, uses_cpp_wrapper
 
 EAGER = {"executor": "eager"}
 
@@ -551,4 +551,37 @@ def test_small_cpu_convolutions_run_without_inductors_channels_last_layout(monke
         step(model, lambda: torch.compile(model, backend="lowprec", options=options)(x))
     assert seen == [not contiguous] * 2  # forward and backward
     expected = {"layout_optimization": False} if contiguous else {}
-    assert records.only().inductor_options == expected
+    assert records.only().inductor_options == {**expected, "cpp_wrapper": True}
+
+
+def test_wrapper_option_sets_inductors_cpp_wrapper_and_changes_no_number(monkeypatch):
+    import contextlib
+
+    from torch._inductor.compile_fx import compile_fx_inner
+
+    from lpcompile import dump
+
+    seen = []
+
+    def inner(gm, example_inputs, *args, **kwargs):
+        seen.append(torch._inductor.config.cpp_wrapper)  # as compile_fx patched it
+        return compile_fx_inner(gm, example_inputs, *args, **kwargs)
+
+    monkeypatch.setattr(dump, "capture_inductor", lambda record, tag: contextlib.nullcontext(inner))
+    results = {}
+    for wrapper in ("python", "auto"):  # "auto": C++ on the CPU
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model, x = convnet(), convnet_input()
+        options = {"recipe": "fp8-e5m2-sr", "executor": "inductor", "wrapper": wrapper}
+        with torch._functorch.config.patch(enable_autograd_cache=False):
+            compiled = torch.compile(model, backend="lowprec", options=options)
+            results[wrapper] = step(model, lambda c=compiled, x=x: c(x))
+    assert seen == [False, False, True, True]  # forward and backward of each
+    assert_same_step(results["auto"], results["python"], "the same kernels called from C++")
+
+
+def test_auto_wrapper_is_cpp_for_cpu_graphs_only():
+    cpu, meta = torch.ones(2), torch.ones(2, device="meta")
+    assert uses_cpp_wrapper("auto", [cpu, 3]) and not uses_cpp_wrapper("auto", [cpu, meta])
+    assert uses_cpp_wrapper("cpp", [meta]) and not uses_cpp_wrapper("python", [cpu])
