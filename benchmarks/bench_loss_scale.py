@@ -17,6 +17,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import statistics
 
 import torch
@@ -91,7 +92,7 @@ def main() -> None:
         scales = by_variant(runs)["adaptive"][0].scales
         body += f"\n## {title}\n\n{format_runs(runs)}\n\n"
         body += f"Per-layer scales at the end (adaptive, seed {SEEDS[0]}): "
-        body += ", ".join(f"{s:g}" for s in scales) + "\n"
+        body += ", ".join(f"2^{math.log2(s):g}" for s in scales) + "\n"
         print(body, flush=True)
     if not args.skip_experiment:
         body += (
