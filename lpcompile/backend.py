@@ -35,7 +35,11 @@ from lpcompile.codegen import fuse_lowprec_kernels
 from lpcompile.config import LowPrecConfig
 from lpcompile.passes import CompileContext, PassRecord, Site, run_passes
 from lpcompile.passes.histogram import count_histograms_serially
-from lpcompile.passes.layout import prefers_contiguous_layout, remove_permute_pairs
+from lpcompile.passes.layout import (
+    prefers_contiguous_layout,
+    remove_permute_pairs,
+    use_channels_last_conv_backward,
+)
 from lpcompile.passes.loss_scale import insert_loss_scale
 from lpcompile.passes.matmul import remove_grid_marks, use_bf16_matmuls, uses_bf16_kernel
 from lpcompile.passes.partition import recompute_bool_masks
@@ -50,7 +54,7 @@ ATEN_PASSES = (annotate_lowprec_nodes,)
 # each AOT graph before Inductor compiles it.
 JOINT_PASSES = (use_bf16_matmuls, remove_grid_marks, recompute_bool_masks)
 INFERENCE_PASSES = (use_bf16_matmuls, remove_grid_marks)
-INDUCTOR_PASSES = (remove_permute_pairs, count_histograms_serially)
+INDUCTOR_PASSES = (remove_permute_pairs, use_channels_last_conv_backward, count_histograms_serially)
 # codegen="triton": after the passes, each fusion group becomes one generated Triton kernel.
 CODEGEN_PASSES = (fuse_lowprec_kernels,)
 
@@ -271,6 +275,7 @@ def lowprec(
     inductor = config.executor == "inductor" and config.codegen != "triton"
     if inductor and prefers_contiguous_layout(gm):  # small CPU convolutions: see passes/layout.py
         record.inductor_options["layout_optimization"] = False
+        ctx.contiguous_layout = True
     if inductor and uses_cpp_wrapper(config.wrapper, example_inputs):
         record.inductor_options["cpp_wrapper"] = True
     inputs = list(example_inputs)

@@ -14,6 +14,7 @@ from models import (
     RECIPE_SPECS,
     Records,
     Ref,
+    assert_close_through_rounding,
     assert_same_step,
     capture_dynamo_graphs,
     convnet,
@@ -431,6 +432,8 @@ def test_inductor_gets_the_saved_weight_without_the_transpose_pair(monkeypatch):
         ("recompute_bool_masks", "joint"): 0,
         ("remove_permute_pairs", "forward"): 1,
         ("remove_permute_pairs", "backward"): 0,
+        ("use_channels_last_conv_backward", "forward"): 0,  # no convolution
+        ("use_channels_last_conv_backward", "backward"): 0,
         ("count_histograms_serially", "forward"): 0,  # no adaptive scaling, no histograms
         ("count_histograms_serially", "backward"): 0,
     }
@@ -585,3 +588,74 @@ def test_auto_wrapper_is_cpp_for_cpu_graphs_only():
     cpu, meta = torch.ones(2), torch.ones(2, device="meta")
     assert uses_cpp_wrapper("auto", [cpu, 3]) and not uses_cpp_wrapper("auto", [cpu, meta])
     assert uses_cpp_wrapper("cpp", [meta]) and not uses_cpp_wrapper("python", [cpu])
+
+
+def two_convs(size: int) -> nn.Sequential:
+    """Two convolutions (the second strided, so it computes an input gradient) and a linear."""
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Conv2d(2, 4, 3, padding=1),
+        nn.ReLU(),
+        nn.Conv2d(4, 6, 3, stride=2, padding=1),
+        nn.ReLU(),
+        nn.Flatten(),
+        nn.Linear(6 * (size // 2) ** 2, 3),
+    )
+
+
+@pytest.mark.parametrize(("size", "rewritten"), [(8, True), (32, False)])
+def test_conv_input_gradients_read_channels_last_copies_where_inductors_layout_is_off(
+    monkeypatch, size, rewritten
+):
+    """At 8x8 (Inductor's channels-last layout off) the second convolution's backward,
+    which computes an input gradient, reads channels-last copies of its error and input;
+    the first one (no input gradient) and every one at 32x32 are left alone. The graphs
+    Inductor would get, run as FX, give the eager executor's gradients: bit for bit
+    where nothing was rewritten, else up to the oneDNN kernel's order of FP32 sums."""
+    received = inductor_runs_fx(monkeypatch)
+    model = two_convs(size)
+    x = torch.randn(2, 2, size, size, generator=torch.Generator().manual_seed(3))
+    options = {"recipe": "fp8-e5m2-sr", "executor": "inductor"}
+    with torch._functorch.config.patch(enable_autograd_cache=False):
+        got = step(model, lambda: torch.compile(model, backend="lowprec", options=options)(x))
+    aten = torch.ops.aten
+
+    def channels_last_copy(operand: torch.fx.Node) -> bool:
+        memory_format = operand.kwargs.get("memory_format")
+        return operand.target is aten.clone.default and memory_format == torch.channels_last
+
+    readers = {
+        node.args[10][0]: [channels_last_copy(operand) for operand in node.args[:2]]
+        for node in received["backward"].graph.find_nodes(
+            op="call_function", target=aten.convolution_backward.default
+        )
+    }
+    assert readers == {False: [False, False], True: [rewritten, rewritten]}
+    torch._dynamo.reset()
+    expected = step(model, lambda: torch.compile(model, backend="lowprec", options={**options, **EAGER})(x))
+    if not rewritten:
+        assert_same_step(got, expected)
+        return
+    assert torch.equal(got[0], expected[0])  # the forward is untouched
+    for name, a, b in zip([n for n, _ in model.named_parameters()], got[1], expected[1], strict=True):
+        assert_close_through_rounding(a, b, f"grad of {name}")
+
+
+def test_channels_last_conv_backward_under_inductor_keeps_gradient_layouts():
+    """Under Inductor's C++ the rewritten backward gives the eager executor's gradients
+    (up to the order of FP32 sums), and the input and weight gradients come back in
+    the layout eager gives them, not channels-last."""
+    model = two_convs(8)
+    x = torch.randn(2, 2, 8, 8, generator=torch.Generator().manual_seed(4))
+    results = {}
+    for executor in ("eager", "inductor"):
+        torch._dynamo.reset()
+        options = {"recipe": "fp8-e5m2-sr", "executor": executor}
+        compiled = torch.compile(model, backend="lowprec", options=options)
+        x_in = x.clone().requires_grad_()
+        out, grads = step(model, lambda c=compiled, x_in=x_in: c(x_in))
+        results[executor] = out, [x_in.grad, *grads]
+    assert torch.equal(results["inductor"][0], results["eager"][0])
+    for got, want in zip(results["inductor"][1], results["eager"][1], strict=True):
+        assert got.stride() == want.stride()
+        assert_close_through_rounding(got, want, f"gradient of shape {tuple(got.shape)}")

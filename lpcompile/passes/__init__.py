@@ -55,6 +55,8 @@ class CompileContext:
     # (e.g. an optimizer's buffers for the parameter passed in): read(args)
     readers: dict[str, Callable[[Sequence[Any]], Any]] = field(default_factory=dict)
     adaptive: AdaptiveLayout | None = None
+    # Inductor's channels-last layout is off for this graph (small CPU convolutions)
+    contiguous_layout: bool = False
     records: list[PassRecord] = field(default_factory=list)
     kernels: list[Any] = field(default_factory=list)  # lpcompile.codegen.KernelRecord, one per fused kernel
 

@@ -17,18 +17,32 @@ training step (8x8 inputs) took 10% less time without it, a 16x16 CNN 1% less an
 a 32x32 CNN 1% less to 4% more (A/B runs in one process, exploratory).
 ``prefers_contiguous_layout`` tells the backend to keep the default layout where
 every convolution's input has at most :data:`SMALL_CONV_PIXELS` pixels.
+
+Without that layout one convolution kernel still gains from channels-last: the
+backward that computes the input gradient. oneDNN's backward-data kernel for
+NCHW tensors reorders them into blocked layouts on every call; on NHWC ones it
+runs directly (the digits CNN's second convolution: 0.6-0.75x the time; 0.4-1.03x
+over 20 shapes of at most 16x16 pixels, exploratory). ``use_channels_last_conv_backward``
+hands such a backward channels-last copies of its error and input, which Inductor
+writes from the kernels that produce them (the digits CNN's FP8 training step: 5-8%
+less time in seven of eight one-process A/B rounds, exploratory). The gradients the
+graph returns keep the layout they were traced with: only the clones' and the
+backward's own metadata change, and Inductor lays graph outputs out by theirs.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.fx
+from torch._guards import detect_fake_mode
 from torch.fx.experimental.symbolic_shapes import optimization_hint
 
 from lpcompile.passes import CompileContext
 from lpcompile.passes.quantize import CONV_TARGETS
 
 PERMUTE = torch.ops.aten.permute.default
+CONV_BACKWARD = torch.ops.aten.convolution_backward.default
+CLONE = torch.ops.aten.clone.default
 SMALL_CONV_PIXELS = 16 * 16
 SPATIAL_DIMS = {target: int(target.__name__[-2]) for target in CONV_TARGETS}  # conv2d -> 2
 
@@ -69,3 +83,26 @@ def remove_permute_pairs(gm: torch.fx.GraphModule, ctx: CompileContext) -> None:
         gm.graph.erase_node(node)
         if not inner.users:
             gm.graph.erase_node(inner)
+
+
+def use_channels_last_conv_backward(gm: torch.fx.GraphModule, ctx: CompileContext) -> None:
+    """Give each 2-D CPU convolution backward that computes an input gradient
+    channels-last copies of its error and input, where the graph runs without
+    Inductor's channels-last layout (``ctx.contiguous_layout``)."""
+    if not ctx.contiguous_layout:
+        return
+    for node in list(gm.graph.find_nodes(op="call_function", target=CONV_BACKWARD)):
+        error, x, transposed, mask = node.args[0], node.args[1], node.args[7], node.args[10]
+        value = x.meta.get("val") if isinstance(x, torch.fx.Node) else None
+        if not (mask[0] and not transposed and isinstance(value, torch.Tensor)):
+            continue
+        if value.dim() != 4 or value.device.type != "cpu":
+            continue
+        fake_mode = detect_fake_mode([value])
+        with gm.graph.inserting_before(node), fake_mode:
+            for index, operand in ((0, error), (1, x)):
+                copy = gm.graph.call_function(CLONE, (operand,), {"memory_format": torch.channels_last})
+                copy.meta["val"] = operand.meta["val"].clone(memory_format=torch.channels_last)
+                node.update_arg(index, copy)
+            args = [a.meta["val"] if isinstance(a, torch.fx.Node) else a for a in node.args]
+            node.meta["val"] = CONV_BACKWARD(*args)  # the gradients' strides follow the input's
