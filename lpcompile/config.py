@@ -187,6 +187,11 @@ class LowPrecConfig:
             raise ValueError(f"matmul must be one of {MATMULS}, got {self.matmul!r}")
         if self.wrapper not in WRAPPERS:
             raise ValueError(f"wrapper must be one of {WRAPPERS}, got {self.wrapper!r}")
+        if self.wrapper != "auto" and (self.executor != "inductor" or self.codegen != "inductor"):
+            raise ValueError(
+                f"wrapper={self.wrapper!r} picks Inductor's wrapper code: it needs executor='inductor'"
+                f" and codegen='inductor', got executor={self.executor!r}, codegen={self.codegen!r}"
+            )
         if self.matmul == "bf16" and (self.executor != "inductor" or self.codegen != "inductor"):
             raise ValueError(
                 "matmul='bf16' is a kernel Inductor calls: it needs executor='inductor' and"
