@@ -154,7 +154,8 @@ class LowPrecConfig:
     as an FP32 GEMM, ``"bf16"`` like auto but an error where the kernel is missing.
     ``wrapper`` picks the code Inductor generates to call a graph's kernels:
     ``"auto"`` C++ for graphs on the CPU (fewer microseconds per kernel call) and
-    Python elsewhere, ``"cpp"`` or ``"python"`` for every graph.
+    Python elsewhere, ``"cpp"`` or ``"python"`` for every graph (these two need
+    ``executor="inductor"`` and ``codegen="inductor"``).
     """
 
     recipe: str = "fp32"
