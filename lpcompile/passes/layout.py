@@ -25,7 +25,7 @@ runs directly (the digits CNN's second convolution: 0.6-0.75x the time; 0.4-1.03
 over 20 shapes of at most 16x16 pixels, exploratory). ``use_channels_last_conv_backward``
 hands such a backward channels-last copies of its error and input, which Inductor
 writes from the kernels that produce them (the digits CNN's FP8 training step: on/off
-0.92-1.00, median 0.95, in twelve one-process A/B rounds, exploratory). The gradients the
+0.92-1.00, median 0.96, in sixteen one-process A/B rounds, exploratory). The gradients the
 graph returns keep the layout they were traced with: only the clones' and the
 backward's own metadata change, and Inductor lays graph outputs out by theirs.
 """
