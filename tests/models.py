@@ -187,6 +187,16 @@ class Records:
         return self.new[0]
 
 
+def stand_in_for_inductor(monkeypatch, inner: Callable) -> None:
+    """Make ``inner`` the ``inner_compile`` the backend hands Inductor's ``compile_fx``
+    (it gets each AOT graph after lowprec's passes, under Inductor's patched config)."""
+    import contextlib
+
+    from lpcompile import dump
+
+    monkeypatch.setattr(dump, "capture_inductor", lambda record, tag: contextlib.nullcontext(inner))
+
+
 def inductor_runs_fx(monkeypatch) -> dict:
     """Stand in for Inductor's compiler with one that runs the graph it gets as FX.
 
@@ -194,8 +204,6 @@ def inductor_runs_fx(monkeypatch) -> dict:
     without Inductor's C++; returns them by kind ("forward", "backward") as compiled.
     Callers turn AOT's cache off: on a hit no compiler runs.
     """
-    import contextlib
-
     from functorch.compile import make_boxed_func
 
     from lpcompile import dump
@@ -206,5 +214,5 @@ def inductor_runs_fx(monkeypatch) -> dict:
         received[dump.inductor_graph_kind(kwargs)] = gm
         return make_boxed_func(gm)
 
-    monkeypatch.setattr(dump, "capture_inductor", lambda record, tag: contextlib.nullcontext(inner))
+    stand_in_for_inductor(monkeypatch, inner)
     return received

@@ -24,6 +24,7 @@ from models import (
     mlp,
     mlp_input,
     mlp_ref,
+    stand_in_for_inductor,
     step,
 )
 from torch import nn
@@ -530,11 +531,7 @@ def test_small_cpu_convolutions_run_without_inductors_channels_last_layout(monke
     """Channels-last conversions cost more than they gain for small images (see
     ``lpcompile.passes.layout``): the backend turns Inductor's layout optimization off
     for graphs whose convolutions all read at most 16x16 pixels."""
-    import contextlib
-
     from functorch.compile import make_boxed_func
-
-    from lpcompile import dump
 
     seen = []
 
@@ -542,7 +539,7 @@ def test_small_cpu_convolutions_run_without_inductors_channels_last_layout(monke
         seen.append(torch._inductor.config.layout_optimization)  # as compile_fx patched it
         return make_boxed_func(gm)
 
-    monkeypatch.setattr(dump, "capture_inductor", lambda record, tag: contextlib.nullcontext(inner))
+    stand_in_for_inductor(monkeypatch, inner)
     records = Records()
     torch.manual_seed(0)
     model = nn.Sequential(
@@ -558,11 +555,7 @@ def test_small_cpu_convolutions_run_without_inductors_channels_last_layout(monke
 
 
 def test_wrapper_option_sets_inductors_cpp_wrapper_and_changes_no_number(monkeypatch):
-    import contextlib
-
     from torch._inductor.compile_fx import compile_fx_inner
-
-    from lpcompile import dump
 
     seen = []
 
@@ -570,7 +563,7 @@ def test_wrapper_option_sets_inductors_cpp_wrapper_and_changes_no_number(monkeyp
         seen.append(torch._inductor.config.cpp_wrapper)  # as compile_fx patched it
         return compile_fx_inner(gm, example_inputs, *args, **kwargs)
 
-    monkeypatch.setattr(dump, "capture_inductor", lambda record, tag: contextlib.nullcontext(inner))
+    stand_in_for_inductor(monkeypatch, inner)
     results = {}
     for wrapper in ("python", "auto"):  # "auto": C++ on the CPU
         torch._dynamo.reset()
