@@ -34,6 +34,7 @@ from lpcompile.adaptive import AdaptiveScaleState
 from lpcompile.codegen import fuse_lowprec_kernels
 from lpcompile.config import LowPrecConfig
 from lpcompile.passes import CompileContext, PassRecord, Site, run_passes
+from lpcompile.passes.conv import use_im2col_convs
 from lpcompile.passes.histogram import count_histograms_serially
 from lpcompile.passes.layout import (
     prefers_contiguous_layout,
@@ -47,7 +48,7 @@ from lpcompile.passes.pipeline import PIPELINE_ATEN_PASSES, PIPELINE_GRAPH_PASSE
 from lpcompile.passes.quantize import SEED_INPUT, annotate_lowprec_nodes, insert_quantize
 
 # The ordered pass lists: graph-level rewrites, then passes over each AOT graph.
-GRAPH_PASSES = (insert_loss_scale, insert_quantize)
+GRAPH_PASSES = (insert_loss_scale, insert_quantize, use_im2col_convs)
 ATEN_PASSES = (annotate_lowprec_nodes,)
 # executor="inductor": passes over the joint graph before AOT partitions it (an
 # inference graph, which has none, gets the first two in its stead), then over
@@ -180,12 +181,13 @@ def _package_hash() -> str:
 def source_hash(package: Path) -> str:
     """Hash of the modules whose Python ends up in Inductor's compiled code: the
     operators (``*ops*.py``: decompositions and autograd rules), what they call,
-    the passes run inside Inductor's compile (``passes/partition.py``,
+    the function traced in place of small convolutions (``passes/conv.py``), the
+    passes run inside Inductor's compile (``passes/partition.py``,
     ``passes/layout.py``, ``passes/matmul.py``, ``passes/histogram.py``) and the pass
     lists that name them (this module)."""
     digest = hashlib.sha256()
     traced = [p for p in sorted(package.glob("*.py")) if "ops" in p.stem or p.stem in ("rng", "formats")]
-    inductor_passes = ("partition.py", "layout.py", "matmul.py", "histogram.py")
+    inductor_passes = ("conv.py", "partition.py", "layout.py", "matmul.py", "histogram.py")
     passes = [package / "passes" / name for name in inductor_passes]
     passes.append(package / "backend.py")
     for path in (*traced, *passes):

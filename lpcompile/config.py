@@ -28,6 +28,7 @@ LOSS_SCALES = ("none", "adaptive")
 CODEGENS = ("inductor", "triton")
 MATMULS = ("auto", "fp32", "bf16")
 WRAPPERS = ("auto", "cpp", "python")
+CONVS = ("auto", "aten")
 # options key -> AdaptiveScaleConfig field
 ADAPTIVE_KEYS = {
     "loss_scale_rule": "rule",
@@ -155,7 +156,11 @@ class LowPrecConfig:
     ``wrapper`` picks the code Inductor generates to call a graph's kernels:
     ``"auto"`` C++ for graphs on the CPU (fewer microseconds per kernel call) and
     Python elsewhere, ``"cpp"`` or ``"python"`` for every graph (these two need
-    ``executor="inductor"`` and ``codegen="inductor"``).
+    ``executor="inductor"`` and ``codegen="inductor"``). ``conv="auto"`` lets
+    Inductor compiles for the CPU run quantized 2-D convolutions with at most
+    nine taps per output (a 3x3 filter over one channel) as an im2col matrix
+    Inductor writes and a matmul (``lpcompile.passes.conv``); ``"aten"`` keeps
+    ATen's convolution everywhere.
     """
 
     recipe: str = "fp32"
@@ -173,6 +178,7 @@ class LowPrecConfig:
     pipeline: PipelineConfig | None = None
     matmul: str = "auto"
     wrapper: str = "auto"
+    conv: str = "auto"
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "pipeline", PipelineConfig.from_option(self.pipeline))
@@ -188,6 +194,8 @@ class LowPrecConfig:
             raise ValueError(f"matmul must be one of {MATMULS}, got {self.matmul!r}")
         if self.wrapper not in WRAPPERS:
             raise ValueError(f"wrapper must be one of {WRAPPERS}, got {self.wrapper!r}")
+        if self.conv not in CONVS:
+            raise ValueError(f"conv must be one of {CONVS}, got {self.conv!r}")
         if self.wrapper != "auto" and (self.executor != "inductor" or self.codegen != "inductor"):
             raise ValueError(
                 f"wrapper={self.wrapper!r} picks Inductor's wrapper code: it needs executor='inductor'"

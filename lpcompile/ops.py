@@ -14,6 +14,9 @@
   Inductor compiles (:func:`grid_marks`), the decomposition of an unscaled
   ``quantize`` ends in it, so the joint-graph passes know which tensors lie on
   which grid (``lpcompile.passes.matmul``); then they remove it.
+* ``lowprec::realize(x)``: the identity, whose Inductor lowering stores ``x``
+  in a buffer rather than recomputing it wherever it is read
+  (``lpcompile.passes.conv``).
 * ``lowprec::mm_bf16(a, b)``, ``lowprec::bmm_bf16(a, b)``: ``a @ b`` on the
   CPU's bfloat16 dot products (``lpcompile.cpu_gemm``), for operands bfloat16
   holds exactly.
@@ -326,6 +329,26 @@ def _(x, fmt):
 @register_lowering(torch.ops.lowprec.on_grid.default, type_promotion_kind=None)
 def _lower_on_grid(x: ir.TensorBox, fmt: str) -> ir.TensorBox:
     return x  # a mark the joint-graph passes did not remove costs nothing
+
+
+@torch.library.custom_op("lowprec::realize", mutates_args=())
+def realize_op(x: torch.Tensor) -> torch.Tensor:
+    """The identity; under Inductor ``x`` is computed once into a buffer."""
+    return x.clone()
+
+
+@realize_op.register_fake
+def _(x):
+    return torch.empty_like(x)
+
+
+realize_op.register_autograd(lambda ctx, grad: grad)
+
+
+@register_lowering(torch.ops.lowprec.realize.default, type_promotion_kind=None)
+def _lower_realize(x: ir.TensorBox) -> ir.TensorBox:
+    x.realize()
+    return x
 
 
 @register_decomposition(torch.ops.lowprec.quantize.default)

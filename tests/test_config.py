@@ -83,6 +83,7 @@ def test_unknown_option_key_names_it_and_lists_valid_ones():
         ({"recipe": "fp8-e5m2", "loss_scale_interval": 5}, "loss_scale_interval", "adaptive"),
         ({"matmul": "fp8"}, "fp8", "bf16"),
         ({"wrapper": "c"}, "'c'", "python"),
+        ({"conv": "onednn"}, "'onednn'", "aten"),
         ({"wrapper": "cpp", "executor": "eager"}, "eager", "inductor"),
         ({"wrapper": "python", "codegen": "triton"}, "triton", "inductor"),
         ({"recipe": "fp8-e5m2", "matmul": "bf16", "executor": "eager"}, "eager", "inductor"),

@@ -1,4 +1,4 @@
-# lowprec dump: Sequential_0, dynamo graph after pass 1 of 2: insert_loss_scale
+# lowprec dump: Sequential_0, dynamo graph after pass 1 of 3: insert_loss_scale
 # GraphModule.code of the FX graph. Run: GraphModule().forward(*inputs), the inputs as
 # manifest.json lists them under graphs["dynamo"]["inputs"].
 import torch

@@ -1,4 +1,4 @@
-# lowprec dump: Sequential_0, dynamo graph after pass 2 of 2: insert_quantize
+# lowprec dump: Sequential_0, dynamo graph after pass 2 of 3: insert_quantize
 # GraphModule.code of the FX graph. Run: GraphModule().forward(*inputs), the inputs as
 # manifest.json lists them under graphs["dynamo"]["inputs"].
 import torch

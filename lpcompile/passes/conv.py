@@ -1,0 +1,147 @@
+"""Small convolutions as im2col and a matmul, in Inductor's hands (Dynamo graph).
+
+A convolution whose output element reads few input values (``C_in * KH * KW``
+taps: 9 for a 3x3 filter over one channel, the first layer of a grayscale
+model) does almost no arithmetic, and oneDNN's per-call cost dominates it on
+small images: the digits CNN's first convolution took ~60 µs forward and
+~70-90 µs backward for 0.6 M multiply-adds. ``im2col_conv2d`` writes it as
+ATen ops Inductor compiles: the quantized input, padded, is stored once; the
+taps of every output pixel are gathered into an im2col matrix (pixels x taps,
+a fused kernel); one matmul with the weight gives the output (channels-last,
+copied to the contiguous layout ATen's convolution returns where Inductor does
+not fuse that away). Autograd turns the matmul into the weight-gradient matmul
+and the gathers into sums. The digits CNN's FP8 training step took 0.93-0.99
+(median 0.96, ten rounds) of the time with ATen's convolution (A/B rounds in one
+process, exploratory).
+
+Tried on the same step and not kept (exploratory): the taps summed as shifted
+windows of the input, no matmul (0.98-1.01: Inductor's weight-gradient
+reductions over 8-pixel rows run scalar), the same with a weight gradient by
+``bmm`` (0.88-1.01, as this one but with a hand-written backward); the rewrite
+for every convolution, also the second one's 144 taps (0.90-0.98, the same as
+rewriting the first only; 3x32x32 CNN 0.96-1.00). Hence :data:`MAX_TAPS`.
+
+``use_im2col_convs`` rewrites only quantized convolutions (both operands
+come from ``lowprec::quantize``) in Inductor compiles for the CPU
+(``conv="auto"``), so FP32 layers and the eager executor keep ATen's
+convolution. The products of two FP8 values are exact in FP32; only the order
+of the FP32 additions differs from oneDNN's.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.fx
+import torch.nn.functional as F
+
+from lpcompile.passes import CompileContext
+
+CONV2D_TARGETS = (torch.conv2d, F.conv2d)
+CONV2D_PARAMS = ("input", "weight", "bias", "stride", "padding", "dilation", "groups")
+CONV2D_DEFAULTS = {"bias": None, "stride": 1, "padding": 0, "dilation": 1, "groups": 1}
+GEOMETRY = ("stride", "padding", "dilation")
+QUANTIZE = torch.ops.lowprec.quantize.default
+LOWPREC_TARGETS = (QUANTIZE, torch.ops.lowprec.quantize_grad.default, torch.ops.lowprec.scale_grad.default)
+# Most taps per output element (C_in * KH * KW) rewritten; see the module docstring.
+MAX_TAPS = 9
+
+
+def _pair(value: int | tuple[int, ...] | list[int]) -> tuple[int, int]:
+    return (value, value) if isinstance(value, int) else (value[0], value[1])
+
+
+def _pads(padding: str | int | tuple[int, ...], kernel: tuple[int, int], dilation: tuple[int, int]):
+    """``F.pad``'s (left, right, top, bottom) for conv2d's ``padding``."""
+    if padding == "valid":
+        return (0, 0, 0, 0)
+    if padding == "same":  # stride 1; an odd total puts the extra pixel right/bottom, as ATen does
+        (top, bottom), (left, right) = (
+            (d * (k - 1) // 2, d * (k - 1) - d * (k - 1) // 2) for k, d in zip(kernel, dilation, strict=True)
+        )
+        return (left, right, top, bottom)
+    ph, pw = _pair(padding)
+    return (pw, pw, ph, ph)
+
+
+def im2col_conv2d(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    stride: int | tuple[int, int] = 1,
+    padding: str | int | tuple[int, int] = 0,
+    dilation: int | tuple[int, int] = 1,
+) -> torch.Tensor:
+    """``F.conv2d`` of a batch ``x`` (one group) as an im2col matrix times the weight."""
+    (sh, sw), (dh, dw) = _pair(stride), _pair(dilation)
+    out_channels, in_channels, kh, kw = weight.shape
+    left, right, top, bottom = _pads(padding, (kh, kw), (dh, dw))
+    # Stored once: the gathers below would otherwise each recompute a quantize.
+    padded = torch.ops.lowprec.realize(F.pad(x, (left, right, top, bottom)))
+    n = x.shape[0]
+    out_h = (x.shape[2] + top + bottom - dh * (kh - 1) - 1) // sh + 1
+    out_w = (x.shape[3] + left + right - dw * (kw - 1) - 1) // sw + 1
+    rows, cols = sh * (out_h - 1) + 1, sw * (out_w - 1) + 1  # the input span of one tap's windows
+    taps = [
+        padded[:, :, i * dh : i * dh + rows : sh, j * dw : j * dw + cols : sw]
+        for i in range(kh)
+        for j in range(kw)
+    ]
+    # (n, c, out_h, out_w, tap) -> rows (n, out_h, out_w), columns (c, tap): the weight's order
+    im2col = torch.stack(taps, -1).permute(0, 2, 3, 1, 4).reshape(n * out_h * out_w, in_channels * kh * kw)
+    out = torch.mm(im2col, weight.reshape(out_channels, -1).t())
+    if bias is not None:
+        out = out + bias
+    # Contiguous as ATen's result is, so that user code may view it as it would that.
+    return out.view(n, out_h, out_w, out_channels).permute(0, 3, 1, 2).contiguous()
+
+
+def _conv2d_args(node: torch.fx.Node) -> dict[str, object] | None:
+    """A conv2d call's arguments by name, or ``None`` for another call."""
+    if node.op != "call_function" or node.target not in CONV2D_TARGETS:
+        return None
+    args = {**CONV2D_DEFAULTS, **dict(zip(CONV2D_PARAMS, node.args, strict=False)), **node.kwargs}
+    return args if set(args) == set(CONV2D_PARAMS) else None
+
+
+def _example(node: object) -> torch.Tensor | None:
+    """The example value of the tensor ``node`` quantizes (following lowprec's ops)."""
+    while isinstance(node, torch.fx.Node) and node.op == "call_function" and node.target in LOWPREC_TARGETS:
+        node = node.args[0]
+    value = node.meta.get("example_value") if isinstance(node, torch.fx.Node) else None
+    return value if isinstance(value, torch.Tensor) else None
+
+
+def _rewritable(args: dict[str, object]) -> bool:
+    x, weight = args["input"], args["weight"]
+    if not all(isinstance(v, torch.fx.Node) and v.target is QUANTIZE for v in (x, weight)):
+        return False
+    example, w = _example(x), _example(weight)
+    if example is None or w is None or example.device.type != "cpu" or example.dim() != 4:
+        return False
+    if args["groups"] != 1 or any(isinstance(args[key], torch.fx.Node) for key in GEOMETRY):
+        return False
+    taps = w.shape[1] * w.shape[2] * w.shape[3]
+    return isinstance(taps, int) and taps <= MAX_TAPS
+
+
+def use_im2col_convs(gm: torch.fx.GraphModule, ctx: CompileContext) -> None:
+    """Replace quantized CPU conv2d calls of at most :data:`MAX_TAPS` taps by
+    :func:`im2col_conv2d` (Inductor compiles without pipelining, ``conv="auto"``)."""
+    config = ctx.config
+    if config.conv != "auto" or config.executor != "inductor" or config.codegen != "inductor":
+        return
+    if config.pipeline is not None:  # the pipeline's partitioner finds layers by their conv calls
+        return
+    for node in list(gm.graph.nodes):
+        args = _conv2d_args(node)
+        if args is None or not _rewritable(args):
+            continue
+        with gm.graph.inserting_before(node):
+            call = gm.graph.call_function(
+                im2col_conv2d,
+                (args["input"], args["weight"], args["bias"]),
+                {key: args[key] for key in GEOMETRY},
+            )
+        call.meta = dict(node.meta)
+        node.replace_all_uses_with(call)
+        gm.graph.erase_node(node)
