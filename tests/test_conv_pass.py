@@ -46,7 +46,8 @@ def test_im2col_conv2d_equals_conv2d_and_its_gradients(geometry):
         error = quarters(*y.shape, seed=3)
         grads = torch.autograd.grad(y, (x, weight, bias), error)
         results.append((y, *grads))
-    for name, got, want in zip(("output", "x grad", "weight grad", "bias grad"), results[1], results[0], strict=True):
+    names = ("output", "x grad", "weight grad", "bias grad")
+    for name, got, want in zip(names, results[1], results[0], strict=True):
         assert got.shape == want.shape and torch.equal(got, want), name
     assert results[1][0].is_contiguous()  # as ATen's: user code may view it
 
