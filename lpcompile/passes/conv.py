@@ -6,13 +6,16 @@ model) does almost no arithmetic, and oneDNN's per-call cost dominates it on
 small images: the digits CNN's first convolution took ~60 µs forward and
 ~70-90 µs backward for 0.6 M multiply-adds. ``im2col_conv2d`` writes it as
 ATen ops Inductor compiles: the quantized input, padded, is stored once; the
-taps of every output pixel are gathered into an im2col matrix (pixels x taps,
-a fused kernel); one matmul with the weight gives the output (channels-last,
-copied to the contiguous layout ATen's convolution returns where Inductor does
-not fuse that away). Autograd turns the matmul into the weight-gradient matmul
-and the gathers into sums. The digits CNN's FP8 training step took 0.93-0.99
-(median 0.96, ten rounds) of the time with ATen's convolution (A/B rounds in one
-process, exploratory).
+taps of every output pixel are copied into an im2col matrix (pixels x taps,
+from ``unfold`` views); one matmul with the weight gives the output
+(channels-last, copied to the contiguous layout ATen's convolution returns
+where Inductor does not fuse that away). Autograd turns the matmul into the
+weight-gradient matmul and the copy into sums over the windows (an input
+gradient, where one is needed). The digits CNN's FP8 training step took
+0.93-0.99 (median 0.96, ten rounds) of the time with ATen's convolution (A/B
+rounds in one process, exploratory; the taps then gathered by stacking nine
+strided slices, which Inductor copies in nine loops: the ``unfold`` copy took
+0.992-0.999 of that step, six rounds).
 
 Tried on the same step and not kept (exploratory): the taps summed as shifted
 windows of the input, no matmul (0.98-1.01: Inductor's weight-gradient
@@ -75,19 +78,13 @@ def im2col_conv2d(
     (sh, sw), (dh, dw) = _pair(stride), _pair(dilation)
     out_channels, in_channels, kh, kw = weight.shape
     left, right, top, bottom = _pads(padding, (kh, kw), (dh, dw))
-    # Stored once: the gathers below would otherwise each recompute a quantize.
+    # Stored once: the gather below would otherwise recompute a quantize per tap.
     padded = torch.ops.lowprec.realize(F.pad(x, (left, right, top, bottom)))
-    n = x.shape[0]
-    out_h = (x.shape[2] + top + bottom - dh * (kh - 1) - 1) // sh + 1
-    out_w = (x.shape[3] + left + right - dw * (kw - 1) - 1) // sw + 1
-    rows, cols = sh * (out_h - 1) + 1, sw * (out_w - 1) + 1  # the input span of one tap's windows
-    taps = [
-        padded[:, :, i * dh : i * dh + rows : sh, j * dw : j * dw + cols : sw]
-        for i in range(kh)
-        for j in range(kw)
-    ]
-    # (n, c, out_h, out_w, tap) -> rows (n, out_h, out_w), columns (c, tap): the weight's order
-    im2col = torch.stack(taps, -1).permute(0, 2, 3, 1, 4).reshape(n * out_h * out_w, in_channels * kh * kw)
+    # Views: (n, c, out_h, out_w, kh, kw), every window's taps; then one gather into
+    # rows (n, out_h, out_w) and columns (c, kh, kw), the weight's order.
+    windows = padded.unfold(2, dh * (kh - 1) + 1, sh).unfold(3, dw * (kw - 1) + 1, sw)[..., ::dh, ::dw]
+    n, _, out_h, out_w = windows.shape[:4]
+    im2col = windows.permute(0, 2, 3, 1, 4, 5).reshape(n * out_h * out_w, in_channels * kh * kw)
     out = torch.mm(im2col, weight.reshape(out_channels, -1).t())
     if bias is not None:
         out = out + bias
