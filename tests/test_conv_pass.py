@@ -53,19 +53,21 @@ def test_im2col_conv2d_equals_conv2d_and_its_gradients(geometry):
 
 
 class FirstConv(nn.Module):
-    """A 1-channel 3x3 convolution (9 taps), one of 4 channels (36 taps), then a linear
-    layer read through ``view``, which needs the convolution's contiguous layout."""
+    """A 1-channel 3x3 convolution (9 taps), one of 4 channels (36 taps), and a linear
+    layer reading both; the first's output through ``view``, which needs the
+    contiguous layout ATen's convolution returns."""
 
     def __init__(self) -> None:
         super().__init__()
         torch.manual_seed(0)
         self.first = nn.Conv2d(1, 4, 3, padding=1)
         self.second = nn.Conv2d(4, 4, 3, stride=2, padding=1)
-        self.head = nn.Linear(4 * 3 * 3, 5)
+        self.head = nn.Linear(4 * 6 * 6 + 4 * 3 * 3, 5)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.second(self.first(x).relu()).relu()
-        return self.head(h.view(h.shape[0], -1))
+        a = self.first(x)
+        b = self.second(a.relu()).relu()
+        return self.head(torch.cat([a.view(a.shape[0], -1), b.flatten(1)], 1))
 
 
 def digits_like() -> torch.Tensor:
