@@ -33,20 +33,22 @@ def quarters(*shape: int, seed: int) -> torch.Tensor:
     return torch.randint(-32, 33, shape, generator=g).float() / 4
 
 
+@pytest.mark.parametrize("with_bias", [True, False])
 @pytest.mark.parametrize("geometry", GEOMETRIES)
-def test_im2col_conv2d_equals_conv2d_and_its_gradients(geometry):
+def test_im2col_conv2d_equals_conv2d_and_its_gradients(geometry, with_bias):
     n, c, h, w, o, kernel, stride, padding, dilation = geometry
     kh, kw = (kernel, kernel) if isinstance(kernel, int) else kernel
     x = quarters(n, c, h, w, seed=0).requires_grad_()
     weight = quarters(o, c, kh, kw, seed=1).requires_grad_()
-    bias = quarters(o, seed=2).requires_grad_()
+    bias = quarters(o, seed=2).requires_grad_() if with_bias else None
+    inputs = (x, weight, bias) if with_bias else (x, weight)
     results = []
     for conv in (F.conv2d, im2col_conv2d):
         y = conv(x, weight, bias, stride=stride, padding=padding, dilation=dilation)
         error = quarters(*y.shape, seed=3)
-        grads = torch.autograd.grad(y, (x, weight, bias), error)
+        grads = torch.autograd.grad(y, inputs, error)
         results.append((y, *grads))
-    names = ("output", "x grad", "weight grad", "bias grad")
+    names = ("output", "x grad", "weight grad", "bias grad")[: 1 + len(inputs)]
     for name, got, want in zip(names, results[1], results[0], strict=True):
         assert got.shape == want.shape and torch.equal(got, want), name
     assert results[1][0].is_contiguous()  # as ATen's: user code may view it
