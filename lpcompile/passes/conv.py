@@ -36,6 +36,7 @@ from __future__ import annotations
 import torch
 import torch.fx
 import torch.nn.functional as F
+from torch.nn.modules.utils import _pair
 
 from lpcompile.passes import CompileContext
 
@@ -44,13 +45,8 @@ CONV2D_PARAMS = ("input", "weight", "bias", "stride", "padding", "dilation", "gr
 CONV2D_DEFAULTS = {"bias": None, "stride": 1, "padding": 0, "dilation": 1, "groups": 1}
 GEOMETRY = ("stride", "padding", "dilation")
 QUANTIZE = torch.ops.lowprec.quantize.default
-LOWPREC_TARGETS = (QUANTIZE, torch.ops.lowprec.quantize_grad.default, torch.ops.lowprec.scale_grad.default)
 # Most taps per output element (C_in * KH * KW) rewritten; see the module docstring.
 MAX_TAPS = 9
-
-
-def _pair(value: int | tuple[int, ...] | list[int]) -> tuple[int, int]:
-    return (value, value) if isinstance(value, int) else (value[0], value[1])
 
 
 def _pads(padding: str | int | tuple[int, ...], kernel: tuple[int, int], dilation: tuple[int, int]):
@@ -100,20 +96,15 @@ def _conv2d_args(node: torch.fx.Node) -> dict[str, object] | None:
     return args if set(args) == set(CONV2D_PARAMS) else None
 
 
-def _example(node: object) -> torch.Tensor | None:
-    """The example value of the tensor ``node`` quantizes (following lowprec's ops)."""
-    while isinstance(node, torch.fx.Node) and node.op == "call_function" and node.target in LOWPREC_TARGETS:
-        node = node.args[0]
-    value = node.meta.get("example_value") if isinstance(node, torch.fx.Node) else None
-    return value if isinstance(value, torch.Tensor) else None
-
-
 def _rewritable(args: dict[str, object]) -> bool:
     x, weight = args["input"], args["weight"]
     if not all(isinstance(v, torch.fx.Node) and v.target is QUANTIZE for v in (x, weight)):
         return False
-    example, w = _example(x), _example(weight)
-    if example is None or w is None or example.device.type != "cpu" or example.dim() != 4:
+    # insert_quantize gives its nodes the example value of the tensor they quantize
+    example, w = x.meta.get("example_value"), weight.meta.get("example_value")
+    if not isinstance(example, torch.Tensor) or not isinstance(w, torch.Tensor):
+        return False
+    if example.device.type != "cpu" or example.dim() != 4:
         return False
     if args["groups"] != 1 or any(isinstance(args[key], torch.fx.Node) for key in GEOMETRY):
         return False
