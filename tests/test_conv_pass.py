@@ -55,20 +55,22 @@ def test_im2col_conv2d_equals_conv2d_and_its_gradients(geometry, with_bias):
 
 
 class FirstConv(nn.Module):
-    """A 1-channel 3x3 convolution (9 taps), one of 4 channels (36 taps), and a linear
-    layer reading both; the first's output through ``view``, which needs the
-    contiguous layout ATen's convolution returns."""
+    """A 1-channel 3x3 convolution (9 taps), a 1x1 one over its 4 channels (4 taps,
+    its input needs a gradient), a 3x3 one over 8 channels (72 taps), and a linear
+    layer reading the first and the last; the first's output through ``view``,
+    which needs the contiguous layout ATen's convolution returns."""
 
     def __init__(self) -> None:
         super().__init__()
         torch.manual_seed(0)
         self.first = nn.Conv2d(1, 4, 3, padding=1)
-        self.second = nn.Conv2d(4, 4, 3, stride=2, padding=1)
+        self.mix = nn.Conv2d(4, 8, 1)
+        self.second = nn.Conv2d(8, 4, 3, stride=2, padding=1)
         self.head = nn.Linear(4 * 6 * 6 + 4 * 3 * 3, 5)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         a = self.first(x)
-        b = self.second(a.relu()).relu()
+        b = self.second(self.mix(a.relu()).relu()).relu()
         return self.head(torch.cat([a.view(a.shape[0], -1), b.flatten(1)], 1))
 
 
@@ -95,10 +97,10 @@ def rewritten(records: Records) -> int:
 @pytest.mark.parametrize(
     "options,count",
     [
-        ({}, 1),  # the first convolution: 9 taps; the second has 36
+        ({}, 2),  # the first convolution: 9 taps, the 1x1 one 4; the second has 72
         ({"conv": "aten"}, 0),
         ({"executor": "eager"}, 0),
-        ({"exclude": ["first"]}, 0),  # kept in FP32: not quantized, not rewritten
+        ({"exclude": ["first"]}, 1),  # kept in FP32: not quantized, not rewritten
         ({"recipe": "fp32"}, 0),
     ],
 )
@@ -122,19 +124,20 @@ def assert_close_steps(got, want) -> None:
 
 
 def test_rewritten_step_matches_atens_convolution_in_the_graphs_inductor_gets(monkeypatch):
-    """The same quantized step with the first convolution as im2col + mm and as ATen's:
-    FP32 sums in another order, and the input gradient through the im2col's backward."""
+    """The same quantized step with the small convolutions as im2col + mm and as ATen's:
+    FP32 sums in another order, and input gradients through the im2col's backward."""
     inductor_runs_fx(monkeypatch)
     records = Records()
     got = compiled_step({}, digits_like())
-    assert rewritten(records) == 1
+    assert rewritten(records) == 2
     assert_close_steps(got, compiled_step({"conv": "aten"}, digits_like()))
 
 
 def test_rewritten_step_under_inductor_matches_the_eager_executor():
     """Inductor's own compile (lowprec::realize's lowering, the contiguous output
-    a view needs) against the eager executor, which keeps ATen's convolution."""
+    a view needs, the 1x1 convolution's input gradient) against the eager executor,
+    which keeps ATen's convolution."""
     records = Records()
     got = compiled_step({}, digits_like())
-    assert rewritten(records) == 1
+    assert rewritten(records) == 2
     assert_close_steps(got, compiled_step({"executor": "eager"}, digits_like()))

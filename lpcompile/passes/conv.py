@@ -5,24 +5,26 @@ taps: 9 for a 3x3 filter over one channel, the first layer of a grayscale
 model) does almost no arithmetic, and oneDNN's per-call cost dominates it on
 small images: the digits CNN's first convolution took ~60 µs forward and
 ~70-90 µs backward for 0.6 M multiply-adds. ``im2col_conv2d`` writes it as
-ATen ops Inductor compiles: the quantized input, padded, is stored once; the
-taps of every output pixel are copied into an im2col matrix (pixels x taps,
-from ``unfold`` views); one matmul with the weight gives the output
-(channels-last, copied to the contiguous layout ATen's convolution returns
-where Inductor does not fuse that away). Autograd turns the matmul into the
-weight-gradient matmul and the copy into sums over the windows (an input
-gradient, where one is needed). The digits CNN's FP8 training step took
-0.93-0.99 (median 0.96, ten rounds) of the time with ATen's convolution (A/B
-rounds in one process, exploratory; the taps then gathered by stacking nine
-strided slices, which Inductor copies in nine loops: the ``unfold`` copy took
-0.992-0.999 of that step, six rounds).
+ATen ops Inductor compiles: the quantized input, padded, is stored once
+channels-last; one strided slice per tap, stacked, makes the im2col matrix
+(pixels x taps); one matmul with the weight gives the output (channels-last,
+copied to the contiguous layout ATen's convolution returns where Inductor does
+not fuse that away). Autograd turns the matmul into the weight-gradient matmul
+and the slices into sums of shifted windows (an input gradient, where one is
+needed). The digits CNN's FP8 training step with ATen's convolution took
+1.00-1.07x the time (median 1.03, sixteen rounds, each against the mean of two
+copies of the rewritten step, which themselves differed by up to 8%).
 
-Tried on the same step and not kept (exploratory): the taps summed as shifted
-windows of the input, no matmul (0.98-1.01: Inductor's weight-gradient
-reductions over 8-pixel rows run scalar), the same with a weight gradient by
-``bmm`` (0.88-1.01, as this one but with a hand-written backward); the rewrite
-for every convolution, also the second one's 144 taps (0.90-0.98, the same as
-rewriting the first only; 3x32x32 CNN 0.96-1.00). Hence :data:`MAX_TAPS`.
+Not ``unfold`` views: their backward is an accumulating ``index_put``, which
+Inductor 2.13 writes for the CPU as atomic adds, slow (the digits CNN's step
+1.16-1.19x the time when the second convolution was so rewritten, against
+0.95-1.08x with slices) and, in a 2-D tiled loop, wrong: the input gradient of
+a 1x1 convolution over 8 channels of 16x16 pixels indexed past its buffer and
+corrupted the heap (``torch.compile`` alone reproduces it). Rewriting every
+convolution, the second one's 144 taps too, gave 0.95-0.98x in fast phases of
+the machine and 1.02-1.08x in slow ones; its weight gradient alone as im2col
+0.93-1.12x. Hence :data:`MAX_TAPS`. (All one-process A/B runs, exploratory,
+each variant compiled with its own seed.)
 
 ``use_im2col_convs`` rewrites only quantized convolutions (both operands
 come from ``lowprec::quantize``) in Inductor compiles for the CPU
@@ -74,14 +76,21 @@ def im2col_conv2d(
     (sh, sw), (dh, dw) = _pair(stride), _pair(dilation)
     out_channels, in_channels, kh, kw = weight.shape
     left, right, top, bottom = _pads(padding, (kh, kw), (dh, dw))
-    # Stored once: the gather below would otherwise recompute a quantize per tap.
-    padded = torch.ops.lowprec.realize(F.pad(x, (left, right, top, bottom)))
-    # Views: (n, c, out_h, out_w, kh, kw), every window's taps; then one gather into
-    # rows (n, out_h, out_w) and columns (c, kh, kw), the weight's order.
-    windows = padded.unfold(2, dh * (kh - 1) + 1, sh).unfold(3, dw * (kw - 1) + 1, sw)[..., ::dh, ::dw]
-    n, _, out_h, out_w = windows.shape[:4]
-    im2col = windows.permute(0, 2, 3, 1, 4, 5).reshape(n * out_h * out_w, in_channels * kh * kw)
-    out = torch.mm(im2col, weight.reshape(out_channels, -1).t())
+    # Stored once, channels-last: the gather below would otherwise recompute a
+    # quantize per tap, and a tap's channels are then adjacent.
+    padded = torch.ops.lowprec.realize(F.pad(x, (left, right, top, bottom)).permute(0, 2, 3, 1))
+    n, height, width, _ = padded.shape
+    out_h = (height - dh * (kh - 1) - 1) // sh + 1
+    out_w = (width - dw * (kw - 1) - 1) // sw + 1
+    # One strided slice per tap, (n, out_h, out_w, c); stacked into rows (n, out_h, out_w)
+    # and columns (kh, kw, c), the order of the weight permuted to channels-last.
+    taps = [
+        padded[:, i * dh : i * dh + sh * (out_h - 1) + 1 : sh, j * dw : j * dw + sw * (out_w - 1) + 1 : sw]
+        for i in range(kh)
+        for j in range(kw)
+    ]
+    im2col = torch.stack(taps, dim=3).reshape(n * out_h * out_w, kh * kw * in_channels)
+    out = torch.mm(im2col, weight.permute(0, 2, 3, 1).reshape(out_channels, -1).t())
     if bias is not None:
         out = out + bias
     # Contiguous as ATen's result is, so that user code may view it as it would that.
