@@ -530,7 +530,8 @@ def test_operands_passed_by_keyword_are_quantized_too(loss_scale):
 def test_small_cpu_convolutions_run_without_inductors_channels_last_layout(monkeypatch, size, contiguous):
     """Channels-last conversions cost more than they gain for small images (see
     ``lpcompile.passes.layout``): the backend turns Inductor's layout optimization off
-    for graphs whose convolutions all read at most 16x16 pixels."""
+    for graphs whose convolutions all read at most 16x16 pixels (ATen's convolutions:
+    ``conv="aten"``, else these small ones become matmuls)."""
     from functorch.compile import make_boxed_func
 
     seen = []
@@ -546,7 +547,7 @@ def test_small_cpu_convolutions_run_without_inductors_channels_last_layout(monke
         nn.Conv2d(3, 4, 3, padding=1), nn.ReLU(), nn.Flatten(), nn.Linear(4 * size * size, 2)
     )
     x = torch.randn(2, 3, size, size)
-    options = {"recipe": "fp8-e5m2-sr", "executor": "inductor"}
+    options = {"recipe": "fp8-e5m2-sr", "executor": "inductor", "conv": "aten"}
     with torch._functorch.config.patch(enable_autograd_cache=False):
         step(model, lambda: torch.compile(model, backend="lowprec", options=options)(x))
     assert seen == [not contiguous] * 2  # forward and backward
@@ -604,11 +605,12 @@ def test_conv_input_gradients_read_channels_last_copies_where_inductors_layout_i
     which computes an input gradient, reads channels-last copies of its error and input;
     the first one (no input gradient) and every one at 32x32 are left alone. The graphs
     Inductor would get, run as FX, give the eager executor's gradients: bit for bit
-    where nothing was rewritten, else up to the oneDNN kernel's order of FP32 sums."""
+    where nothing was rewritten, else up to the oneDNN kernel's order of FP32 sums.
+    ATen's convolutions (``conv="aten"``): else these small ones become matmuls."""
     received = inductor_runs_fx(monkeypatch)
     model = two_convs(size)
     x = torch.randn(2, 2, size, size, generator=torch.Generator().manual_seed(3))
-    options = {"recipe": "fp8-e5m2-sr", "executor": "inductor"}
+    options = {"recipe": "fp8-e5m2-sr", "executor": "inductor", "conv": "aten"}
     with torch._functorch.config.patch(enable_autograd_cache=False):
         got = step(model, lambda: torch.compile(model, backend="lowprec", options=options)(x))
     aten = torch.ops.aten

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from models import Records, assert_close_through_rounding, inductor_runs_fx, step
 from torch import nn
 
-from lpcompile.passes.conv import MAX_TAPS, im2col_conv2d
+from lpcompile.passes.conv import MAX_IM2COL, im2col_conv2d
 
 # (batch, in_channels, height, width, out_channels, kernel, stride, padding, dilation)
 GEOMETRIES = [
@@ -55,10 +55,10 @@ def test_im2col_conv2d_equals_conv2d_and_its_gradients(geometry, with_bias):
 
 
 class FirstConv(nn.Module):
-    """A 1-channel 3x3 convolution (9 taps), a 1x1 one over its 4 channels (4 taps,
-    its input needs a gradient), a 3x3 one over 8 channels (72 taps), and a linear
-    layer reading the first and the last; the first's output through ``view``,
-    which needs the contiguous layout ATen's convolution returns."""
+    """A 1-channel 3x3 convolution, a 1x1 one over its 4 channels (its input needs a
+    gradient), a strided 3x3 one over 8 channels, and a linear layer reading the first
+    and the last; the first's output through ``view``, which needs the contiguous
+    layout ATen's convolution returns."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -97,15 +97,14 @@ def rewritten(records: Records) -> int:
 @pytest.mark.parametrize(
     "options,count",
     [
-        ({}, 2),  # the first convolution: 9 taps, the 1x1 one 4; the second has 72
+        ({}, 3),
         ({"conv": "aten"}, 0),
         ({"executor": "eager"}, 0),
-        ({"exclude": ["first"]}, 1),  # kept in FP32: not quantized, not rewritten
+        ({"exclude": ["first"]}, 2),  # kept in FP32: not quantized, not rewritten
         ({"recipe": "fp32"}, 0),
     ],
 )
 def test_only_small_quantized_cpu_convolutions_are_rewritten(monkeypatch, options, count):
-    assert MAX_TAPS == 9
     inductor_runs_fx(monkeypatch)
     records = Records()
     compiled_step(options, digits_like())
@@ -113,6 +112,38 @@ def test_only_small_quantized_cpu_convolutions_are_rewritten(monkeypatch, option
         assert all(r.name != "use_im2col_convs" for r in records.only().records)
         return
     assert rewritten(records) == count
+
+
+class TwoSizes(nn.Module):
+    """On 64 images of 32x32: a 3x3 convolution over one channel (an im2col matrix of
+    65536 x 9 elements) and a 1x1 one over its 4 channels (65536 x 4: the limit)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.large = nn.Conv2d(1, 4, 3, padding=1)
+        self.at_limit = nn.Conv2d(4, 4, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.at_limit(self.large(x).relu()).sum((2, 3))
+
+
+def test_convolutions_whose_im2col_exceeds_the_limit_keep_atens(monkeypatch):
+    assert MAX_IM2COL == 64 * 32 * 32 * 4
+    inductor_runs_fx(monkeypatch)
+    records = Records()
+    torch._dynamo.reset()
+    model = TwoSizes()
+    x = torch.rand(64, 1, 32, 32, generator=torch.Generator().manual_seed(4))
+    compiled = torch.compile(model, backend="lowprec", options={"recipe": "fp8-e5m2-sr"})
+    with torch._functorch.config.patch(enable_autograd_cache=False):
+        step(model, lambda: compiled(x))
+    assert rewritten(records) == 1
+    (record,) = [r for r in records.only().records if r.name == "use_im2col_convs"]
+    lines = record.code_after.splitlines()
+    (conv,) = [line for line in lines if "torch.conv2d(" in line]
+    (im2col,) = [line for line in lines if "im2col_conv2d(" in line]
+    assert "large_parameters_bias" in conv and "at_limit_parameters_bias" in im2col
 
 
 def assert_close_steps(got, want) -> None:
@@ -129,7 +160,7 @@ def test_rewritten_step_matches_atens_convolution_in_the_graphs_inductor_gets(mo
     inductor_runs_fx(monkeypatch)
     records = Records()
     got = compiled_step({}, digits_like())
-    assert rewritten(records) == 2
+    assert rewritten(records) == 3
     assert_close_steps(got, compiled_step({"conv": "aten"}, digits_like()))
 
 
@@ -139,5 +170,5 @@ def test_rewritten_step_under_inductor_matches_the_eager_executor():
     which keeps ATen's convolution."""
     records = Records()
     got = compiled_step({}, digits_like())
-    assert rewritten(records) == 2
+    assert rewritten(records) == 3
     assert_close_steps(got, compiled_step({"executor": "eager"}, digits_like()))

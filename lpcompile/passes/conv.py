@@ -1,32 +1,38 @@
 """Small convolutions as im2col and a matmul, in Inductor's hands (Dynamo graph).
 
-A convolution whose output element reads few input values (``C_in * KH * KW``
-taps: 9 for a 3x3 filter over one channel, the first layer of a grayscale
-model) does almost no arithmetic, and oneDNN's per-call cost dominates it on
-small images: the digits CNN's first convolution took ~60 µs forward and
-~70-90 µs backward for 0.6 M multiply-adds. ``im2col_conv2d`` writes it as
-ATen ops Inductor compiles: the quantized input, padded, is stored once
-channels-last; one strided slice per tap, stacked, makes the im2col matrix
-(pixels x taps); one matmul with the weight gives the output (channels-last,
-copied to the contiguous layout ATen's convolution returns where Inductor does
-not fuse that away). Autograd turns the matmul into the weight-gradient matmul
-and the slices into sums of shifted windows (an input gradient, where one is
-needed). The digits CNN's FP8 training step with ATen's convolution took
-1.00-1.07x the time (median 1.03, sixteen rounds, each against the mean of two
-copies of the rewritten step, which themselves differed by up to 8%), before
-the weight operand was made contiguous, which took the step to 0.96-0.98x
-(twelve rounds).
+On small images oneDNN's per-call cost dominates a convolution: the digits CNN's
+first convolution (1 channel, 9 taps per output, 8x8 pixels) took ~60 µs forward
+and ~70-90 µs backward for 0.6 M multiply-adds, its second (16 channels, 144 taps)
+~0.1 ms forward and ~0.3 ms backward for 4.7 M. ``im2col_conv2d`` writes such a
+convolution as ATen ops Inductor compiles: the quantized input, padded, is
+stored once channels-last; one strided slice per tap, stacked, makes the im2col
+matrix (output pixels x taps); one matmul with the weight gives the output
+(channels-last, copied to the contiguous layout ATen's convolution returns where
+Inductor does not fuse that away). Autograd turns the matmul into the
+weight-gradient matmul and the slices into sums of shifted windows (an input
+gradient, where one is needed).
+
+Which convolutions: those whose im2col matrix has at most :data:`MAX_IM2COL`
+elements. The digits CNN's two (37 K and 147 K elements) gain; a 32x32 CNN's
+first (885 K, 3 channels) and third (1.2 M, 16x16 input) lose: with either
+rewritten its step took 1.4x the time. Measurements, one-process A/B rounds,
+each variant compiled with its own seed, against a copy of the base (exploratory):
+
+- the digits CNN's FP8 step with ATen's convolutions took 1.00-1.07x the time
+  with only the first rewritten (median 1.03, sixteen rounds); its weight operand
+  made contiguous then gave 0.96-0.98x (twelve rounds): autograd computes the
+  weight gradient in the layout of that operand, and for a transposed view that
+  is out_grad^T @ im2col, a GEMM MKL ran ~4x slower than im2col^T @ out_grad;
+- the second rewritten as well: 0.88-0.99x (fourteen rounds), with the
+  matmuls' bf16 kernel kept off the 2^22-multiply-add GEMMs this makes
+  (``passes/matmul.py``: ``MIN_MACS``), ~1.0x with it on them.
 
 Not ``unfold`` views: their backward is an accumulating ``index_put``, which
 Inductor 2.13 writes for the CPU as atomic adds, slow (the digits CNN's step
-1.16-1.19x the time when the second convolution was so rewritten, against
-0.95-1.08x with slices) and, in a 2-D tiled loop, wrong: the input gradient of
-a 1x1 convolution over 8 channels of 16x16 pixels indexed past its buffer and
-corrupted the heap (``torch.compile`` alone reproduces it). Rewriting every
-convolution, the second one's 144 taps too, gave 0.95-0.98x in fast phases of
-the machine and 1.02-1.08x in slow ones; its weight gradient alone as im2col
-0.93-1.12x. Hence :data:`MAX_TAPS`. (All one-process A/B runs, exploratory,
-each variant compiled with its own seed.)
+1.16-1.19x the time with the second convolution so rewritten) and, in a 2-D
+tiled loop, wrong: the input gradient of a 1x1 convolution over 8 channels of
+16x16 pixels indexed past its buffer and corrupted the heap (``torch.compile``
+alone reproduces it).
 
 ``use_im2col_convs`` rewrites only quantized convolutions (both operands
 come from ``lowprec::quantize``) in Inductor compiles for the CPU
@@ -49,8 +55,8 @@ CONV2D_PARAMS = ("input", "weight", "bias", "stride", "padding", "dilation", "gr
 CONV2D_DEFAULTS = {"bias": None, "stride": 1, "padding": 0, "dilation": 1, "groups": 1}
 GEOMETRY = ("stride", "padding", "dilation")
 QUANTIZE = torch.ops.lowprec.quantize.default
-# Most taps per output element (C_in * KH * KW) rewritten; see the module docstring.
-MAX_TAPS = 9
+# Largest im2col matrix (output pixels x taps) rewritten; see the module docstring.
+MAX_IM2COL = 1 << 18
 
 
 def _pads(padding: str | int | tuple[int, ...], kernel: tuple[int, int], dilation: tuple[int, int]):
@@ -64,6 +70,11 @@ def _pads(padding: str | int | tuple[int, ...], kernel: tuple[int, int], dilatio
         return (left, right, top, bottom)
     ph, pw = _pair(padding)
     return (pw, pw, ph, ph)
+
+
+def _out_size(size: int, pad: int, kernel: int, stride: int, dilation: int) -> int:
+    """Output positions along one axis of ``size`` input positions, ``pad`` of padding in all."""
+    return (size + pad - dilation * (kernel - 1) - 1) // stride + 1
 
 
 def im2col_conv2d(
@@ -82,8 +93,7 @@ def im2col_conv2d(
     # quantize per tap, and a tap's channels are then adjacent.
     padded = torch.ops.lowprec.realize(F.pad(x, (left, right, top, bottom)).permute(0, 2, 3, 1))
     n, height, width, _ = padded.shape
-    out_h = (height - dh * (kh - 1) - 1) // sh + 1
-    out_w = (width - dw * (kw - 1) - 1) // sw + 1
+    out_h, out_w = _out_size(height, 0, kh, sh, dh), _out_size(width, 0, kw, sw, dw)
     # One strided slice per tap, (n, out_h, out_w, c); stacked into rows (n, out_h, out_w)
     # and columns (kh, kw, c), the order of the weight permuted to channels-last.
     taps = [
@@ -122,13 +132,23 @@ def _rewritable(args: dict[str, object]) -> bool:
         return False
     if args["groups"] != 1 or any(isinstance(args[key], torch.fx.Node) for key in GEOMETRY):
         return False
-    taps = w.shape[1] * w.shape[2] * w.shape[3]
-    return isinstance(taps, int) and taps <= MAX_TAPS
+    if not all(isinstance(size, int) for size in (*example.shape, *w.shape)):
+        return False  # dynamic shapes: the size limit needs sizes
+    (sh, sw), (dh, dw) = _pair(args["stride"]), _pair(args["dilation"])
+    _, in_channels, kh, kw = w.shape
+    left, right, top, bottom = _pads(args["padding"], (kh, kw), (dh, dw))
+    rows = (
+        example.shape[0]
+        * _out_size(example.shape[2], top + bottom, kh, sh, dh)
+        * _out_size(example.shape[3], left + right, kw, sw, dw)
+    )
+    return rows * in_channels * kh * kw <= MAX_IM2COL
 
 
 def use_im2col_convs(gm: torch.fx.GraphModule, ctx: CompileContext) -> None:
-    """Replace quantized CPU conv2d calls of at most :data:`MAX_TAPS` taps by
-    :func:`im2col_conv2d` (Inductor compiles without pipelining, ``conv="auto"``)."""
+    """Replace quantized CPU conv2d calls whose im2col matrix has at most
+    :data:`MAX_IM2COL` elements by :func:`im2col_conv2d` (Inductor compiles
+    without pipelining, ``conv="auto"``)."""
     config = ctx.config
     if config.conv != "auto" or config.executor != "inductor" or config.codegen != "inductor":
         return

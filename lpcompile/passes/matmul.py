@@ -52,7 +52,10 @@ VALUE_PRESERVING = frozenset(
 # 2-core AMD EPYC, one-layer MLP steps with the kernel took 1.04-1.12x the time with FP32
 # GEMMs at 2^21 (64x512x64), 0.94-1.01x at 2^22, 0.95-0.97x at 2^23, 0.86-0.92x at 2^24
 # (one-process A/B rounds); in a loop of bare calls, with warm caches, it broke even at 2^21.
-MIN_MACS = 1 << 22
+# Shapes with a short side lose more: the digits CNN's second convolution as im2col makes
+# 1024x32x144 and 144x1024x32 GEMMs (2^22), 1.3x slower on the kernel in bare calls, and
+# its step gained only with them on FP32 GEMMs (passes/conv.py).
+MIN_MACS = 1 << 23
 # A bmm also needs this many per matrix: below it the kernel's padding of each
 # matrix to 8x32 blocks loses to ATen's bmm (break-even near 2^16: 32 x 32x64x32).
 MIN_MACS_PER_MATRIX = 1 << 17
