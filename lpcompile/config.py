@@ -157,10 +157,10 @@ class LowPrecConfig:
     ``"auto"`` C++ for graphs on the CPU (fewer microseconds per kernel call) and
     Python elsewhere, ``"cpp"`` or ``"python"`` for every graph (these two need
     ``executor="inductor"`` and ``codegen="inductor"``). ``conv="auto"`` lets
-    Inductor compiles for the CPU run quantized 2-D convolutions with at most
-    nine taps per output (a 3x3 filter over one channel) as an im2col matrix
-    Inductor writes and a matmul (``lpcompile.passes.conv``); ``"aten"`` keeps
-    ATen's convolution everywhere.
+    Inductor compiles for the CPU run small quantized 2-D convolutions (an im2col
+    matrix of at most 2^18 elements) as that matrix, which Inductor writes, and a
+    matmul (``lpcompile.passes.conv``); ``"aten"`` keeps ATen's convolution
+    everywhere.
     """
 
     recipe: str = "fp32"
