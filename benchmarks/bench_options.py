@@ -22,6 +22,7 @@ import statistics
 
 from benchmarks.bench_train_step import CASES, step_fn
 from benchmarks.common import interleaved_times, write_results
+from lpcompile.backend import COMPILED_GRAPHS
 
 MODELS = dict(zip(("mlp", "cnn", "cnn32"), CASES, strict=True))
 BLOCK = 10
@@ -40,8 +41,6 @@ def parse_variant(text: str) -> dict[str, object]:
 
 def compiled_steps(case: str, base: dict, variants: dict[str, dict]) -> dict:
     """One step function per variant, each compiled (by its first call) under its own seed."""
-    from lpcompile.backend import COMPILED_GRAPHS
-
     model_fn, x, y = CASES[case]
     steps = {}
     for i, (name, overrides) in enumerate(variants.items()):

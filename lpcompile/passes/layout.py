@@ -13,10 +13,12 @@ both read one buffer.
 On CPU, Inductor runs every graph with a convolution channels-last (its
 ``layout_optimization``), converting activations in and out around the oneDNN
 calls. For small images the conversions outweigh the gain: the digits CNN's FP8
-training step (8x8 inputs) takes 1.02-1.04x the time with it (eight one-process
-A/B rounds, each variant compiled with its own seed, exploratory; when this was
-written, before its first convolution became a matmul: 10% for the digits CNN, 1%
-for a 16x16 CNN, -1 to +4% for a 32x32 CNN).
+training step (8x8 inputs) took 1.02-1.04x the time with it while its second
+convolution still ran on oneDNN (eight one-process A/B rounds, each variant
+compiled with its own seed, exploratory; before its first convolution became a
+matmul: 10% for the digits CNN, 1% for a 16x16 CNN, -1 to +4% for a 32x32 CNN).
+With ``conv="auto"`` both of its convolutions are matmuls now
+(``lpcompile.passes.conv``), and this serves the small-image ones left to oneDNN.
 ``prefers_contiguous_layout`` tells the backend to keep the default layout where
 every convolution's input has at most :data:`SMALL_CONV_PIXELS` pixels.
 
@@ -26,7 +28,7 @@ NCHW tensors reorders them into blocked layouts on every call; on NHWC ones it
 runs directly (the digits CNN's second convolution: 0.6-0.75x the time; 0.4-1.03x
 over 20 shapes of at most 16x16 pixels, exploratory). ``use_channels_last_conv_backward``
 hands such a backward channels-last copies of its error and input, which Inductor
-writes from the kernels that produce them (the digits CNN's FP8 training step takes
+writes from the kernels that produce them (the digits CNN's FP8 training step took
 1.03-1.06x the time without it, in eight one-process A/B rounds as above). The gradients the
 graph returns keep the layout they were traced with: only the clones' and the
 backward's own metadata change, and Inductor lays graph outputs out by theirs.
