@@ -68,6 +68,8 @@ def main() -> None:
     parser.add_argument("--variant", action="append", default=[], metavar="KEY=VALUE")
     parser.add_argument("--rounds", type=int, default=24)
     args = parser.parse_args()
+    if args.rounds < 2:
+        parser.error("--rounds: at least 2 (the table gives quartiles over rounds)")
     case = MODELS[args.model]
     base = {"recipe": args.recipe, "executor": "inductor"}
     variants = {"base": {}, **{text: parse_variant(text) for text in args.variant}, "base (again)": {}}
