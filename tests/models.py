@@ -2,7 +2,7 @@
 
 The reference does not use the backend or its passes: it calls
 ``torch.ops.lowprec.quantize`` / ``quantize_grad`` by hand, at the places and
-with the offsets that DESIGN.md §2 and ``insert_quantize`` promise: for each
+with the offsets that ``insert_quantize`` promises: for each
 matmul/conv, in order, the activation (``quantize``), the weight gradient
 (``quantize_grad`` on the parameter) then the weight (``quantize``), and the
 error (``quantize_grad`` on the output); offsets count up from

@@ -10,7 +10,7 @@ from lpcompile.config import OFF, ROLES, LowPrecConfig, QuantSpec, recipes
 
 RECIPES = ["fp32", "fp8-e5m2", "fp8-e5m2-sr", "fp8-hybrid", "fp16", "bf16"]
 
-# (weight/activation, error/weight_grad) per recipe, as DESIGN.md §2 and the paper describe them.
+# (weight/activation, error/weight_grad) per recipe, as docs/fp8.md and the paper describe them.
 EXPECTED = {
     "fp32": (OFF, OFF),
     "fp8-e5m2": (QuantSpec("e5m2"), QuantSpec("e5m2", "nearest", "inf")),

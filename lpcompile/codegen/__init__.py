@@ -1,6 +1,6 @@
 """Codegen: fuse lowprec nodes and their pointwise neighbours into generated Triton kernels.
 
-Three layers, as in Inductor and tinygrad (DESIGN.md section 5, docs/codegen.md):
+Three layers, as in Inductor and tinygrad (docs/codegen.md):
 
 * :mod:`~lpcompile.codegen.triton_ops`: the table op -> Triton expression, the
   bitwise rounding and the counter RNG rendered from ``lpcompile.rng``;

@@ -15,7 +15,7 @@ Numerics follow the eager ATen ops bit for bit:
   and the FP32 -> FP16/BF16 casts alike, is done with integer operations on
   the FP32 bit pattern (:func:`quantize_helper`, the Triton twin of
   ``lpcompile.ops.round_bits``): the Triton interpreter's own FP8/BF16 casts do
-  not round like torch (DESIGN.md section 7);
+  not round as torch's do;
 * the counter RNG is rendered from ``lpcompile.rng.MIX_STEPS`` in uint32
   arithmetic (:func:`rng_helpers`), the same bits as the int32 torch version;
 * transcendental ops (``gelu``) are marked: they agree with torch to a few
