@@ -64,6 +64,11 @@ def defer_states(saved: list[dict[str, Any]]) -> None:
     _deferred[:] = saved
 
 
+def pending_states() -> list[dict[str, Any]]:
+    """The saved states no graph has taken yet."""
+    return list(_deferred)
+
+
 @dataclass(frozen=True)
 class AdaptiveScaleConfig:
     """Settings of adaptive loss scaling (``options`` keys ``loss_scale_*``).

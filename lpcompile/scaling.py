@@ -51,7 +51,7 @@ from typing import Any
 
 import torch
 
-from lpcompile.adaptive import AdaptiveScaleState, defer_states, live_states
+from lpcompile.adaptive import AdaptiveScaleState, defer_states, live_states, pending_states
 from lpcompile.telemetry import adaptive_states
 
 MODES = ("static", "dynamic", "enhanced", "adaptive")
@@ -119,6 +119,29 @@ class LossScaleConfig:
             if step <= iteration:
                 floor = value
         return floor
+
+
+# Keys every state dict of a scaler has (GradScaler's included); and the counters
+# only LossScaler's have (0 when missing).
+STATE_KEYS = ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker")
+COUNTERS = ("iteration", "skipped_steps", "calibration_steps")
+
+
+def _check_adaptive_models(states: list[AdaptiveScaleState]) -> None:
+    """Mode ``"adaptive"`` scales nothing itself: refuse to run without a model that does,
+    or with saved per-layer states that no compiled graph took."""
+    if not states:
+        raise RuntimeError(
+            "LossScaler('adaptive') found no model compiled with loss_scale='adaptive': the loss "
+            "is not scaled in this mode, so nothing would be. Compile the model with "
+            "options={..., 'loss_scale': 'adaptive'}, or use another mode"
+        )
+    unused = pending_states()
+    if unused:
+        raise ValueError(
+            f"the loaded state has per-layer scales for layers {[list(s['layers']) for s in unused]}, "
+            f"which no compiled graph has (compiled: {[list(s.layers) for s in states]})"
+        )
 
 
 def _check_positive(name: str, value: float) -> None:
@@ -367,6 +390,7 @@ class LossScaler:
                     raise ValueError("new_scale must be a float or a 1-element tensor without grad")
                 scale.copy_(new_scale.reshape(()))
             else:
+                _check_positive("new_scale", new_scale)
                 scale.fill_(float(new_scale))
         else:
             optimizers = list(self._per_optimizer.values())
@@ -375,6 +399,7 @@ class LossScaler:
             if self.mode == "adaptive":
                 found_inf = any(self._found_inf_bool(state, scale.device) for state in optimizers)
                 states = live_states()
+                _check_adaptive_models(states)
                 # without inf/NaN in the step, only states whose in-graph probes counted some
                 if found_inf or any(state.flags.grad is not None for state in states):
                     groups = [group for state in optimizers for group in state["param_groups"]]
@@ -443,12 +468,17 @@ class LossScaler:
         A ``GradScaler`` state dict also loads, except in ``"adaptive"`` mode (it
         lacks the per-layer state); keys it lacks keep this scaler's values. The
         adaptive state loads into the compiled graphs, or, when none is compiled
-        yet (a fresh process), into each graph's state as it compiles.
+        yet (a fresh process), into each graph's state as it compiles. The whole
+        dict is checked before any of it is applied: a bad one raises
+        ``ValueError`` and leaves the scaler as it was.
         """
         if not self._enabled:
             return
         if not state_dict:
             raise RuntimeError("the state dict is empty: it was saved from a disabled scaler")
+        missing = [key for key in STATE_KEYS if key not in state_dict]
+        if missing:
+            raise ValueError(f"not a loss scaler state dict: it lacks {missing}, it has {sorted(state_dict)}")
         mode = state_dict.get("mode", self.mode)
         if mode != self.mode:
             raise ValueError(f"state dict is for mode {mode!r}, this scaler's mode is {self.mode!r}")
@@ -458,23 +488,38 @@ class LossScaler:
             changes["min_scale_schedule"] = state_dict.get(
                 "min_scale_schedule", self._config.min_scale_schedule
             )
-        self._config = dataclasses.replace(self._config, **changes)
-        self._iteration = int(state_dict.get("iteration", 0))
-        self.skipped_steps = int(state_dict.get("skipped_steps", 0))
-        self.calibration_steps = int(state_dict.get("calibration_steps", 0))
+        config = dataclasses.replace(self._config, **changes)  # validates them
+        _check_positive("scale", state_dict["scale"])
+        counts = {key: state_dict.get(key, 0) for key in ("_growth_tracker", *COUNTERS)}
+        for key, value in counts.items():
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"state dict's {key!r} must be an int >= 0, got {value!r}")
         if self.mode == "adaptive":
+            saved = state_dict.get("adaptive")
+            if not isinstance(saved, list):
+                raise ValueError(
+                    "mode 'adaptive' needs the per-layer state (the 'adaptive' list of LossScaler."
+                    f"state_dict()); this state dict has {saved!r} (a GradScaler's has none)"
+                )
             states = adaptive_states()
-            saved = state_dict.get("adaptive") or []
+            if states and len(saved) != len(states):
+                raise ValueError(f"state dict has {len(saved)} adaptive graphs, {len(states)} are compiled")
+            pairs = list(zip(states, saved, strict=True)) if states else []
+            for state, entry in pairs:
+                if list(entry["layers"]) != state.layers:
+                    raise ValueError(f"state for layers {entry['layers']} does not fit layers {state.layers}")
+        self._config = config
+        self._iteration = counts["iteration"]
+        self.skipped_steps = counts["skipped_steps"]
+        self.calibration_steps = counts["calibration_steps"]
+        if self.mode == "adaptive":
             if not states:
                 defer_states(list(saved))
-            elif len(saved) != len(states):
-                raise ValueError(f"state dict has {len(saved)} adaptive graphs, {len(states)} are compiled")
-            else:
-                for state, entry in zip(states, saved, strict=True):
-                    state.load_state_dict(entry)
+            for state, entry in pairs:
+                state.load_state_dict(entry)
         floor = self._config.min_scale_at(self._iteration)
         self._init_scale = max(float(state_dict["scale"]), floor or 0.0)
-        self._init_tracker = int(state_dict["_growth_tracker"])
+        self._init_tracker = counts["_growth_tracker"]
         if self._scale is not None:
             self._scale.fill_(self._init_scale)
             self._tracker.fill_(self._init_tracker)

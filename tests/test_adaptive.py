@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import lpcompile  # noqa: F401  (registers the ops and the backend)
-from lpcompile.adaptive import live_states
+from lpcompile.adaptive import defer_states, live_states
 from lpcompile.adaptive_ops import STATS_SIZE, gradient_stats
 from lpcompile.backend import COMPILED_GRAPHS, step_seed
 from lpcompile.formats import parse_format
@@ -575,6 +575,57 @@ def test_telemetry_reports_the_scales_in_use_and_those_each_record_used(rule):
         assert [h[1] for h in t.history] == [used[h[0]][i] for h in t.history]
         assert [h[0] for h in t.history][:2] == [0, 1]
     assert [t.overflow for t in layers] == [0, 0, 0]
+
+
+def _collect_states():
+    """Drop every compiled model's adaptive state (other tests' included)."""
+    import gc
+
+    torch._dynamo.reset()
+    gc.collect()
+    assert live_states() == [], "an adaptive state outlived its model"
+
+
+def _train_step(run, opt, scaler, x):
+    opt.zero_grad()
+    scaler.scale(run(x).square().mean()).backward()
+    scaler.step(opt)
+    scaler.update()
+
+
+def test_an_adaptive_scaler_refuses_to_run_without_an_adaptive_model():
+    """Mode "adaptive" leaves the loss unscaled: with a model compiled without
+    per-layer scales nothing would be scaled at all."""
+    _collect_states()
+    model = _mlp()
+    run = torch.compile(model, backend="lowprec", options={"recipe": "fp8-e5m2-sr", "executor": "eager"})
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with pytest.raises(RuntimeError, match="no model compiled with loss_scale='adaptive'"):
+        _train_step(run, opt, LossScaler("adaptive"), torch.randn(8, 12))
+
+
+def test_loaded_layer_scales_that_no_graph_takes_are_reported():
+    """Loaded before compiling (a fresh process), the per-layer states wait for graphs
+    with their layers; a model with other layers must not train as if resumed."""
+    model = _mlp()
+    run = _adaptive(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    scaler = LossScaler("adaptive")
+    _train_step(run, opt, scaler, torch.randn(8, 12))
+    saved = copy.deepcopy(scaler.state_dict())
+    saved["adaptive"][0]["layers"] = ["renamed." + name for name in saved["adaptive"][0]["layers"]]
+    del model, run, opt
+    _collect_states()
+    model = _mlp()
+    run = _adaptive(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    scaler = LossScaler("adaptive")
+    scaler.load_state_dict(saved)
+    try:
+        with pytest.raises(ValueError, match=r"per-layer scales for layers \[\['renamed\."):
+            _train_step(run, opt, scaler, torch.randn(8, 12))
+    finally:
+        defer_states([])  # later tests' graphs must not meet the renamed state
 
 
 def test_scales_and_telemetry_survive_state_dict():

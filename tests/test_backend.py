@@ -5,6 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import textwrap
+import warnings
 from collections import Counter
 
 import pytest
@@ -193,6 +194,30 @@ def test_exclude_and_keep_first_last_on_mlp(options, layers):
     assert {s.layer for s in record.sites.values()} == layers
     assert len(record.sites) == 4 * len(layers)
     assert len(lowprec_nodes(record.aten_graphs["backward"])) == 2 * len(layers)
+
+
+@pytest.mark.parametrize(
+    ("options", "warning"),
+    [
+        (
+            {"exclude": ["fc1.weight", "2"]},
+            r"exclude patterns \['fc1.weight'\] match no layer of graph \d+ \(its layers: \['0', '2'\]\)",
+        ),
+        (
+            {"keep_first_last": True},
+            r"keep_first_last keeps every layer of graph \d+ in higher precision: it has only \['0', '2'\]",
+        ),
+    ],
+)
+def test_settings_without_effect_on_a_graph_warn(options, warning):
+    with pytest.warns(UserWarning, match=warning):
+        compile_(mlp(), "fp8-e5m2", **options)(mlp_input()).sum().backward()
+
+
+def test_settings_with_effect_do_not_warn():
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="lowprec")
+        compile_(convnet(), "fp8-e5m2", exclude="0", keep_first_last=True)(convnet_input()).sum().backward()
 
 
 def test_keep_first_last_keeps_the_middle_layer_of_three():

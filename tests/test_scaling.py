@@ -145,6 +145,43 @@ def test_loads_grad_scaler_state_dict():
         LossScaler("static").load_state_dict(LossScaler("dynamic").state_dict())
 
 
+@pytest.mark.parametrize(
+    ("change", "match"),
+    [
+        ({"scale": -5.0}, "scale"),
+        ({"scale": float("nan")}, "scale"),
+        ({"scale": "big"}, "scale"),
+        ({"_growth_tracker": -1}, "_growth_tracker"),
+        ({"iteration": 1.5}, "iteration"),
+        ({"growth_factor": 0.5}, "growth_factor"),
+    ],
+)
+def test_a_bad_state_dict_is_refused_before_any_of_it_applies(change, match):
+    scaler = LossScaler(init_scale=8.0)
+    saved = {**LossScaler(init_scale=16.0).state_dict(), "iteration": 7, "skipped_steps": 3}
+    with pytest.raises(ValueError, match=match):
+        scaler.load_state_dict({**saved, **change})
+    assert (scaler.get_scale(), scaler.state_dict()["iteration"], scaler.skipped_steps) == (8.0, 0, 0)
+
+
+def test_other_state_dicts_are_refused_by_name():
+    with pytest.raises(ValueError, match=r"not a loss scaler state dict: it lacks \['scale'"):
+        LossScaler().load_state_dict({"weight": torch.ones(3)})
+    grad_scaler = torch.amp.GradScaler("cpu", init_scale=128.0).state_dict()
+    with pytest.raises(ValueError, match="mode 'adaptive' needs the per-layer state"):
+        LossScaler("adaptive").load_state_dict(grad_scaler)
+
+
+@pytest.mark.parametrize("new_scale", [0.0, -1.0, float("nan"), float("inf")])
+def test_update_refuses_a_scale_that_is_not_finite_and_positive(new_scale):
+    model, opt = _model_and_opt()
+    scaler = LossScaler()
+    scaler.scale(model(_batch(0)).sum()).backward()
+    scaler.step(opt)
+    with pytest.raises(ValueError, match="new_scale must be a finite number > 0"):
+        scaler.update(new_scale)
+
+
 def test_enhanced_keeps_its_floor_when_loading_a_grad_scaler_state_dict():
     """A GradScaler dict has no floor: the scaler keeps its own, and a loaded scale
     below the floor is raised to it before the first step, not after."""

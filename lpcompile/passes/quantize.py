@@ -22,6 +22,7 @@ from __future__ import annotations
 import fnmatch
 import operator
 import re
+import warnings
 
 import torch
 import torch.fx
@@ -167,16 +168,30 @@ def kept_layers(gm: torch.fx.GraphModule, ctx: CompileContext) -> list[torch.fx.
     """The layer calls to quantize, after ``exclude`` and ``keep_first_last``.
 
     Their operands are in ``call.args`` (input, weight, bias), wherever the user's
-    code passed them by keyword.
+    code passed them by keyword. Warns when a setting has no effect on this graph:
+    an ``exclude`` pattern that matches none of its layers (a typo, or a layer in
+    another graph), or ``keep_first_last`` with no layer between first and last.
     """
     calls = [n for n in gm.graph.nodes if is_layer_call(n)]
     for call in calls:
         _operands_to_args(call)
+    names = [layer_name(n) for n in calls]
+    exclude = ctx.config.exclude
+    if unused := [p for p in exclude if not any(fnmatch.fnmatchcase(name, p) for name in names)]:
+        warnings.warn(
+            f"lowprec: exclude patterns {unused} match no layer of graph {ctx.graph_id}"
+            f" (its layers: {names})",
+            stacklevel=2,
+        )
     if ctx.config.keep_first_last:
+        if 0 < len(calls) <= 2:
+            warnings.warn(
+                f"lowprec: keep_first_last keeps every layer of graph {ctx.graph_id} in higher"
+                f" precision: it has only {names}",
+                stacklevel=2,
+            )
         calls = calls[1:-1]
-    return [
-        n for n in calls if not any(fnmatch.fnmatchcase(layer_name(n), p) for p in ctx.config.exclude)
-    ]
+    return [n for n in calls if not any(fnmatch.fnmatchcase(layer_name(n), p) for p in exclude)]
 
 
 def insert_quantize(gm: torch.fx.GraphModule, ctx: CompileContext) -> None:
