@@ -87,9 +87,10 @@ class AdaptiveScaleConfig:
     def __post_init__(self) -> None:
         if self.rule not in RULES:
             raise ValueError(f"loss_scale_rule must be one of {RULES}, got {self.rule!r}")
-        if not isinstance(self.interval, int) or self.interval < 1:
+        if isinstance(self.interval, bool) or not isinstance(self.interval, int) or self.interval < 1:
             raise ValueError(f"loss_scale_interval must be a positive int, got {self.interval!r}")
-        if not 0 < self.underflow < 1:
+        underflow = self.underflow
+        if isinstance(underflow, bool) or not isinstance(underflow, int | float) or not 0 < underflow < 1:
             raise ValueError(f"loss_scale_underflow must be in (0, 1), got {self.underflow!r}")
         # Powers of two keep the scaling and unscaling exact, and the histogram's bins whole.
         limits = {"init": self.init, "max": self.max_scale, "max_cumulative": self.max_cumulative}

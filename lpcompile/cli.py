@@ -53,8 +53,8 @@ def _dump(args: argparse.Namespace) -> int:
         if not args.summary:
             print("lowprec dump: give a SCRIPT to run, or --summary for an existing dump", file=sys.stderr)
             return 2
-        if not root.is_dir():
-            print(f"lowprec dump: no dump folder {root}", file=sys.stderr)
+        if not root.is_dir() or not dump.load_manifests(root):
+            print(f"lowprec dump: no lowprec dump in {root}", file=sys.stderr)
             return 2
         print(dump.summary(root), end="")
         return 0
@@ -93,7 +93,7 @@ def _report(args: argparse.Namespace) -> int:
 
     try:
         page = write_report(args.dir, args.output)
-    except FileNotFoundError as error:
+    except (FileNotFoundError, ValueError) as error:  # ValueError: a malformed telemetry file
         print(f"lowprec report: {error}", file=sys.stderr)
         return 2
     except ModuleNotFoundError as error:

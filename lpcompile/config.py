@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import Enum
 from typing import Any
@@ -232,6 +233,11 @@ class LowPrecConfig:
     @classmethod
     def from_options(cls, options: dict[str, Any] | None) -> LowPrecConfig:
         """Build a config from ``torch.compile(..., options=...)``."""
+        if options is not None and not isinstance(options, Mapping):
+            raise ValueError(
+                f"lowprec options must be a dict, got {type(options).__name__} {options!r}"
+                " (a recipe goes in as options={'recipe': name})"
+            )
         options = dict(options or {})
         valid = sorted(OPTION_KEYS)
         unknown = sorted(set(options) - OPTION_KEYS)

@@ -33,6 +33,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
+import math
 from collections.abc import Iterator
 
 import torch
@@ -396,8 +397,20 @@ def quantize(
     name = parse_format(fmt).name if isinstance(fmt, FloatFormat) else fmt
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"quantize takes a tensor, got {type(x).__name__}")
-    if not isinstance(offset, int):
+    if isinstance(offset, bool) or not isinstance(offset, int):
         raise TypeError(f"offset must be an int, got {type(offset).__name__}")
+    if not 0 <= offset < 2**32:
+        raise ValueError(f"offset must be in [0, 2**32) (the streams' 32-bit offset), got {offset}")
+    if not isinstance(seed, torch.Tensor):
+        if isinstance(seed, bool) or not isinstance(seed, int):
+            raise TypeError(f"seed must be an int or an int64 tensor, got {type(seed).__name__}")
+        if not 0 <= seed < 2**63:
+            raise ValueError(f"seed must be in [0, 2**63), got {seed}")
+    if scale is not None and not isinstance(scale, torch.Tensor):
+        if isinstance(scale, bool) or not isinstance(scale, int | float):
+            raise TypeError(f"scale must be a number or a tensor, got {type(scale).__name__}")
+        if not (math.isfinite(scale) and scale > 0):
+            raise ValueError(f"scale must be a finite number > 0, got {scale}")
     seed_t = _as_tensor(seed, torch.int64, x.device) if rounding == "stochastic" else None
     scale_t = _as_tensor(scale, torch.float32, x.device)
     return torch.ops.lowprec.quantize(x, name, rounding, overflow, seed_t, offset, scale_t)

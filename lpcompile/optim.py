@@ -20,6 +20,14 @@ from lpcompile.ops import OVERFLOWS, ROUNDINGS, quantize
 
 _FORMATS = {torch.float16: "fp16", torch.bfloat16: "bf16"}
 _MASK32 = 0xFFFFFFFF
+# The keys of state_dict()'s output.
+STATE_KEYS = ("optimizer", "steps", "dtype", "rounding", "seed", "overflow")
+
+
+def _check_seed(seed: Any) -> None:
+    """The seed is the high half of a 64-bit quantize seed whose low half counts steps."""
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**31:
+        raise ValueError(f"seed must be an int in [0, 2**31), got {seed!r}")
 
 OptimizerFactory = Callable[..., torch.optim.Optimizer]
 
@@ -85,8 +93,7 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
             raise ValueError(f"rounding must be one of {ROUNDINGS}, got {rounding!r}")
         if overflow not in OVERFLOWS:
             raise ValueError(f"overflow must be one of {OVERFLOWS}, got {overflow!r}")
-        if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**31:
-            raise ValueError(f"seed must be an int in [0, 2**31), got {seed!r}")
+        _check_seed(seed)
         self.dtype = dtype
         self.rounding = rounding
         self.seed = seed
@@ -238,10 +245,19 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
         The seed and step count come from the checkpoint; ``dtype``,
         ``rounding`` and ``overflow`` must match this optimizer's.
         """
+        missing = [key for key in STATE_KEYS if key not in state_dict]
+        if missing:
+            raise ValueError(
+                f"not a MasterWeightOptimizer state dict: it lacks {missing}, it has {sorted(state_dict)}"
+            )
         mine = {"dtype": str(self.dtype), "rounding": self.rounding, "overflow": self.overflow}
         for key, value in mine.items():
             if state_dict[key] != value:
                 raise ValueError(f"checkpoint has {key}={state_dict[key]!r}, this optimizer {value!r}")
+        _check_seed(state_dict["seed"])
+        steps = state_dict["steps"]
+        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
+            raise ValueError(f"checkpoint's steps must be an int >= 0, got {steps!r}")
         self._materialize()
         try:
             self.optimizer.load_state_dict(state_dict["optimizer"])
@@ -249,5 +265,5 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
             self._release()
         for group, inner in zip(self.param_groups, self.optimizer.param_groups, strict=True):
             group.update({k: v for k, v in inner.items() if k not in ("params", "param_names")})
-        self.seed = int(state_dict["seed"])
-        self._steps = int(state_dict["steps"])
+        self.seed = state_dict["seed"]
+        self._steps = steps

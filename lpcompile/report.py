@@ -111,9 +111,27 @@ def load_runs(root: str | os.PathLike) -> list[dict[str, Any]]:
             # a file written by hand or cut short may lack sections: treat them as empty
             data.setdefault("name", path.stem)
             data.setdefault("layers", {})
-            data.setdefault("steps", {}).setdefault("step", [])
+            data.setdefault("steps", {})
+            _check_run(data, path)
+            data["steps"].setdefault("step", [])
             runs.append(data)
     return runs
+
+
+def _check_run(data: dict[str, Any], path: Path) -> None:
+    """Raise ``ValueError`` naming ``path`` where its sections do not have the file's shape."""
+    series = {"steps": data["steps"]}
+    layers = data["layers"]
+    if not isinstance(layers, dict):
+        raise ValueError(f"{path}: 'layers' must map layer names to series, got {type(layers).__name__}")
+    series.update({f"layers[{name!r}]": layer for name, layer in layers.items()})
+    for where, lists in series.items():
+        if not isinstance(lists, dict):
+            raise ValueError(f"{path}: {where} must map names to lists, got {type(lists).__name__}")
+        for key, values in lists.items():
+            numbers = isinstance(values, list) and all(v is None or isinstance(v, int | float) for v in values)
+            if not numbers:  # (bools count: ``skipped`` holds flags)
+                raise ValueError(f"{path}: {where}[{key!r}] must be a list of numbers (or null)")
 
 
 # ----------------------------------------------------------------------------- plots

@@ -88,6 +88,9 @@ def test_unknown_option_key_names_it_and_lists_valid_ones():
         ({"wrapper": "python", "codegen": "triton"}, "triton", "inductor"),
         ({"recipe": "fp8-e5m2", "matmul": "bf16", "executor": "eager"}, "eager", "inductor"),
         ({"recipe": "fp8-e5m2", "matmul": "bf16", "codegen": "triton"}, "triton", "inductor"),
+        ("fp8-e5m2-sr", "'fp8-e5m2-sr'", "options={'recipe': name}"),
+        ({"recipe": "fp8-e5m2-als", "loss_scale_underflow": "0.01"}, "'0.01'", "(0, 1)"),
+        ({"recipe": "fp8-e5m2-als", "loss_scale_interval": True}, "True", "positive int"),
     ],
 )
 def test_bad_values_name_the_value_and_what_is_valid(options, named, listed):

@@ -221,6 +221,12 @@ def test_summary_lists_nodes_by_kind_and_layer(golden_run, capsys):
     assert "kernels: 0" in out and "stages: none" in out
 
 
+def test_summary_of_a_folder_without_a_dump_fails(tmp_path, capsys):
+    for root in (tmp_path, tmp_path / "missing"):
+        assert main(["dump", "--summary", "-o", str(root)]) == 2
+        assert f"no lowprec dump in {root}" in capsys.readouterr().err
+
+
 # ----------------------------------------------------------------------------- browser
 
 

@@ -159,6 +159,17 @@ def test_load_state_dict_rejects_other_settings():
         opt.load_state_dict(other.state_dict())
 
 
+def test_load_state_dict_checks_the_dict_before_applying_it():
+    model = _model(torch.float16)
+    opt = MasterWeightOptimizer(model.parameters(), torch.optim.SGD, lr=0.1)
+    with pytest.raises(ValueError, match=r"not a MasterWeightOptimizer state dict: it lacks \['optimizer'"):
+        opt.load_state_dict(torch.optim.SGD(model.parameters(), lr=0.1).state_dict())
+    for key, value in [("seed", 2**40), ("seed", -5), ("steps", -1), ("steps", 2.5)]:
+        with pytest.raises(ValueError, match=key):
+            opt.load_state_dict({**opt.state_dict(), key: value})
+    assert opt.seed == 0 and opt.state_dict()["steps"] == 0
+
+
 def test_param_groups_and_lr_scheduler_pass_through():
     p = torch.nn.Parameter(torch.ones(4, dtype=torch.float16))
     q = torch.nn.Parameter(torch.ones(4, dtype=torch.float16))

@@ -437,6 +437,32 @@ def test_batchnorm_is_refused_with_advice():
         PipelinedTrainer(model, torch.rand(1, 1, 8, 8), stages=2, lr=0.1)
 
 
+@pytest.mark.parametrize(
+    ("kwargs", "named"),
+    [
+        ({"lr": float("nan")}, "lr"),
+        ({"lr": float("inf")}, "lr"),
+        ({"lr": "0.1"}, "lr"),
+        ({"weight_decay": -1.0}, "weight_decay"),
+        ({"momentum": "0.9"}, "momentum"),
+        ({"spike_compensation": "false"}, "spike_compensation"),
+    ],
+)
+def test_bad_hyperparameters_are_refused_by_name(kwargs, named):
+    p = nn.Parameter(torch.ones(3))
+    with pytest.raises(ValueError, match=f"^{named} must be"):
+        PipelineSGD([p], **{"lr": 0.1, **kwargs})
+
+
+def test_trainer_checks_its_loss_scale_and_compile_options_up_front():
+    model, x = MLP(64, 16, 16, 10), torch.rand(1, 64)
+    for scale in (0.0, float("nan")):
+        with pytest.raises(ValueError, match="loss_scale must be a finite number > 0"):
+            PipelinedTrainer(model, x, stages=2, lr=0.1, loss_scale=scale)
+    with pytest.raises(ValueError, match="unknown recipe 'fp9'"):
+        PipelinedTrainer(model, x, stages=2, lr=0.1, compile={"recipe": "fp9"})
+
+
 def test_stage_count_errors():
     with pytest.raises(ValueError, match="stages must be"):
         PipelinedTrainer(MLP(64, 16, 16, 10), torch.rand(1, 64), stages=True, lr=0.1)

@@ -353,6 +353,16 @@ def test_bad_arguments():
         quantize([1.0, 2.0], "e5m2")
     with pytest.raises(TypeError):
         quantize(x, "e5m2", offset=1.5)
+    # no silent wrap-around or truncation of the stream's key, no NaN from a bad scale
+    with pytest.raises(ValueError, match="offset must be in"):
+        quantize(x, "e5m2", "stochastic", offset=2**32)
+    with pytest.raises(TypeError, match="seed must be an int"):
+        quantize(x, "e5m2", "stochastic", seed=1.5)
+    with pytest.raises(ValueError, match="seed must be in"):
+        quantize(x, "e5m2", "stochastic", seed=2**63)
+    for scale in (0.0, -2.0, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="scale must be a finite number > 0"):
+            quantize(x, "e5m2", scale=scale)
     with pytest.raises(ValueError, match="rounding"):
         quantize(x, "e5m2", "up")
     with pytest.raises(ValueError, match="overflow"):

@@ -160,6 +160,21 @@ def test_report_shows_the_runs_final_loss_and_reads_partial_files(recorded, tmp_
     assert f"{final:.4f}" in markdown
 
 
+@pytest.mark.parametrize(
+    ("sections", "complaint"),
+    [
+        ({"steps": [1, 2]}, "steps must map names to lists"),
+        ({"steps": {"step": [0, 1], "loss": ["a", "b"]}}, "steps['loss'] must be a list of numbers"),
+        ({"layers": {"fc": {"step": 3}}}, "layers['fc']['step'] must be a list of numbers"),
+    ],
+)
+def test_report_names_a_malformed_telemetry_file(tmp_path, capsys, sections, complaint):
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"format": TELEMETRY_FORMAT, **sections}))
+    assert main(["report", str(tmp_path)]) == 2
+    assert f"lowprec report: {bad}: {complaint}" in capsys.readouterr().err
+
+
 def test_report_without_matplotlib_says_what_to_install(recorded, monkeypatch, capsys):
     import sys
 

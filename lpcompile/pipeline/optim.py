@@ -27,6 +27,7 @@ earlier. Two mitigations of that delay:
 
 from __future__ import annotations
 
+import math
 import weakref
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -248,7 +249,11 @@ def _validate(group: dict[str, Any]) -> None:
     delay = group["delay"]
     if isinstance(delay, bool) or not isinstance(delay, int) or delay < 0:
         raise ValueError(f"delay must be an int >= 0, got {delay!r}")
-    if not 0.0 <= group["momentum"] <= 1.0:
-        raise ValueError(f"momentum must be in [0, 1], got {group['momentum']!r}")
-    if group["lr"] < 0:
-        raise ValueError(f"lr must be >= 0, got {group['lr']!r}")
+    for key in ("momentum", "lr", "weight_decay"):
+        value = group[key]
+        valid = "in [0, 1]" if key == "momentum" else "a finite number >= 0"
+        number = not isinstance(value, bool) and isinstance(value, int | float)
+        if not (number and math.isfinite(value) and value >= 0 and (key != "momentum" or value <= 1)):
+            raise ValueError(f"{key} must be {valid}, got {value!r}")
+    if not isinstance(group["spike_compensation"], bool):
+        raise ValueError(f"spike_compensation must be a bool, got {group['spike_compensation']!r}")
