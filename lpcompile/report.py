@@ -118,6 +118,11 @@ def load_runs(root: str | os.PathLike) -> list[dict[str, Any]]:
     return runs
 
 
+def _numbers(values: Any) -> bool:
+    """A list of numbers or nulls (bools count: ``skipped`` holds flags)."""
+    return isinstance(values, list) and all(v is None or isinstance(v, int | float) for v in values)
+
+
 def _check_run(data: dict[str, Any], path: Path) -> None:
     """Raise ``ValueError`` naming ``path`` where its sections do not have the file's shape."""
     series = {"steps": data["steps"]}
@@ -129,8 +134,7 @@ def _check_run(data: dict[str, Any], path: Path) -> None:
         if not isinstance(lists, dict):
             raise ValueError(f"{path}: {where} must map names to lists, got {type(lists).__name__}")
         for key, values in lists.items():
-            numbers = isinstance(values, list) and all(v is None or isinstance(v, int | float) for v in values)
-            if not numbers:  # (bools count: ``skipped`` holds flags)
+            if not _numbers(values):
                 raise ValueError(f"{path}: {where}[{key!r}] must be a list of numbers (or null)")
 
 
