@@ -404,8 +404,8 @@ def quantize(
     if not isinstance(seed, torch.Tensor):
         if isinstance(seed, bool) or not isinstance(seed, int):
             raise TypeError(f"seed must be an int or an int64 tensor, got {type(seed).__name__}")
-        if not 0 <= seed < 2**63:
-            raise ValueError(f"seed must be in [0, 2**63), got {seed}")
+        if not -(2**63) <= seed < 2**63:
+            raise ValueError(f"seed must be a 64-bit int, in [-2**63, 2**63), got {seed}")
     if scale is not None and not isinstance(scale, torch.Tensor):
         if isinstance(scale, bool) or not isinstance(scale, int | float):
             raise TypeError(f"scale must be a number or a tensor, got {type(scale).__name__}")
