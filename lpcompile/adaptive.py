@@ -302,10 +302,17 @@ class AdaptiveScaleState:
             "telemetry": [dict(t.__dict__, history=list(t.history)) for t in self.telemetry],
         }
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict`; what calls since compiling left pending is dropped."""
+    def check_state_dict(self, state: Any) -> None:
+        """Raise ``ValueError`` unless ``state`` is a :meth:`state_dict` of these layers."""
+        keys = ("layers", "scales", "calls", "telemetry")
+        if not isinstance(state, dict) or any(key not in state for key in keys):
+            raise ValueError(f"a per-layer scaling state is a dict with keys {keys}, got {state!r:.200}")
         if list(state["layers"]) != self.layers:
             raise ValueError(f"state for layers {state['layers']} does not fit layers {self.layers}")
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`; what calls since compiling left pending is dropped."""
+        self.check_state_dict(state)
         device = self.scales.device
         self.scales = state["scales"].to(torch.float32).to(device).clone()
         self.recorded = state.get("recorded", state["scales"]).to(torch.float32).to(device).clone()

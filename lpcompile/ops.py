@@ -33,7 +33,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
-import math
+import numbers
 from collections.abc import Iterator
 
 import torch
@@ -44,6 +44,7 @@ from torch._inductor.utils import sympy_product
 from torch._inductor.virtualized import V, ops
 
 from lpcompile import cpu_gemm, rng
+from lpcompile.checks import check_fp32_scale, is_real
 from lpcompile.formats import FloatFormat, parse_format
 
 ROUNDINGS = ("nearest", "stochastic")
@@ -397,20 +398,21 @@ def quantize(
     name = parse_format(fmt).name if isinstance(fmt, FloatFormat) else fmt
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"quantize takes a tensor, got {type(x).__name__}")
-    if isinstance(offset, bool) or not isinstance(offset, int):
+    if isinstance(offset, bool) or not isinstance(offset, numbers.Integral):
         raise TypeError(f"offset must be an int, got {type(offset).__name__}")
     if not 0 <= offset < 2**32:
         raise ValueError(f"offset must be in [0, 2**32) (the streams' 32-bit offset), got {offset}")
-    if not isinstance(seed, torch.Tensor):
-        if isinstance(seed, bool) or not isinstance(seed, int):
+    offset = int(offset)
+    if rounding == "stochastic" and not isinstance(seed, torch.Tensor):
+        if isinstance(seed, bool) or not isinstance(seed, numbers.Integral):
             raise TypeError(f"seed must be an int or an int64 tensor, got {type(seed).__name__}")
         if not -(2**63) <= seed < 2**63:
             raise ValueError(f"seed must be a 64-bit int, in [-2**63, 2**63), got {seed}")
+        seed = int(seed)
     if scale is not None and not isinstance(scale, torch.Tensor):
-        if isinstance(scale, bool) or not isinstance(scale, int | float):
+        if not is_real(scale):
             raise TypeError(f"scale must be a number or a tensor, got {type(scale).__name__}")
-        if not (math.isfinite(scale) and scale > 0):
-            raise ValueError(f"scale must be a finite number > 0, got {scale}")
+        check_fp32_scale("scale", scale)
     seed_t = _as_tensor(seed, torch.int64, x.device) if rounding == "stochastic" else None
     scale_t = _as_tensor(scale, torch.float32, x.device)
     return torch.ops.lowprec.quantize(x, name, rounding, overflow, seed_t, offset, scale_t)

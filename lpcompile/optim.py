@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from lpcompile.checks import check_count
 from lpcompile.ops import OVERFLOWS, ROUNDINGS, quantize
 
 _FORMATS = {torch.float16: "fp16", torch.bfloat16: "bf16"}
@@ -256,8 +257,7 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
                 raise ValueError(f"checkpoint has {key}={state_dict[key]!r}, this optimizer {value!r}")
         _check_seed(state_dict["seed"])
         steps = state_dict["steps"]
-        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
-            raise ValueError(f"checkpoint's steps must be an int >= 0, got {steps!r}")
+        check_count("the checkpoint's steps", steps)
         self._materialize()
         try:
             self.optimizer.load_state_dict(state_dict["optimizer"])
@@ -266,4 +266,4 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
         for group, inner in zip(self.param_groups, self.optimizer.param_groups, strict=True):
             group.update({k: v for k, v in inner.items() if k not in ("params", "param_names")})
         self.seed = state_dict["seed"]
-        self._steps = steps
+        self._steps = int(steps)

@@ -124,17 +124,18 @@ def _numbers(values: Any) -> bool:
 
 
 def _check_run(data: dict[str, Any], path: Path) -> None:
-    """Raise ``ValueError`` naming ``path`` where its sections do not have the file's shape."""
-    series = {"steps": data["steps"]}
+    """Raise ``ValueError`` naming ``path`` where the sections the report reads do not
+    have the file's shape."""
     layers = data["layers"]
     if not isinstance(layers, dict):
         raise ValueError(f"{path}: 'layers' must map layer names to series, got {type(layers).__name__}")
-    series.update({f"layers[{name!r}]": layer for name, layer in layers.items()})
-    for where, lists in series.items():
+    series = {"steps": (data["steps"], STEP_FIELDS)}
+    series.update({f"layers[{name!r}]": (layer, LAYER_FIELDS) for name, layer in layers.items()})
+    for where, (lists, fields) in series.items():
         if not isinstance(lists, dict):
             raise ValueError(f"{path}: {where} must map names to lists, got {type(lists).__name__}")
-        for key, values in lists.items():
-            if not _numbers(values):
+        for key in ("step", *fields):  # the series the report reads; others are the writer's own
+            if key in lists and not _numbers(lists[key]):
                 raise ValueError(f"{path}: {where}[{key!r}] must be a list of numbers (or null)")
 
 

@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import warnings
 from collections import defaultdict
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -52,6 +53,7 @@ from typing import Any
 import torch
 
 from lpcompile.adaptive import AdaptiveScaleState, defer_states, live_states, pending_states
+from lpcompile.checks import check_count, check_positive
 from lpcompile.telemetry import adaptive_states
 
 MODES = ("static", "dynamic", "enhanced", "adaptive")
@@ -80,7 +82,7 @@ class LossScaleConfig:
             raise ValueError(f"loss scaling mode must be one of {MODES}, got {self.mode!r}")
         if self.init_scale is None:
             object.__setattr__(self, "init_scale", 1.0 if self.mode == "adaptive" else 2.0**16)
-        _check_positive("init_scale", self.init_scale)
+        check_positive("init_scale", self.init_scale)
         if not (math.isfinite(self.growth_factor) and self.growth_factor > 1.0):
             raise ValueError(f"growth_factor must be a finite number > 1, got {self.growth_factor!r}")
         if not 0.0 < self.backoff_factor < 1.0:
@@ -96,13 +98,13 @@ class LossScaleConfig:
             return
         if self.min_scale is None:
             object.__setattr__(self, "min_scale", 1.0)
-        _check_positive("min_scale", self.min_scale)
+        check_positive("min_scale", self.min_scale)
         schedule = dict(sorted((int(k), float(v)) for k, v in (self.min_scale_schedule or {}).items()))
         floor = self.min_scale
         for step, value in schedule.items():
             if step < 0:
                 raise ValueError(f"min_scale_schedule steps must be >= 0, got {step}")
-            _check_positive(f"min_scale_schedule[{step}]", value)
+            check_positive(f"min_scale_schedule[{step}]", value)
             if value < floor:
                 raise ValueError(
                     f"min_scale_schedule must only raise the floor: {value} at step {step} is below {floor}"
@@ -127,26 +129,25 @@ STATE_KEYS = ("scale", "growth_factor", "backoff_factor", "growth_interval", "_g
 COUNTERS = ("iteration", "skipped_steps", "calibration_steps")
 
 
-def _check_adaptive_models(states: list[AdaptiveScaleState]) -> None:
-    """Mode ``"adaptive"`` scales nothing itself: refuse to run without a model that does,
-    or with saved per-layer states that no compiled graph took."""
+def _check_adaptive_models() -> None:
+    """Mode ``"adaptive"`` scales nothing itself: refuse to step without a model that
+    does, and warn about loaded per-layer states whose layers no compiled model has
+    (a renamed or different model: they will never be used)."""
+    states = live_states()
     if not states:
         raise RuntimeError(
             "LossScaler('adaptive') found no model compiled with loss_scale='adaptive': the loss "
             "is not scaled in this mode, so nothing would be. Compile the model with "
             "options={..., 'loss_scale': 'adaptive'}, or use another mode"
         )
-    unused = pending_states()
-    if unused:
-        raise ValueError(
-            f"the loaded state has per-layer scales for layers {[list(s['layers']) for s in unused]}, "
-            f"which no compiled graph has (compiled: {[list(s.layers) for s in states]})"
+    compiled = [list(state.layers) for state in states]
+    stray = [list(saved["layers"]) for saved in pending_states() if list(saved["layers"]) not in compiled]
+    if stray:
+        warnings.warn(
+            f"lowprec: the loaded LossScaler state has per-layer scales for layers {stray}, which"
+            f" no compiled model has (compiled: {compiled}); they are not used",
+            stacklevel=3,
         )
-
-
-def _check_positive(name: str, value: float) -> None:
-    if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
-        raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
 
 
 def _trained_states(
@@ -341,6 +342,8 @@ class LossScaler:
         state = self._per_optimizer[id(optimizer)]
         if state["stage"] is _Stage.STEPPED:
             raise RuntimeError("step() has already been called since the last update().")
+        if self.mode == "adaptive":
+            _check_adaptive_models()
         if getattr(optimizer, "_step_supports_amp_scaling", False):
             # The optimizer unscales and skips by itself (GradScaler's protocol).
             if state["stage"] is _Stage.READY:
@@ -390,7 +393,7 @@ class LossScaler:
                     raise ValueError("new_scale must be a float or a 1-element tensor without grad")
                 scale.copy_(new_scale.reshape(()))
             else:
-                _check_positive("new_scale", new_scale)
+                check_positive("new_scale", new_scale)
                 scale.fill_(float(new_scale))
         else:
             optimizers = list(self._per_optimizer.values())
@@ -399,7 +402,6 @@ class LossScaler:
             if self.mode == "adaptive":
                 found_inf = any(self._found_inf_bool(state, scale.device) for state in optimizers)
                 states = live_states()
-                _check_adaptive_models(states)
                 # without inf/NaN in the step, only states whose in-graph probes counted some
                 if found_inf or any(state.flags.grad is not None for state in states):
                     groups = [group for state in optimizers for group in state["param_groups"]]
@@ -489,11 +491,10 @@ class LossScaler:
                 "min_scale_schedule", self._config.min_scale_schedule
             )
         config = dataclasses.replace(self._config, **changes)  # validates them
-        _check_positive("scale", state_dict["scale"])
+        check_positive("scale", state_dict["scale"])
         counts = {key: state_dict.get(key, 0) for key in ("_growth_tracker", *COUNTERS)}
         for key, value in counts.items():
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ValueError(f"state dict's {key!r} must be an int >= 0, got {value!r}")
+            check_count(f"the state dict's {key!r}", value)
         if self.mode == "adaptive":
             saved = state_dict.get("adaptive")
             if not isinstance(saved, list):
@@ -506,8 +507,7 @@ class LossScaler:
                 raise ValueError(f"state dict has {len(saved)} adaptive graphs, {len(states)} are compiled")
             pairs = list(zip(states, saved, strict=True)) if states else []
             for state, entry in pairs:
-                if list(entry["layers"]) != state.layers:
-                    raise ValueError(f"state for layers {entry['layers']} does not fit layers {state.layers}")
+                state.check_state_dict(entry)
         self._config = config
         self._iteration = counts["iteration"]
         self.skipped_steps = counts["skipped_steps"]

@@ -461,6 +461,8 @@ def test_trainer_checks_its_loss_scale_and_compile_options_up_front():
             PipelinedTrainer(model, x, stages=2, lr=0.1, loss_scale=scale)
     with pytest.raises(ValueError, match="unknown recipe 'fp9'"):
         PipelinedTrainer(model, x, stages=2, lr=0.1, compile={"recipe": "fp9"})
+    with pytest.raises(ValueError, match="must not set 'pipeline'"):
+        PipelinedTrainer(model, x, stages=2, lr=0.1, compile={"pipeline": {"stages": 0}})
 
 
 def test_stage_count_errors():

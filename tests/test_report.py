@@ -175,6 +175,13 @@ def test_report_names_a_malformed_telemetry_file(tmp_path, capsys, sections, com
     assert f"lowprec report: {bad}: {complaint}" in capsys.readouterr().err
 
 
+def test_report_reads_files_with_columns_of_their_own(tmp_path):
+    """``RunTelemetry.step`` takes any column; the report checks only those it plots."""
+    extra = tmp_path / "extra.json"
+    extra.write_text(json.dumps({"format": TELEMETRY_FORMAT, "steps": {"step": [0], "phase": ["warm-up"]}}))
+    assert [run["name"] for run in load_runs(tmp_path)] == ["extra"]
+
+
 def test_report_without_matplotlib_says_what_to_install(recorded, monkeypatch, capsys):
     import sys
 

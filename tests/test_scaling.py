@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -170,6 +171,15 @@ def test_other_state_dicts_are_refused_by_name():
     grad_scaler = torch.amp.GradScaler("cpu", init_scale=128.0).state_dict()
     with pytest.raises(ValueError, match="mode 'adaptive' needs the per-layer state"):
         LossScaler("adaptive").load_state_dict(grad_scaler)
+
+
+def test_update_takes_a_numpy_scale():
+    model, opt = _model_and_opt()
+    scaler = LossScaler()
+    scaler.scale(model(_batch(0)).sum()).backward()
+    scaler.step(opt)
+    scaler.update(np.float32(4.0))
+    assert scaler.get_scale() == 4.0
 
 
 @pytest.mark.parametrize("new_scale", [0.0, -1.0, float("nan"), float("inf")])

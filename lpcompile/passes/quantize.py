@@ -168,35 +168,36 @@ def kept_layers(gm: torch.fx.GraphModule, ctx: CompileContext) -> list[torch.fx.
     """The layer calls to quantize, after ``exclude`` and ``keep_first_last``.
 
     Their operands are in ``call.args`` (input, weight, bias), wherever the user's
-    code passed them by keyword. Warns when a setting has no effect on this graph:
-    an ``exclude`` pattern that matches none of its layers (a typo, or a layer in
-    another graph), or ``keep_first_last`` with no layer between first and last.
+    code passed them by keyword.
     """
     calls = [n for n in gm.graph.nodes if is_layer_call(n)]
     for call in calls:
         _operands_to_args(call)
-    names = [layer_name(n) for n in calls]
-    exclude = ctx.config.exclude
-    if unused := [p for p in exclude if not any(fnmatch.fnmatchcase(name, p) for name in names)]:
-        warnings.warn(
-            f"lowprec: exclude patterns {unused} match no layer of graph {ctx.graph_id}"
-            f" (its layers: {names})",
-            stacklevel=2,
-        )
     if ctx.config.keep_first_last:
-        if 0 < len(calls) <= 2:
-            warnings.warn(
-                f"lowprec: keep_first_last keeps every layer of graph {ctx.graph_id} in higher"
-                f" precision: it has only {names}",
-                stacklevel=2,
-            )
         calls = calls[1:-1]
+    exclude = ctx.config.exclude
     return [n for n in calls if not any(fnmatch.fnmatchcase(layer_name(n), p) for p in exclude)]
+
+
+def warn_settings_without_effect(gm: torch.fx.GraphModule, ctx: CompileContext) -> None:
+    """Warn when a layer setting does nothing in this graph: an ``exclude`` pattern that
+    matches none of its layers (a typo, or a layer in another graph: each graph break
+    or pipeline stage is a graph), or ``keep_first_last`` with no layer between the
+    first and the last (then every layer stays in higher precision)."""
+    # (stacklevel 1: the user's frame is far up, under torch.compile's)
+    names = [layer_name(n) for n in gm.graph.nodes if is_layer_call(n)]
+    if unused := [p for p in ctx.config.exclude if not any(fnmatch.fnmatchcase(n, p) for n in names)]:
+        message = f"lowprec: exclude patterns {unused} match no layer of a graph with layers {names}"
+        warnings.warn(message, stacklevel=1)
+    if ctx.config.keep_first_last and 0 < len(names) <= 2:
+        message = f"lowprec: keep_first_last leaves every layer of a graph unquantized (its layers: {names})"
+        warnings.warn(message, stacklevel=1)
 
 
 def insert_quantize(gm: torch.fx.GraphModule, ctx: CompileContext) -> None:
     """Quantize the inputs, weight gradients and errors of every matmul/conv."""
     config = ctx.config
+    warn_settings_without_effect(gm, ctx)
     for call in kept_layers(gm, ctx):
         layer = layer_name(call)
         operands = call.args[:2]

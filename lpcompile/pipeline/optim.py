@@ -27,7 +27,6 @@ earlier. Two mitigations of that delay:
 
 from __future__ import annotations
 
-import math
 import weakref
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -36,6 +35,7 @@ from typing import Any
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
+from lpcompile.checks import check_count, check_nonnegative, is_real
 from lpcompile.ops_pipeline import PREDICTIONS, predict_weight, predict_weight_reference
 
 
@@ -246,14 +246,10 @@ class PipelineSGD(torch.optim.Optimizer):
 def _validate(group: dict[str, Any]) -> None:
     if group["prediction"] not in PREDICTIONS:
         raise ValueError(f"prediction must be one of {PREDICTIONS}, got {group['prediction']!r}")
-    delay = group["delay"]
-    if isinstance(delay, bool) or not isinstance(delay, int) or delay < 0:
-        raise ValueError(f"delay must be an int >= 0, got {delay!r}")
-    for key in ("momentum", "lr", "weight_decay"):
-        value = group[key]
-        valid = "in [0, 1]" if key == "momentum" else "a finite number >= 0"
-        number = not isinstance(value, bool) and isinstance(value, int | float)
-        if not (number and math.isfinite(value) and value >= 0 and (key != "momentum" or value <= 1)):
-            raise ValueError(f"{key} must be {valid}, got {value!r}")
+    check_count("delay", group["delay"])
+    check_nonnegative("lr", group["lr"])
+    check_nonnegative("weight_decay", group["weight_decay"])
+    if not (is_real(group["momentum"]) and 0.0 <= group["momentum"] <= 1.0):
+        raise ValueError(f"momentum must be in [0, 1], got {group['momentum']!r}")
     if not isinstance(group["spike_compensation"], bool):
         raise ValueError(f"spike_compensation must be a bool, got {group['spike_compensation']!r}")

@@ -39,7 +39,6 @@ scaling (a static ``loss_scale`` is supported); BatchNorm (refused).
 
 from __future__ import annotations
 
-import math
 import types
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -50,6 +49,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lpcompile.checks import check_positive
 from lpcompile.config import LowPrecConfig
 from lpcompile.pipeline.optim import PipelineSGD
 from lpcompile.pipeline.partition import (
@@ -181,14 +181,12 @@ class PipelinedTrainer:
             if isinstance(module, nn.modules.batchnorm._BatchNorm):
                 raise ValueError(f"{BATCHNORM_ADVICE} (found {type(module).__name__} {name!r})")
         if compile is not None:
-            LowPrecConfig.from_options(compile)  # bad options fail here, not at the first step
             if "pipeline" in compile:
                 raise ValueError(
                     "compile options for the stages must not set 'pipeline': the trainer is the pipeline"
                 )
-        number = not isinstance(loss_scale, bool) and isinstance(loss_scale, int | float)
-        if not (number and math.isfinite(loss_scale) and loss_scale > 0):
-            raise ValueError(f"loss_scale must be a finite number > 0, got {loss_scale!r}")
+            LowPrecConfig.from_options(compile)  # bad options fail here, not at the first step
+        check_positive("loss_scale", loss_scale)
         self.model = model
         self.loss_fn = loss_fn
         self.weight_stash = weight_stash
