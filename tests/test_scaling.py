@@ -173,23 +173,25 @@ def test_other_state_dicts_are_refused_by_name():
         LossScaler("adaptive").load_state_dict(grad_scaler)
 
 
-def test_update_takes_a_numpy_scale():
+def _stepped_scaler() -> LossScaler:
+    """A scaler that has scaled, and stepped on, one backward: ready for ``update``."""
     model, opt = _model_and_opt()
     scaler = LossScaler()
     scaler.scale(model(_batch(0)).sum()).backward()
     scaler.step(opt)
+    return scaler
+
+
+def test_update_takes_a_numpy_scale():
+    scaler = _stepped_scaler()
     scaler.update(np.float32(4.0))
     assert scaler.get_scale() == 4.0
 
 
 @pytest.mark.parametrize("new_scale", [0.0, -1.0, float("nan"), float("inf")])
 def test_update_refuses_a_scale_that_is_not_finite_and_positive(new_scale):
-    model, opt = _model_and_opt()
-    scaler = LossScaler()
-    scaler.scale(model(_batch(0)).sum()).backward()
-    scaler.step(opt)
     with pytest.raises(ValueError, match="new_scale must be a finite number > 0"):
-        scaler.update(new_scale)
+        _stepped_scaler().update(new_scale)
 
 
 def test_enhanced_keeps_its_floor_when_loading_a_grad_scaler_state_dict():
