@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from lpcompile.adaptive_ops import STATS_SIZE
+from lpcompile.checks import check_count
 from lpcompile.formats import FloatFormat, parse_format
 from lpcompile.scale_rules import (
     RULES,
@@ -123,6 +124,37 @@ class LayerTelemetry:
     overflow: int = 0  # inf/NaN seen in this layer's gradients since the last refresh
     # (recording call, the s_i that call used, underflow at it)
     history: list[tuple[int, float, float]] = field(default_factory=list)
+
+
+# The keys every AdaptiveScaleState.state_dict() has ("recorded" and "pending" may be missing).
+STATE_KEYS = ("layers", "scales", "calls", "telemetry")
+
+
+def check_saved_state(state: Any) -> None:
+    """Raise ``ValueError`` unless ``state`` has the shape of an
+    :meth:`AdaptiveScaleState.state_dict` (of any layers): loading it cannot fail half-way."""
+    if not isinstance(state, dict) or any(key not in state for key in STATE_KEYS):
+        raise ValueError(f"a per-layer scaling state is a dict with keys {STATE_KEYS}, got {state!r:.200}")
+    layers = state["layers"]
+    if not isinstance(layers, list | tuple) or not all(isinstance(name, str) for name in layers):
+        raise ValueError(f"a per-layer scaling state's 'layers' are layer names, got {layers!r:.200}")
+    count = len(layers)
+    shapes = {"scales": (count,), "recorded": (count,), "pending": (count, STATS_SIZE)}
+    for key, shape in shapes.items():
+        value = state.get(key)
+        if value is None and key != "scales":
+            continue
+        if not isinstance(value, torch.Tensor) or not value.is_floating_point() or value.shape != shape:
+            raise ValueError(f"a per-layer scaling state's {key!r} must be a float tensor of shape {shape}")
+    check_count("a per-layer scaling state's 'calls'", state["calls"])
+    telemetry = state["telemetry"]
+    if not (isinstance(telemetry, list) and len(telemetry) == count):
+        raise ValueError(f"a per-layer scaling state's 'telemetry' must be a list of {count} entries")
+    for entry in telemetry:
+        try:
+            LayerTelemetry(**entry)
+        except TypeError as error:
+            raise ValueError(f"a per-layer scaling state has a bad telemetry entry: {error}") from None
 
 
 @dataclass(frozen=True)
@@ -304,9 +336,7 @@ class AdaptiveScaleState:
 
     def check_state_dict(self, state: Any) -> None:
         """Raise ``ValueError`` unless ``state`` is a :meth:`state_dict` of these layers."""
-        keys = ("layers", "scales", "calls", "telemetry")
-        if not isinstance(state, dict) or any(key not in state for key in keys):
-            raise ValueError(f"a per-layer scaling state is a dict with keys {keys}, got {state!r:.200}")
+        check_saved_state(state)
         if list(state["layers"]) != self.layers:
             raise ValueError(f"state for layers {state['layers']} does not fit layers {self.layers}")
 

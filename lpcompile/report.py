@@ -27,6 +27,7 @@ import math
 import os
 import re
 import statistics
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -67,7 +68,7 @@ class RunTelemetry:
         for key, value in values.items():
             column = self.steps.setdefault(key, [None] * index)
             column.extend([None] * (index - len(column)))
-            column.append(value)
+            column.append(_plain(value))
 
     def layer(self, name: str, step: int, **values: float | None) -> None:
         """Record a layer at ``step``: any of ``scale``, ``underflow``, ``overflow`` (fractions)."""
@@ -77,7 +78,7 @@ class RunTelemetry:
         for key, value in values.items():
             column = record.setdefault(key, [None] * index)
             column.extend([None] * (index - len(column)))
-            column.append(value)
+            column.append(_plain(value))
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -96,6 +97,12 @@ class RunTelemetry:
         return path
 
 
+def _plain(value: Any) -> Any:
+    """A NumPy scalar or one-element tensor as a Python number (JSON would write it as a string)."""
+    item = getattr(value, "item", None)
+    return item() if callable(item) else value
+
+
 def load_runs(root: str | os.PathLike) -> list[dict[str, Any]]:
     """The telemetry files in ``root``, ``root/telemetry`` (or ``root`` itself, a file), by name."""
     root = Path(root)
@@ -112,7 +119,11 @@ def load_runs(root: str | os.PathLike) -> list[dict[str, Any]]:
             data.setdefault("name", path.stem)
             data.setdefault("layers", {})
             data.setdefault("steps", {})
-            _check_run(data, path)
+            try:
+                _check_run(data, path)
+            except ValueError as error:
+                warnings.warn(f"{error}; file skipped", stacklevel=2)
+                continue
             data["steps"].setdefault("step", [])
             runs.append(data)
     return runs

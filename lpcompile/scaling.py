@@ -52,8 +52,14 @@ from typing import Any
 
 import torch
 
-from lpcompile.adaptive import AdaptiveScaleState, defer_states, live_states, pending_states
-from lpcompile.checks import check_count, check_positive
+from lpcompile.adaptive import (
+    AdaptiveScaleState,
+    check_saved_state,
+    defer_states,
+    live_states,
+    pending_states,
+)
+from lpcompile.checks import check_count, check_fp32_scale, is_real
 from lpcompile.telemetry import adaptive_states
 
 MODES = ("static", "dynamic", "enhanced", "adaptive")
@@ -82,10 +88,11 @@ class LossScaleConfig:
             raise ValueError(f"loss scaling mode must be one of {MODES}, got {self.mode!r}")
         if self.init_scale is None:
             object.__setattr__(self, "init_scale", 1.0 if self.mode == "adaptive" else 2.0**16)
-        check_positive("init_scale", self.init_scale)
-        if not (math.isfinite(self.growth_factor) and self.growth_factor > 1.0):
-            raise ValueError(f"growth_factor must be a finite number > 1, got {self.growth_factor!r}")
-        if not 0.0 < self.backoff_factor < 1.0:
+        check_fp32_scale("init_scale", self.init_scale)
+        growth = self.growth_factor
+        if not (is_real(growth) and math.isfinite(growth) and growth > 1.0):
+            raise ValueError(f"growth_factor must be a finite number > 1, got {growth!r}")
+        if not (is_real(self.backoff_factor) and 0.0 < self.backoff_factor < 1.0):
             raise ValueError(f"backoff_factor must be in (0, 1), got {self.backoff_factor!r}")
         if isinstance(self.growth_interval, bool) or not isinstance(self.growth_interval, int):
             raise ValueError(f"growth_interval must be an int >= 1, got {self.growth_interval!r}")
@@ -98,13 +105,13 @@ class LossScaleConfig:
             return
         if self.min_scale is None:
             object.__setattr__(self, "min_scale", 1.0)
-        check_positive("min_scale", self.min_scale)
+        check_fp32_scale("min_scale", self.min_scale)
         schedule = dict(sorted((int(k), float(v)) for k, v in (self.min_scale_schedule or {}).items()))
         floor = self.min_scale
         for step, value in schedule.items():
             if step < 0:
                 raise ValueError(f"min_scale_schedule steps must be >= 0, got {step}")
-            check_positive(f"min_scale_schedule[{step}]", value)
+            check_fp32_scale(f"min_scale_schedule[{step}]", value)
             if value < floor:
                 raise ValueError(
                     f"min_scale_schedule must only raise the floor: {value} at step {step} is below {floor}"
@@ -393,7 +400,7 @@ class LossScaler:
                     raise ValueError("new_scale must be a float or a 1-element tensor without grad")
                 scale.copy_(new_scale.reshape(()))
             else:
-                check_positive("new_scale", new_scale)
+                check_fp32_scale("new_scale", new_scale)
                 scale.fill_(float(new_scale))
         else:
             optimizers = list(self._per_optimizer.values())
@@ -491,7 +498,7 @@ class LossScaler:
                 "min_scale_schedule", self._config.min_scale_schedule
             )
         config = dataclasses.replace(self._config, **changes)  # validates them
-        check_positive("scale", state_dict["scale"])
+        check_fp32_scale("scale", state_dict["scale"])
         counts = {key: state_dict.get(key, 0) for key in ("_growth_tracker", *COUNTERS)}
         for key, value in counts.items():
             check_count(f"the state dict's {key!r}", value)
@@ -508,18 +515,20 @@ class LossScaler:
             pairs = list(zip(states, saved, strict=True)) if states else []
             for state, entry in pairs:
                 state.check_state_dict(entry)
-        self._config = config
-        self._iteration = counts["iteration"]
-        self.skipped_steps = counts["skipped_steps"]
-        self.calibration_steps = counts["calibration_steps"]
-        if self.mode == "adaptive":
             if not states:
-                defer_states(list(saved))
+                for entry in saved:
+                    check_saved_state(entry)
+        self._config = config
+        self._iteration = int(counts["iteration"])
+        self.skipped_steps = int(counts["skipped_steps"])
+        self.calibration_steps = int(counts["calibration_steps"])
+        if self.mode == "adaptive":
+            defer_states([] if states else list(saved))  # (loaded: nothing left to wait for)
             for state, entry in pairs:
                 state.load_state_dict(entry)
         floor = self._config.min_scale_at(self._iteration)
         self._init_scale = max(float(state_dict["scale"]), floor or 0.0)
-        self._init_tracker = counts["_growth_tracker"]
+        self._init_tracker = int(counts["_growth_tracker"])
         if self._scale is not None:
             self._scale.fill_(self._init_scale)
             self._tracker.fill_(self._init_tracker)

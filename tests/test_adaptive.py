@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import lpcompile  # noqa: F401  (registers the ops and the backend)
-from lpcompile.adaptive import defer_states, live_states
+from lpcompile.adaptive import defer_states, live_states, pending_states
 from lpcompile.adaptive_ops import STATS_SIZE, gradient_stats
 from lpcompile.backend import COMPILED_GRAPHS, step_seed
 from lpcompile.formats import parse_format
@@ -630,6 +630,34 @@ def test_loaded_layer_scales_that_no_graph_takes_are_reported():
         assert adaptive_states(model)[0].calls == 1, "the renamed state was loaded"
     finally:
         defer_states([])  # later tests' graphs must not meet the renamed state
+
+
+def test_a_bad_adaptive_state_dict_loads_nothing():
+    """Checked whole before anything is applied: the settings, counters and every
+    graph's state stay as they were; a held (not yet compiled) state is checked too."""
+    model = _mlp()
+    run = _adaptive(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    scaler = LossScaler("adaptive")
+    _train_step(run, opt, scaler, torch.randn(8, 12))
+    saved = copy.deepcopy(scaler.state_dict())
+    (state,) = adaptive_states(model)
+    before = (state.calls, state.scales.clone(), [copy.deepcopy(t) for t in state.telemetry])
+    for entry_change in ({"telemetry": [{"bogus": 1}] * 3}, {"scales": [1.0, 1.0, 1.0]}, {"calls": -3}):
+        bad = copy.deepcopy(saved)
+        bad.update(iteration=99, growth_interval=7)
+        bad["adaptive"][0].update(entry_change)
+        with pytest.raises(ValueError, match="per-layer scaling state"):
+            scaler.load_state_dict(bad)
+        assert scaler.state_dict()["iteration"] == saved["iteration"]
+        assert scaler.config.growth_interval == 2000
+        assert (state.calls, state.telemetry) == (before[0], before[2])
+        assert torch.equal(state.scales, before[1])
+    del model, run, opt, state
+    _collect_states()
+    with pytest.raises(ValueError, match="per-layer scaling state is a dict"):
+        LossScaler("adaptive").load_state_dict({**saved, "adaptive": [1, "x"]})
+    assert pending_states() == []
 
 
 def test_scales_and_telemetry_survive_state_dict():

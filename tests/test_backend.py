@@ -218,6 +218,8 @@ def test_settings_with_effect_do_not_warn():
     with warnings.catch_warnings():
         warnings.filterwarnings("error", message="lowprec")
         compile_(convnet(), "fp8-e5m2", exclude="0", keep_first_last=True)(convnet_input()).sum().backward()
+        # a call in the root module, its weight passed by keyword: named after the weight
+        compile_(_KeywordLinear("weight="), "fp8-e5m2", exclude="w")(torch.randn(4, 8)).sum().backward()
 
 
 def test_keep_first_last_keeps_the_middle_layer_of_three():

@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import shutil
 from pathlib import Path
 
+import numpy as np
 import pytest
+import torch
 from PIL import Image
 
 from lpcompile import dump
@@ -168,11 +171,24 @@ def test_report_shows_the_runs_final_loss_and_reads_partial_files(recorded, tmp_
         ({"layers": {"fc": {"step": 3}}}, "layers['fc']['step'] must be a list of numbers"),
     ],
 )
-def test_report_names_a_malformed_telemetry_file(tmp_path, capsys, sections, complaint):
+def test_a_malformed_telemetry_file_is_skipped_by_name(tmp_path, sections, complaint):
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps({"format": TELEMETRY_FORMAT, **sections}))
-    assert main(["report", str(tmp_path)]) == 2
-    assert f"lowprec report: {bad}: {complaint}" in capsys.readouterr().err
+    good = RunTelemetry("good")
+    good.step(loss=0.5)
+    good.write(tmp_path / "good.json")
+    with pytest.warns(UserWarning, match=re.escape(f"{bad}: {complaint}") + ".*; file skipped"):
+        assert [run["name"] for run in load_runs(tmp_path)] == ["good"]
+
+
+def test_numpy_and_tensor_values_are_written_as_numbers(tmp_path):
+    run = RunTelemetry("numbers")
+    run.step(loss=np.float32(0.5), step_time=torch.tensor(0.25), skipped=False)
+    run.layer("fc", 0, scale=np.float64(2.0))
+    run.write(tmp_path / "numbers.json")
+    (loaded,) = load_runs(tmp_path)
+    assert loaded["steps"]["loss"] == [0.5] and loaded["steps"]["step_time"] == [0.25]
+    assert loaded["layers"]["fc"]["scale"] == [2.0]
 
 
 def test_report_reads_files_with_columns_of_their_own(tmp_path):

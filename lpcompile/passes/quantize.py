@@ -197,8 +197,9 @@ def warn_settings_without_effect(gm: torch.fx.GraphModule, ctx: CompileContext) 
 def insert_quantize(gm: torch.fx.GraphModule, ctx: CompileContext) -> None:
     """Quantize the inputs, weight gradients and errors of every matmul/conv."""
     config = ctx.config
+    calls = kept_layers(gm, ctx)  # (first: it moves keyword operands, which name some layers)
     warn_settings_without_effect(gm, ctx)
-    for call in kept_layers(gm, ctx):
+    for call in calls:
         layer = layer_name(call)
         operands = call.args[:2]
         for index, operand in enumerate(operands):
