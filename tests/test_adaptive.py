@@ -606,15 +606,21 @@ def test_an_adaptive_scaler_refuses_to_run_without_an_adaptive_model():
     assert all(torch.equal(weights[k], v) for k, v in model.state_dict().items()), "the step was taken"
 
 
-def test_loaded_layer_scales_that_no_graph_takes_are_reported():
-    """Loaded before compiling (a fresh process), the per-layer states wait for graphs
-    with their layers; a model with other layers does not train as if resumed, and the
-    step says so."""
+def _trained_adaptive_mlp():
+    """A fresh adaptive MLP after one step: model, compiled model, optimizer, scaler."""
     model = _mlp()
     run = _adaptive(model)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     scaler = LossScaler("adaptive")
     _train_step(run, opt, scaler, torch.randn(8, 12))
+    return model, run, opt, scaler
+
+
+def test_loaded_layer_scales_that_no_graph_takes_are_reported():
+    """Loaded before compiling (a fresh process), the per-layer states wait for graphs
+    with their layers; a model with other layers does not train as if resumed, and the
+    step says so."""
+    model, run, opt, scaler = _trained_adaptive_mlp()
     saved = copy.deepcopy(scaler.state_dict())
     saved["adaptive"][0]["layers"] = ["renamed." + name for name in saved["adaptive"][0]["layers"]]
     del model, run, opt
@@ -635,11 +641,7 @@ def test_loaded_layer_scales_that_no_graph_takes_are_reported():
 def test_a_bad_adaptive_state_dict_loads_nothing():
     """Checked whole before anything is applied: the settings, counters and every
     graph's state stay as they were; a held (not yet compiled) state is checked too."""
-    model = _mlp()
-    run = _adaptive(model)
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    scaler = LossScaler("adaptive")
-    _train_step(run, opt, scaler, torch.randn(8, 12))
+    model, run, opt, scaler = _trained_adaptive_mlp()
     saved = copy.deepcopy(scaler.state_dict())
     (state,) = adaptive_states(model)
     before = (state.calls, state.scales.clone(), [copy.deepcopy(t) for t in state.telemetry])
