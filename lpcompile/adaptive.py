@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from lpcompile.adaptive_ops import STATS_SIZE
-from lpcompile.checks import check_count
+from lpcompile.checks import check_count, is_real
 from lpcompile.formats import FloatFormat, parse_format
 from lpcompile.scale_rules import (
     RULES,
@@ -90,8 +90,7 @@ class AdaptiveScaleConfig:
             raise ValueError(f"loss_scale_rule must be one of {RULES}, got {self.rule!r}")
         if isinstance(self.interval, bool) or not isinstance(self.interval, int) or self.interval < 1:
             raise ValueError(f"loss_scale_interval must be a positive int, got {self.interval!r}")
-        underflow = self.underflow
-        if isinstance(underflow, bool) or not isinstance(underflow, int | float) or not 0 < underflow < 1:
+        if not (is_real(self.underflow) and 0 < self.underflow < 1):
             raise ValueError(f"loss_scale_underflow must be in (0, 1), got {self.underflow!r}")
         # Powers of two keep the scaling and unscaling exact, and the histogram's bins whole.
         limits = {"init": self.init, "max": self.max_scale, "max_cumulative": self.max_cumulative}

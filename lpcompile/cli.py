@@ -93,7 +93,7 @@ def _report(args: argparse.Namespace) -> int:
 
     try:
         page = write_report(args.dir, args.output)
-    except (FileNotFoundError, ValueError) as error:  # ValueError: a malformed telemetry file
+    except FileNotFoundError as error:
         print(f"lowprec report: {error}", file=sys.stderr)
         return 2
     except ModuleNotFoundError as error:

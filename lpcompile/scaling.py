@@ -510,20 +510,20 @@ class LossScaler:
                     f"state_dict()); this state dict has {saved!r} (a GradScaler's has none)"
                 )
             states = adaptive_states()
-            if states and len(saved) != len(states):
-                raise ValueError(f"state dict has {len(saved)} adaptive graphs, {len(states)} are compiled")
-            pairs = list(zip(states, saved, strict=True)) if states else []
-            for state, entry in pairs:
-                state.check_state_dict(entry)
-            if not states:
+            if not states:  # a fresh process: held until their graphs compile
                 for entry in saved:
                     check_saved_state(entry)
+            elif len(saved) != len(states):
+                raise ValueError(f"state dict has {len(saved)} adaptive graphs, {len(states)} are compiled")
+            pairs = list(zip(states, saved if states else [], strict=True))
+            for state, entry in pairs:
+                state.check_state_dict(entry)
         self._config = config
         self._iteration = int(counts["iteration"])
         self.skipped_steps = int(counts["skipped_steps"])
         self.calibration_steps = int(counts["calibration_steps"])
         if self.mode == "adaptive":
-            defer_states([] if states else list(saved))  # (loaded: nothing left to wait for)
+            defer_states([] if states else list(saved))
             for state, entry in pairs:
                 state.load_state_dict(entry)
         floor = self._config.min_scale_at(self._iteration)
