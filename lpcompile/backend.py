@@ -224,6 +224,22 @@ def _inductor_compiler(inner: Callable, ctx: CompileContext, tag: str) -> Callab
     return inner_compile
 
 
+def _refresh_decompositions() -> None:
+    """Make Inductor's decomposition table hold lowprec's decompositions.
+
+    Inductor copies its table once per process, at its first compile
+    (``fast_random_decomps``, cached). Compiled before lpcompile was imported (a
+    plain ``torch.compile`` first, then ``backend="lowprec"`` through the entry
+    point), the copy lacks them: Inductor then called the reference operators
+    instead of fusing them (the same numbers, a training step several times
+    slower), and its cache kept that graph for later processes.
+    """
+    from torch._inductor import decomposition
+
+    if not decomposition.decompositions.keys() <= decomposition.select_decomp_table().keys():
+        decomposition.fast_random_decomps.cache_clear()  # registered since the copy was made
+
+
 def _execute(
     gm: torch.fx.GraphModule, example_inputs: list, ctx: CompileContext, record: CompiledGraph, tag: str = ""
 ):
@@ -239,6 +255,7 @@ def _execute(
     else:
         from torch._inductor.compile_fx import compile_fx
 
+        _refresh_decompositions()
         # Inductor's own compiler unless dumping; quantize decompositions leave grid marks.
         with dump.capture_inductor(record, tag) as inner, ops.grid_marks():
             compiled = compile_fx(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import textwrap
@@ -78,6 +79,44 @@ def test_backend_by_name_in_a_fresh_process():
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.strip() == "OK"
+
+
+def test_inductor_fuses_lowprec_ops_after_a_plain_inductor_compile(tmp_path):
+    """Inductor copies its decomposition table at its first compile in a process. A
+    plain ``torch.compile`` before lpcompile is imported (it comes in through the
+    entry point) must not leave lowprec's operators out of it: they would run as
+    the reference ops, unfused, and the slow graph would go into Inductor's cache."""
+    code = textwrap.dedent(
+        """
+        import sys
+        import torch
+        from torch.profiler import profile
+
+        def step(run, x):
+            run(x).square().sum().backward()
+
+        torch.manual_seed(0)
+        x = torch.randn(4, 8)
+        step(torch.compile(torch.nn.Linear(8, 8)), x)  # Inductor's table is copied here
+        assert "lpcompile" not in sys.modules
+        model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 4))
+        run = torch.compile(model, backend="lowprec", options={"recipe": "fp8-e5m2-sr"})
+        step(run, x)
+        with profile() as prof:
+            step(run, x)
+        calls = {e.key: e.count for e in prof.key_averages() if e.key.startswith("lowprec::")}
+        print(calls)
+        """
+    )
+    env = {
+        **os.environ,
+        "TORCHINDUCTOR_CACHE_DIR": str(tmp_path),  # a real compile, not a cache hit
+        "TORCHINDUCTOR_FX_GRAPH_CACHE": "0",
+        "TORCHINDUCTOR_AUTOGRAD_CACHE": "0",
+    }
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip().splitlines()[-1] == "{}", f"lowprec ops called unfused: {done.stdout}"
 
 
 def test_fp32_rewrites_nothing_and_matches_eager(monkeypatch):
