@@ -5,7 +5,7 @@ from torch.distributed.pipelining import pipe_split
 
 from lpcompile.config import LowPrecConfig, recipes
 from lpcompile.formats import FloatFormat, parse_format
-from lpcompile.ops import quantize
+from lpcompile.ops import quantize, refresh_inductor_decompositions
 from lpcompile.ops_pipeline import predict_weight
 from lpcompile.scaling import LossScaler
 from lpcompile.telemetry import stats
@@ -21,3 +21,6 @@ __all__ = [
     "recipes",
     "stats",
 ]
+
+# A torch.compile before this import may have fixed Inductor's table without lowprec's ops.
+refresh_inductor_decompositions()

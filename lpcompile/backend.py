@@ -196,7 +196,13 @@ def source_hash(package: Path) -> str:
 
 
 def _config_patches(ctx: CompileContext, tag: str, record: CompiledGraph) -> dict[str, Any]:
-    patches = {"post_grad_custom_post_pass": SourceStamp(), "joint_custom_post_pass": JointPasses(ctx, tag)}
+    patches = {
+        "post_grad_custom_post_pass": SourceStamp(),
+        "joint_custom_post_pass": JointPasses(ctx, tag),
+        # a fused FP16/BF16 intermediate is rounded to its dtype, as eager stores it, before
+        # a quantize reads it: else the quantize rounds the FP32 value onto another grid point
+        "emulate_precision_casts": True,
+    }
     return {**patches, **record.inductor_options}
 
 
@@ -224,22 +230,6 @@ def _inductor_compiler(inner: Callable, ctx: CompileContext, tag: str) -> Callab
     return inner_compile
 
 
-def _refresh_decompositions() -> None:
-    """Make Inductor's decomposition table hold lowprec's decompositions.
-
-    Inductor copies its table once per process, at its first compile
-    (``fast_random_decomps``, cached). Compiled before lpcompile was imported (a
-    plain ``torch.compile`` first, then ``backend="lowprec"`` through the entry
-    point), the copy lacks them: Inductor then called the reference operators
-    instead of fusing them (the same numbers, a training step several times
-    slower), and its cache kept that graph for later processes.
-    """
-    from torch._inductor import decomposition
-
-    if not decomposition.decompositions.keys() <= decomposition.select_decomp_table().keys():
-        decomposition.fast_random_decomps.cache_clear()  # registered since the copy was made
-
-
 def _execute(
     gm: torch.fx.GraphModule, example_inputs: list, ctx: CompileContext, record: CompiledGraph, tag: str = ""
 ):
@@ -255,7 +245,7 @@ def _execute(
     else:
         from torch._inductor.compile_fx import compile_fx
 
-        _refresh_decompositions()
+        ops.refresh_inductor_decompositions()
         # Inductor's own compiler unless dumping; quantize decompositions leave grid marks.
         with dump.capture_inductor(record, tag) as inner, ops.grid_marks():
             compiled = compile_fx(
@@ -278,9 +268,17 @@ def uses_cpp_wrapper(wrapper: str, example_inputs: Sequence[Any]) -> bool:
 
 
 def lowprec(
-    gm: torch.fx.GraphModule, example_inputs: Sequence[Any], options: dict[str, Any] | None = None
+    gm: torch.fx.GraphModule,
+    example_inputs: Sequence[Any],
+    options: dict[str, Any] | None = None,
+    mode: str | None = None,
 ) -> Callable:
     """The backend: rewrite ``gm`` for low-precision training and compile it."""
+    if mode is not None:
+        raise ValueError(
+            f"backend='lowprec' takes no mode (got mode={mode!r}): lowprec chooses Inductor's"
+            " settings itself; pass lowprec's own settings as options={...}"
+        )
     config = LowPrecConfig.from_options(options)
     if config.matmul == "bf16" and (why := cpu_gemm.unavailable()):
         raise ValueError(f"matmul='bf16': lowprec's bf16 matmul kernel cannot run here: {why}")

@@ -416,3 +416,20 @@ def quantize(
     seed_t = _as_tensor(seed, torch.int64, x.device) if rounding == "stochastic" else None
     scale_t = _as_tensor(scale, torch.float32, x.device)
     return torch.ops.lowprec.quantize(x, name, rounding, overflow, seed_t, offset, scale_t)
+
+
+def refresh_inductor_decompositions() -> None:
+    """Make Inductor's decomposition table hold lowprec's decompositions.
+
+    Inductor copies its table once per process, at its first compile
+    (``fast_random_decomps``, cached). Compiled before lpcompile was imported (a
+    plain ``torch.compile`` first, then ``backend="lowprec"`` through the entry
+    point), the copy lacks them: Inductor then called the reference operators
+    instead of fusing them (the same numbers, a training step several times
+    slower), and its cache kept that graph for later processes. Run when
+    lpcompile is imported and before each of the backend's Inductor compiles.
+    """
+    from torch._inductor import decomposition
+
+    if not decomposition.decompositions.keys() <= decomposition.select_decomp_table().keys():
+        decomposition.fast_random_decomps.cache_clear()  # registered since the copy was made

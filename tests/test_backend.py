@@ -119,6 +119,54 @@ def test_inductor_fuses_lowprec_ops_after_a_plain_inductor_compile(tmp_path):
     assert done.stdout.strip().splitlines()[-1] == "{}", f"lowprec ops called unfused: {done.stdout}"
 
 
+def test_quantize_compiled_without_the_backend_fuses_after_a_plain_compile():
+    """The same for ``torch.compile`` of ``lpcompile.quantize`` itself (e.g. in a compiled
+    optimizer step), imported after another compile."""
+    code = textwrap.dedent(
+        """
+        import torch
+        from torch.profiler import profile
+
+        torch.compile(torch.nn.Linear(4, 4))(torch.randn(2, 4))  # Inductor's table is copied here
+        import lpcompile
+
+        f = torch.compile(lambda x: lpcompile.quantize(x, "e5m2", "stochastic", seed=1) * 2)
+        x = torch.randn(64)
+        f(x)
+        with profile() as prof:
+            f(x)
+        print({e.key: e.count for e in prof.key_averages() if e.key.startswith("lowprec::")})
+        """
+    )
+    env = {**os.environ, "TORCHINDUCTOR_FX_GRAPH_CACHE": "0", "TORCHINDUCTOR_AUTOGRAD_CACHE": "0"}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip().splitlines()[-1] == "{}", f"lowprec ops called unfused: {done.stdout}"
+
+
+def test_a_mode_is_refused_by_name():
+    model = mlp()
+    with pytest.raises(Exception, match="backend='lowprec' takes no mode"):
+        torch.compile(model, backend="lowprec", mode="reduce-overhead")(mlp_input())
+
+
+def test_bf16_model_under_inductor_quantizes_what_eager_quantizes():
+    """A fused BF16 intermediate (GELU's output) is rounded to BF16 before its quantize
+    reads it, as eager stores it: without that, Inductor quantized the FP32 value."""
+    outputs = {}
+    for executor in ("inductor", "eager"):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 8)).to(torch.bfloat16)
+        options = {"recipe": "fp8-e5m2", "matmul": "fp32", "executor": executor}
+        y = torch.compile(model, backend="lowprec", options=options)(
+            torch.randn(8, 16, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+        )
+        y.float().sum().backward()
+        outputs[executor] = (y.detach(), model[0].weight.grad)
+    assert torch.equal(outputs["inductor"][0], outputs["eager"][0])
+    assert torch.equal(outputs["inductor"][1], outputs["eager"][1])
+
+
 def test_fp32_rewrites_nothing_and_matches_eager(monkeypatch):
     graphs = capture_dynamo_graphs(monkeypatch)
     records = Records()
