@@ -156,6 +156,12 @@ def check_saved_state(state: Any) -> None:
             raise ValueError(f"a per-layer scaling state has a bad telemetry entry: {error}") from None
 
 
+def _weight_key(ref: weakref.ref | None) -> int | None:
+    """Identity of a layer's weight (a stand-in's owner), None without one or once freed."""
+    weight = None if ref is None else ref()
+    return None if weight is None else id(getattr(weight, "lowprec_state_key", weight))
+
+
 @dataclass(frozen=True)
 class AdaptiveLayout:
     """What ``insert_loss_scale`` put into one graph: its layers, in graph order."""
@@ -174,6 +180,8 @@ class AdaptiveLayout:
         if saved is not None:
             _deferred.remove(saved)
             state.load_state_dict(saved)
+        elif (sibling := next((s for s in live_states() if state.same_layers(s)), None)) is not None:
+            state.start_from(sibling)
         return state
 
 
@@ -181,10 +189,12 @@ class AdaptiveScaleState:
     """Scales, probes and telemetry of one model's layers in one compiled graph.
 
     ``calibrating``: the scales have not yet been set from statistics (the initial
-    ones, or a cascade of refreshes still raising them by more than a binade); the
-    last call's gradients came from errors quantized at such scales, and
-    ``LossScaler`` skips their step (after turning that call's statistics into
-    scales, which may end the calibration).
+    ones, or a cascade of refreshes still raising them by more than a binade), so
+    every call records statistics. ``unsettled``: since ``LossScaler.update`` a
+    backward ran on errors quantized at such scales (the refresh of its statistics
+    left the state calibrating), and ``LossScaler`` skips the step those gradients
+    went into. A graph that is called but never backpropagated (a forward in
+    ``eval()`` with grad on) stays calibrating without holding any step back.
     """
 
     def __init__(
@@ -206,6 +216,7 @@ class AdaptiveScaleState:
         # Until the scales come from statistics, every call records them and its
         # gradients (errors quantized at the initial scale) are not to be stepped on.
         self.calibrating = config.rule != "fixed"
+        self.unsettled = False
         self.telemetry = [LayerTelemetry(name) for name in self.layers]
         self._set([float(config.init)] * count)
         _live.append(weakref.ref(self, _live.remove))
@@ -244,8 +255,10 @@ class AdaptiveScaleState:
     def refresh_pending(self) -> None:
         """Turn the statistics of the last recording call, if not yet done, into scales."""
         if self.hist.grad is not None:
+            calibrating = self.calibrating  # as when that call ran: only refreshes change it
             self.refresh(self.hist.grad)
             self.hist.grad = None
+            self.unsettled |= calibrating and self.calibrating
 
     def refresh(self, stats: torch.Tensor) -> None:
         """Set new scales from per-layer statistics by the configured rule."""
@@ -283,12 +296,30 @@ class AdaptiveScaleState:
         for t, s in reversed(list(zip(self.telemetry, scales, strict=True))):
             t.cumulative, t.scale, above = s, s / above, s
 
+    def same_layers(self, other: AdaptiveScaleState) -> bool:
+        """Whether ``other`` scales the same layers of the same model (another graph of it:
+        a recompile for new shapes, or its ``eval()`` forward)."""
+        keys = [_weight_key(w) for w in self.weights]
+        return (
+            other is not self
+            and other.layers == self.layers
+            and other.fmt == self.fmt
+            and any(k is not None for k in keys)
+            and keys == [_weight_key(w) for w in other.weights]
+        )
+
+    def start_from(self, other: AdaptiveScaleState) -> None:
+        """Start at ``other``'s scales instead of the initial ones; still calibrating, so the
+        first call's statistics confirm them (its step is taken if they hold)."""
+        self._set(other.scales.tolist())
+        self.recorded = self.scales
+
     def trained_by(self, params: set[int]) -> bool:
         """Whether an optimizer holding the parameters with these ids trains this state's
         layers (so its scaler backs them off); a state whose layers read no parameter
         belongs to every scaler."""
-        weights = [w() for w in self.weights if w is not None]
-        return not weights or any(id(getattr(w, "lowprec_state_key", w)) in params for w in weights)
+        keys = {_weight_key(w) for w in self.weights} - {None}
+        return not keys or not keys.isdisjoint(params)
 
     def overflowed(self, found_inf: bool = False) -> list[int]:
         """Indices of layers whose gradients held inf/NaN since the last back-off.
@@ -350,4 +381,5 @@ class AdaptiveScaleState:
         self.flags.grad = None
         self.calls = state["calls"]
         self.calibrating = state.get("calibrating", False)
+        self.unsettled = False
         self.telemetry = [LayerTelemetry(**t) for t in state["telemetry"]]

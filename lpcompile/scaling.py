@@ -323,17 +323,18 @@ class LossScaler:
         return state["found_inf"]
 
     def _calibrating(self, state: dict[str, Any]) -> bool:
-        """Whether an adaptive model this optimizer trains ran its last call with scales
-        not yet set from statistics (its gradients are not to be stepped on)."""
+        """Whether a backward since :meth:`update`, through an adaptive model this optimizer
+        trains, ran at scales not yet set from statistics (its gradients are not to be
+        stepped on)."""
         if self.mode != "adaptive":
             return False
         states = live_states()
-        if not any(s.calibrating for s in states):  # the common case: one pass, no ownership
+        if not any(s.calibrating or s.unsettled for s in states):  # the common case: one pass
             return False
-        calibrating = [s for s in _trained_states(states, state["param_groups"]) if s.calibrating]
-        for s in calibrating:  # the last call's statistics tell whether its scales were set
+        mine = [s for s in _trained_states(states, state["param_groups"]) if s.calibrating or s.unsettled]
+        for s in mine:  # a backward's statistics tell whether the scales it ran at were set
             s.refresh_pending()
-        return any(s.calibrating for s in calibrating)
+        return any(s.unsettled for s in mine)
 
     def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
         """Unscale (unless :meth:`unscale_` did) and step ``optimizer`` if all grads are finite.
@@ -430,11 +431,21 @@ class LossScaler:
                     self._config.backoff_factor,
                     self._config.growth_interval,
                 )
+        if self.mode == "adaptive":
+            self._settle()
         self._iteration += 1
         floor = self._config.min_scale_at(self._iteration)
         if floor is not None:
             scale.clamp_(min=floor)
         self._per_optimizer = defaultdict(_fresh_state)
+
+    def _settle(self) -> None:
+        """End the calibration veto of this iteration's backwards (their gradients are spent)."""
+        states = live_states()
+        if any(s.unsettled for s in states):
+            groups = [group for state in self._per_optimizer.values() for group in state["param_groups"]]
+            for s in _trained_states(states, groups):
+                s.unsettled = False
 
     def get_scale(self) -> float:
         """The current scale as a Python float (1.0 when disabled)."""

@@ -226,6 +226,67 @@ def test_steps_are_skipped_until_the_scales_are_calibrated():
     assert scaler.state_dict()["calibration_steps"] == scaler.calibration_steps
 
 
+@pytest.fixture
+def fresh_dynamo():
+    """Dynamo's caches emptied before and after: a test that recompiles for new shapes
+    would otherwise bring later tests' models nearer Dynamo's recompile limit."""
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def _calibrated(model, x, k=2.0**-10):
+    """``model`` compiled for adaptive scaling (static shapes), an SGD optimizer and a
+    scaler, stepped at ``x`` until the scales are calibrated; and the training step."""
+    options = {"recipe": "fp8-e5m2-als", "executor": "eager", "loss_scale_interval": 100}
+    run = torch.compile(model, backend="lowprec", options=options, dynamic=False)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = LossScaler("adaptive")
+
+    def step(batch):
+        opt.zero_grad()
+        scaler.scale(run(batch).square().mean() * k).backward()
+        scaler.step(opt)
+        scaler.update()
+
+    for _ in range(5):
+        step(x)
+    assert 1 <= scaler.calibration_steps < 5, scaler.calibration_steps
+    return run, scaler, step
+
+
+def test_a_graph_run_without_backward_holds_no_step_back(fresh_dynamo):
+    """A forward with grad on and no backward (validation in ``eval()``, a batch shape
+    seen once) leaves its graph's state calibrating; only a backward through it may
+    veto a step. It vetoed every later step (22 of 25 in a probe)."""
+    model = _mlp()
+    x = torch.randn(64, 12)
+    run, scaler, step = _calibrated(model, x)
+    skipped = scaler.skipped_steps
+    run(torch.randn(7, 12))  # a new graph (static shapes) whose state calibrates
+    assert any(s.calibrating for s in adaptive_states(model)), "no second graph was made"
+    weights = [p.detach().clone() for p in model.parameters()]
+    for _ in range(3):
+        step(x)
+    assert scaler.skipped_steps == skipped, (skipped, scaler.skipped_steps)
+    assert not any(torch.equal(a, b) for a, b in zip(weights, model.parameters(), strict=True))
+
+
+def test_a_new_graph_of_the_model_starts_at_its_scales(fresh_dynamo):
+    """A recompile (here a new batch size under static shapes) starts from the scales
+    the model's graph has learned, and its first backward confirms them: no step is
+    skipped. It started at 1 and calibrated again, skipping steps."""
+    model = _mlp()
+    run, scaler, step = _calibrated(model, torch.randn(64, 12))
+    (first,) = adaptive_states(model)
+    skipped, learned = scaler.skipped_steps, first.scales.tolist()
+    assert max(learned) > 1, learned
+    step(torch.randn(32, 12))
+    (second,) = [s for s in adaptive_states(model) if s is not first]
+    assert second.recorded.tolist() == learned
+    assert scaler.skipped_steps == skipped and not second.calibrating
+
+
 def test_calibration_skips_optimizers_that_unscale_by_themselves():
     """GradScaler's protocol (``_step_supports_amp_scaling``): the scaler hands the
     optimizer ``found_inf`` set while the scales calibrate, and it skips the step."""
