@@ -170,6 +170,7 @@ class AdaptiveLayout:
     weight_inputs: tuple[int | None, ...]  # graph input index of each layer's weight
     fmt: str  # the error format
     config: AdaptiveScaleConfig
+    out_dims: tuple[int, ...]  # the dimension of each weight that holds the output features
 
     def new_state(self, args: tuple[torch.Tensor, ...]) -> AdaptiveScaleState:
         """A fresh state for the model whose parameters are among ``args``."""
@@ -204,6 +205,7 @@ class AdaptiveScaleState:
         # Weak: the state lives in a dict keyed weakly by the model's first weight, which a
         # strong reference here would keep alive (and the state with it) after the model.
         self.weights = weights
+        self.out_dims = layout.out_dims
         self.fmt = parse_format(layout.fmt)
         self.config = config = layout.config
         count = len(self.layers)
@@ -274,8 +276,8 @@ class AdaptiveScaleState:
             needed = [quantile_scale(s, self.fmt, self.config.underflow) for s in stats]
         else:
             needed = [
-                approx_range_scale(s, None if w is None else w(), self.fmt, self.config.underflow)
-                for s, w in zip(stats, self.weights, strict=True)
+                approx_range_scale(s, None if w is None else w(), self.fmt, self.config.underflow, dim)
+                for s, w, dim in zip(stats, self.weights, self.out_dims, strict=True)
             ]
         caps = [overflow_cap(s, self.fmt) for s in stats]
         scales = bound_scales(needed, self.scales.tolist(), caps, self.config.bounds(self.fmt))

@@ -98,14 +98,15 @@ def quantile_scale(stats: torch.Tensor, fmt: FloatFormat, underflow: float) -> f
 
 
 def approx_range_scale(
-    stats: torch.Tensor, weight: torch.Tensor | None, fmt: FloatFormat, underflow: float
+    stats: torch.Tensor, weight: torch.Tensor | None, fmt: FloatFormat, underflow: float, out_dim: int = 0
 ) -> float | None:
     """The authors' Gaussian rule, on the products ``g·W`` of the input-gradient matmul.
 
     σ = sqrt((σ_g² + μ_g²)(σ_W² + μ_W²)·fan_in/2); α = u_min / (√2·erfinv(n_uf)·σ).
     ``fan_in`` is the number of products each input-gradient element sums: the
     weight's output features (times the kernel size for a convolution), as in the
-    authors' ``get_fan_in`` on Chainer's (out, in, ...) weights.
+    authors' ``get_fan_in`` on Chainer's (out, in, ...) weights; ``out_dim`` is the
+    dimension holding them (1 for a transposed convolution's (in, out/groups, ...)).
     Layers without a weight fall back to :func:`quantile_scale`.
     """
     if weight is None:
@@ -114,7 +115,7 @@ def approx_range_scale(
     second_g = stats[EXP_BINS + 1].item() / max(numel, 1)  # σ_g² + μ_g² is the second moment
     w = weight.detach().to(torch.float64)
     second_w = (w * w).mean().item()
-    fan_in = w.shape[0] * math.prod(w.shape[2:])
+    fan_in = w.shape[out_dim] * math.prod(w.shape[2:])
     sigma = math.sqrt(second_g * second_w * fan_in / 2)
     if sigma == 0 or not math.isfinite(sigma):
         return None

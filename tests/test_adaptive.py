@@ -87,6 +87,31 @@ def test_approx_range_rule_matches_its_formula():
         math.sqrt(2) * torch.special.erfinv(torch.tensor(1e-3, dtype=torch.float64)).item() * sigma
     )
     assert s == 2.0 ** math.floor(math.log2(alpha))
+    # a transposed convolution's weight is (in, out, kh, kw): 16 x 3 x 3 products each
+    w = torch.randn(64, 16, 3, 3) * 0.05
+    s = approx_range_scale(gradient_stats(g, "histogram"), w, E5M2, 1e-3, out_dim=1)
+    sigma = math.sqrt(second_g * (w.double() ** 2).mean().item() * 16 * 9 / 2)
+    alpha = E5M2.min_subnormal / (
+        math.sqrt(2) * torch.special.erfinv(torch.tensor(1e-3, dtype=torch.float64)).item() * sigma
+    )
+    assert s == 2.0 ** math.floor(math.log2(alpha))
+
+
+def test_a_transposed_convolution_is_scaled_by_its_output_channels():
+    """The graph's layout tells the approx_range rule which weight dimension sums."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.ConvTranspose2d(8, 2, 3), nn.Flatten(), nn.Linear(2 * 7 * 7, 3))
+    options = {"recipe": "fp8-e5m2-als", "executor": "eager", "loss_scale_rule": "approx_range"}
+    run = torch.compile(model, backend="lowprec", options=options)
+    opt, scaler = torch.optim.SGD(model.parameters(), lr=0.01), LossScaler("adaptive")
+    for _ in range(3):
+        opt.zero_grad()
+        scaler.scale(run(torch.randn(4, 8, 5, 5)).square().mean() * 2.0**-12).backward()
+        scaler.step(opt)
+        scaler.update()
+    (state,) = adaptive_states(model)
+    assert state.layers == ["0", "2"] and state.out_dims == (1, 0)
+    assert all(t.history for t in state.telemetry) and min(state.scales.tolist()) > 1
 
 
 def test_bounds_apply_top_down_and_overflow_wins():

@@ -355,7 +355,8 @@ def test_unknown_op_is_left_alone():
     records = Records()
     model = EinsumThenLinear()
     x = mlp_input()
-    got = step(model, lambda: compile_(model, "fp8-e5m2-sr")(x))
+    with pytest.warns(UserWarning, match=r"lowprec: einsum in '.*' stay in higher precision"):
+        got = step(model, lambda: compile_(model, "fp8-e5m2-sr")(x))
     record = records.only()
     assert {s.layer for s in record.sites.values()} == {"out"} and len(record.sites) == 4
     ref = Ref.for_recipe("fp8-e5m2-sr", step_seed(0, 0), record.stream)
@@ -363,6 +364,62 @@ def test_unknown_op_is_left_alone():
         model, lambda: ref.layer(F.linear, torch.einsum("bi,ij->bj", x, model.mix), *model.out.parameters())
     )
     assert_same_step(got, expected)
+
+
+class _Attention(nn.Module):
+    """Self-attention through the products the pass does not quantize."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.mix = nn.Parameter(torch.randn(6, 6))
+        self.mha = nn.MultiheadAttention(6, 2, batch_first=True)
+
+    def forward(self, x):
+        h = torch.einsum("bti,ij->btj", x, self.mix)
+        return F.scaled_dot_product_attention(h, h, h) + self.mha(x, x, x)[0]
+
+
+def test_products_the_pass_does_not_quantize_warn():
+    """They run in higher precision: the warning names each, with its module."""
+    x = torch.randn(2, 3, 6)
+    with pytest.warns(UserWarning, match="stay in higher precision") as caught:
+        compile_(_Attention(), "fp8-e5m2")(x).sum().backward()
+    (message,) = [str(w.message) for w in caught if "higher precision" in str(w.message)]
+    for name in ("einsum in", "scaled_dot_product_attention in", "multi_head_attention_forward in 'mha'"):
+        assert name in message, message
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="lowprec")
+        compile_(_Attention(), "fp32")(x).sum().backward()  # nothing is quantized anyway
+
+
+def test_transposed_convolutions_are_quantized_layers():
+    """A ConvTranspose2d gets a convolution's four sites, bit-identical to the
+    hand-written reference over two calls (two seeds)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.ConvTranspose2d(2, 3, 3, stride=2, padding=1, output_padding=1),
+        nn.ReLU(),
+        nn.Flatten(),
+        nn.Linear(3 * 10 * 10, 4),
+    )
+    up, out = model[0], model[3]
+    x = convnet_input()
+
+    def reference(ref: Ref) -> torch.Tensor:
+        h = ref.layer(F.conv_transpose2d, x, up.weight, up.bias, up.stride, up.padding, up.output_padding)
+        return ref.layer(F.linear, h.relu().flatten(1), out.weight, out.bias)
+
+    records = Records()
+    compiled = compile_(model, "fp8-e5m2-sr")
+    for call in range(2):
+        got = step(model, lambda: compiled(x))  # noqa: B023
+        record = records.only()
+        ref = Ref.for_recipe("fp8-e5m2-sr", step_seed(0, call), record.stream)
+        assert_same_step(got, step(model, lambda ref=ref: reference(ref)), f"call {call}")
+    assert Counter(s.layer for s in record.sites.values()) == {"0": 4, "3": 4}
+    fp32 = step(model, lambda: model(x))
+    assert not torch.equal(got[0], fp32[0]) and not torch.equal(got[1][0], fp32[1][0])
 
 
 class TwoGraphs(nn.Module):

@@ -33,7 +33,14 @@ from torch.fx.experimental.symbolic_shapes import optimization_hint
 from lpcompile.adaptive import FLAGS_INPUT, HIST_INPUT, INVERSES_INPUT, SCALES_INPUT, AdaptiveLayout
 from lpcompile.adaptive_ops import STATS_SIZE
 from lpcompile.passes import CompileContext
-from lpcompile.passes.quantize import SCALE_GRAD, base_of, kept_layers, layer_name, parameter_of
+from lpcompile.passes.quantize import (
+    CONV_TRANSPOSE_TARGETS,
+    SCALE_GRAD,
+    base_of,
+    kept_layers,
+    layer_name,
+    parameter_of,
+)
 
 
 def _scale_grad(
@@ -74,7 +81,7 @@ def insert_loss_scale(gm: torch.fx.GraphModule, ctx: CompileContext) -> None:
     inverses = ctx.add_input(gm, INVERSES_INPUT, torch.ones(count))
     hist = ctx.add_input(gm, HIST_INPUT, torch.zeros(count, STATS_SIZE))
     flags = ctx.add_input(gm, FLAGS_INPUT, torch.zeros(count))
-    layers, weight_inputs = [], []
+    layers, weight_inputs, out_dims = [], [], []
     for i, call in enumerate(calls):
         layer = layer_name(call)
         with gm.graph.inserting_before(call):
@@ -103,6 +110,7 @@ def insert_loss_scale(gm: torch.fx.GraphModule, ctx: CompileContext) -> None:
             user.replace_input_with(call, scaled)
         layers.append(layer)
         weight_inputs.append(placeholders.index(base_of(weight)) if is_weight else None)
+        out_dims.append(1 if call.target in CONV_TRANSPOSE_TARGETS else 0)  # weight (in, out/groups, ...)
     ctx.adaptive = AdaptiveLayout(
-        tuple(layers), tuple(weight_inputs), ctx.config.error.fmt, ctx.config.adaptive
+        tuple(layers), tuple(weight_inputs), ctx.config.error.fmt, ctx.config.adaptive, tuple(out_dims)
     )

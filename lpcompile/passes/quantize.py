@@ -34,8 +34,24 @@ from lpcompile.passes import CompileContext, Site
 
 LINEAR_TARGETS = {torch._C._nn.linear, F.linear}
 CONV_TARGETS = {torch.conv1d, torch.conv2d, torch.conv3d, F.conv1d, F.conv2d, F.conv3d}
+CONV_TRANSPOSE_TARGETS = {torch.conv_transpose1d, torch.conv_transpose2d, torch.conv_transpose3d}
 MATMUL_TARGETS = {torch.matmul, operator.matmul, torch.mm, torch.bmm}
 MATMUL_METHODS = {"matmul", "mm", "bmm", "__matmul__"}
+# Products the pass leaves in higher precision, with a warning: their operands sit
+# elsewhere than (input, weight), or the products are inside one opaque call.
+UNQUANTIZED_TARGETS = {
+    torch.einsum,
+    torch.addmm,
+    torch.baddbmm,
+    torch.addbmm,
+    torch.addmv,
+    torch.mv,
+    torch.tensordot,
+    F.bilinear,
+    F.scaled_dot_product_attention,
+    F.multi_head_attention_forward,
+}
+UNQUANTIZED_METHODS = {"addmm", "baddbmm", "addbmm", "addmv", "mv"}
 # Ops through which a parameter is still "the weight" (x @ self.w.t()).
 VIEW_METHODS = {"t", "transpose", "permute", "view", "reshape", "contiguous", "T", "mT"}
 VIEW_FUNCTIONS = {torch.t, torch.transpose, torch.permute, torch.reshape}
@@ -50,8 +66,15 @@ LOWPREC_OPS = {
 def is_layer_call(node: torch.fx.Node) -> bool:
     """Whether ``node`` is a matmul or convolution the pass quantizes."""
     if node.op == "call_function":
-        return node.target in LINEAR_TARGETS | CONV_TARGETS | MATMUL_TARGETS
+        return node.target in LINEAR_TARGETS | CONV_TARGETS | CONV_TRANSPOSE_TARGETS | MATMUL_TARGETS
     return node.op == "call_method" and node.target in MATMUL_METHODS
+
+
+def is_unquantized_product(node: torch.fx.Node) -> bool:
+    """Whether ``node`` multiplies tensors in a way the pass does not quantize."""
+    if node.op == "call_function":
+        return node.target in UNQUANTIZED_TARGETS
+    return node.op == "call_method" and node.target in UNQUANTIZED_METHODS
 
 
 def _fqn(source: str) -> str:
@@ -147,7 +170,7 @@ def _insert(
 
 def _operand_names(call: torch.fx.Node) -> tuple[str, ...]:
     """The parameter names of a layer call's leading positions."""
-    if call.target in LINEAR_TARGETS | CONV_TARGETS:
+    if call.target in LINEAR_TARGETS | CONV_TARGETS | CONV_TRANSPOSE_TARGETS:
         return ("input", "weight", "bias")
     if call.target in (torch.mm, torch.bmm, "mm", "bmm"):
         return ("input", "mat2")
@@ -194,11 +217,27 @@ def warn_settings_without_effect(gm: torch.fx.GraphModule, ctx: CompileContext) 
         warnings.warn(message, stacklevel=1)
 
 
+def warn_unquantized_products(gm: torch.fx.GraphModule, ctx: CompileContext) -> None:
+    """Warn about the products in a graph that the pass leaves in higher precision."""
+    if not ctx.config.quantizes:
+        return
+    calls = [n for n in gm.graph.nodes if is_unquantized_product(n)]
+    if calls:
+        found = ", ".join(f"{getattr(n.target, '__name__', n.target)} in {layer_name(n)!r}" for n in calls)
+        message = (
+            f"lowprec: {found} stay in higher precision: the quantize pass knows linear, "
+            "conv, conv_transpose, matmul, mm and bmm (attention quantizes when written "
+            "with torch.matmul; see docs/known-limitations.md)"
+        )
+        warnings.warn(message, stacklevel=1)
+
+
 def insert_quantize(gm: torch.fx.GraphModule, ctx: CompileContext) -> None:
-    """Quantize the inputs, weight gradients and errors of every matmul/conv."""
+    """Quantize the inputs, weight gradients and errors of every matmul/conv (transposed too)."""
     config = ctx.config
     calls = kept_layers(gm, ctx)  # (first: it moves keyword operands, which name some layers)
     warn_settings_without_effect(gm, ctx)
+    warn_unquantized_products(gm, ctx)
     for call in calls:
         layer = layer_name(call)
         operands = call.args[:2]

@@ -50,7 +50,13 @@ import torch.distributed.pipelining  # noqa: F401  (registers torch.ops.pippy._p
 import torch.fx
 from torch.fx.experimental.symbolic_shapes import optimization_hint
 
-from lpcompile.passes.quantize import CONV_TARGETS, LINEAR_TARGETS, is_layer_call, layer_name
+from lpcompile.passes.quantize import (
+    CONV_TARGETS,
+    CONV_TRANSPOSE_TARGETS,
+    LINEAR_TARGETS,
+    is_layer_call,
+    layer_name,
+)
 
 STAGE = "stage"
 BOUNDARY = "stage_boundary"
@@ -167,14 +173,18 @@ def node_cost(node: torch.fx.Node) -> Any:
     if is_layer_call(node):
         weight = _value(node.args[1]) if len(node.args) > 1 else None
         if isinstance(weight, torch.Tensor) and weight.dim() >= 1:
+            elements = out  # products are counted per output element, with these exceptions
             if node.target in CONV_TARGETS:
-                per_output = weight.numel() // weight.shape[0]  # Cin/groups * prod(kernel)
+                per_element = weight.numel() // weight.shape[0]  # Cin/groups * prod(kernel)
+            elif node.target in CONV_TRANSPOSE_TARGETS:  # per input element: Cout/groups * prod(kernel)
+                elements = _numel(_value(node.args[0]))
+                per_element = weight.numel() // weight.shape[0]
             elif node.target in LINEAR_TARGETS:
-                per_output = weight.shape[-1]
+                per_element = weight.shape[-1]
             else:  # matmul: contraction dimension of the first operand
                 first = _value(node.args[0])
-                per_output = first.shape[-1] if isinstance(first, torch.Tensor) else 1
-            flops = 2 * out * per_output
+                per_element = first.shape[-1] if isinstance(first, torch.Tensor) else 1
+            flops = 2 * elements * per_element
     param_bytes = 0
     for arg in node.all_input_nodes:
         value = _value(arg)
