@@ -44,8 +44,9 @@ from lpcompile.passes.layout import (
 from lpcompile.passes.loss_scale import insert_loss_scale
 from lpcompile.passes.matmul import remove_grid_marks, use_bf16_matmuls, uses_bf16_kernel
 from lpcompile.passes.partition import recompute_bool_masks
-from lpcompile.passes.pipeline import PIPELINE_ATEN_PASSES, PIPELINE_GRAPH_PASSES
+from lpcompile.passes.pipeline import PIPELINE_ATEN_PASSES, PIPELINE_GRAPH_PASSES, remove_pipe_splits
 from lpcompile.passes.quantize import SEED_INPUT, annotate_lowprec_nodes, insert_quantize
+from lpcompile.pipeline.partition import is_pipe_split
 
 # The ordered pass lists: graph-level rewrites, then passes over each AOT graph.
 GRAPH_PASSES = (insert_loss_scale, insert_quantize, use_im2col_convs)
@@ -285,11 +286,13 @@ def lowprec(
     ctx = CompileContext(config=config, graph_id=next(_graph_ids), stream=graph_stream(gm))
     record = CompiledGraph(ctx.graph_id, ctx.stream, config, ctx.sites, ctx.records, fused=ctx.kernels)
     COMPILED_GRAPHS.append(record)
-    if config.pipeline is not None:
-        gm = run_passes(own_copy(gm), (*GRAPH_PASSES, *PIPELINE_GRAPH_PASSES), ctx, graph="dynamo")
-    elif config.quantizes:
-        gm = run_passes(own_copy(gm), GRAPH_PASSES, ctx, graph="dynamo")
     inductor = config.executor == "inductor" and config.codegen != "triton"
+    passes = (*GRAPH_PASSES, *PIPELINE_GRAPH_PASSES) if config.pipeline is not None else ()
+    passes = passes or (GRAPH_PASSES if config.quantizes else ())
+    if inductor and (config.pipeline is not None or any(map(is_pipe_split, gm.graph.nodes))):
+        passes = (*passes, remove_pipe_splits)  # stage markers, which Inductor cannot lower
+    if passes:
+        gm = run_passes(own_copy(gm), passes, ctx, graph="dynamo")
     if inductor and prefers_contiguous_layout(gm):  # small CPU convolutions: see passes/layout.py
         record.inductor_options["layout_optimization"] = False
         ctx.contiguous_layout = True

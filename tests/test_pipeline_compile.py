@@ -190,6 +190,36 @@ def test_compiled_prediction_reads_the_optimizer(mode):
         torch.testing.assert_close(p.grad, leaves[name].grad, rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.parametrize("options", [{"recipe": "fp8-e5m2", "pipeline": {"prediction": "lwp_v"}}, {}])
+def test_inductor_compiles_stage_markers(options):
+    """Inductor cannot lower ``pippy._pipe_split``: it crashed on every pipeline graph
+    and every model with markers. The markers are erased from the graph it gets; the
+    numbers are the eager executor's (``options={}``: FP32, markers only)."""
+    torch.manual_seed(0)
+    models = [Marked(), Marked()]
+    models[1].load_state_dict(models[0].state_dict())
+    groups = [[{"params": list(m.parameters()), "delay": 2}] for m in models]
+    optimizers = [PipelineSGD(g, lr=0.125, momentum=0.5, prediction="lwp_v") for g in groups]
+    runs = [
+        torch.compile(m, backend="lowprec", options={**options, "executor": executor})
+        for m, executor in zip(models, ("inductor", "eager"), strict=True)
+    ]
+    x = torch.randn(4, 6)
+    for _ in range(3):
+        outs = []
+        for model, run, optimizer in zip(models, runs, optimizers, strict=True):
+            optimizer.zero_grad()
+            out = run(x)
+            out.square().sum().backward()
+            optimizer.step()
+            outs.append(out)
+        torch.testing.assert_close(outs[0], outs[1], rtol=1e-5, atol=1e-6)
+    for a, b in zip(*(m.parameters() for m in models), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    record = next(r for r in reversed(COMPILED_GRAPHS) if r.config.executor == "inductor")
+    assert any(r.name == "remove_pipe_splits" and r.nodes_removed == 2 for r in record.records)
+
+
 def test_fp8_quantize_sits_next_to_the_prediction():
     torch.manual_seed(0)
     model = MLP(6, 8, 8, 3)

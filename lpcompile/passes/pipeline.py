@@ -35,6 +35,7 @@ from lpcompile.pipeline.partition import (
     STAGE,
     Partition,
     extract_stage,
+    is_pipe_split,
     partition_graph,
     stage_delays,
     tag_aten_graph,
@@ -124,6 +125,13 @@ def stage_graphs(record) -> dict[tuple[str, int], torch.fx.GraphModule]:
         for stage in stages:
             out[(kind, stage)] = extract_stage(gm, stage)
     return out
+
+
+def remove_pipe_splits(gm: torch.fx.GraphModule, ctx: CompileContext) -> None:
+    """Erase the stage-boundary markers from a graph for Inductor, which cannot lower
+    ``pippy._pipe_split`` (a no-op; the stage tags stay in the nodes' meta)."""
+    for node in [n for n in gm.graph.nodes if is_pipe_split(n)]:
+        gm.graph.erase_node(node)
 
 
 PIPELINE_GRAPH_PASSES = (split_stages, insert_predict_weight)
