@@ -181,8 +181,9 @@ class AdaptiveLayout:
         if saved is not None:
             _deferred.remove(saved)
             state.load_state_dict(saved)
-        elif (sibling := next((s for s in live_states() if state.same_layers(s)), None)) is not None:
-            state.start_from(sibling)
+        elif siblings := [s for s in live_states() if state.same_layers(s)]:
+            # the most trained of the model's graphs: calibrated, then the most calls
+            state.start_from(max(siblings, key=lambda s: (not s.calibrating, s.calls)))
         return state
 
 
@@ -299,13 +300,14 @@ class AdaptiveScaleState:
             t.cumulative, t.scale, above = s, s / above, s
 
     def same_layers(self, other: AdaptiveScaleState) -> bool:
-        """Whether ``other`` scales the same layers of the same model (another graph of it:
-        a recompile for new shapes, or its ``eval()`` forward)."""
+        """Whether ``other`` scales the same layers of the same model with the same settings
+        (another graph of it: a recompile for new shapes, or its ``eval()`` forward)."""
         keys = [_weight_key(w) for w in self.weights]
         return (
             other is not self
             and other.layers == self.layers
             and other.fmt == self.fmt
+            and other.config == self.config
             and any(k is not None for k in keys)
             and keys == [_weight_key(w) for w in other.weights]
         )

@@ -440,11 +440,14 @@ class LossScaler:
         self._per_optimizer = defaultdict(_fresh_state)
 
     def _settle(self) -> None:
-        """End the calibration veto of this iteration's backwards (their gradients are spent)."""
+        """End the calibration veto of this iteration's backwards (their gradients are spent):
+        statistics a skipped step left pending are turned into scales now, not held against
+        the next iteration."""
         states = live_states()
-        if any(s.unsettled for s in states):
+        if any(s.unsettled or s.calibrating for s in states):
             groups = [group for state in self._per_optimizer.values() for group in state["param_groups"]]
             for s in _trained_states(states, groups):
+                s.refresh_pending()
                 s.unsettled = False
 
     def get_scale(self) -> float:

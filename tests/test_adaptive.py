@@ -260,11 +260,14 @@ def fresh_dynamo():
     torch._dynamo.reset()
 
 
-def _calibrated(model, x, k=2.0**-10):
+def _calibrated(model, x, k=2.0**-10, first=None):
     """``model`` compiled for adaptive scaling (static shapes), an SGD optimizer and a
-    scaler, stepped at ``x`` until the scales are calibrated; and the training step."""
+    scaler, stepped at ``x`` until the scales are calibrated; and the training step.
+    ``first``: an input run forward (grad on, no backward) before the training."""
     options = {"recipe": "fp8-e5m2-als", "executor": "eager", "loss_scale_interval": 100}
     run = torch.compile(model, backend="lowprec", options=options, dynamic=False)
+    if first is not None:
+        run(first)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     scaler = LossScaler("adaptive")
 
@@ -299,17 +302,43 @@ def test_a_graph_run_without_backward_holds_no_step_back(fresh_dynamo):
 
 def test_a_new_graph_of_the_model_starts_at_its_scales(fresh_dynamo):
     """A recompile (here a new batch size under static shapes) starts from the scales
-    the model's graph has learned, and its first backward confirms them: no step is
-    skipped. It started at 1 and calibrated again, skipping steps."""
+    the model's training graph has learned, and its first backward confirms them: no
+    step is skipped. It started at 1 and calibrated again, skipping steps. Not from a
+    graph never backpropagated (still at 1), nor into a graph with other settings."""
     model = _mlp()
-    run, scaler, step = _calibrated(model, torch.randn(64, 12))
-    (first,) = adaptive_states(model)
-    skipped, learned = scaler.skipped_steps, first.scales.tolist()
-    assert max(learned) > 1, learned
+    run, scaler, step = _calibrated(model, torch.randn(64, 12), first=torch.randn(16, 12))
+    idle, trained = adaptive_states(model)
+    skipped, learned = scaler.skipped_steps, trained.scales.tolist()
+    assert idle.calibrating and idle.scales.tolist() == [1.0] * 3 and max(learned) > 1, learned
     step(torch.randn(32, 12))
-    (second,) = [s for s in adaptive_states(model) if s is not first]
-    assert second.recorded.tolist() == learned
-    assert scaler.skipped_steps == skipped and not second.calibrating
+    new = adaptive_states(model)[-1]
+    assert new not in (idle, trained) and new.recorded.tolist() == learned
+    assert scaler.skipped_steps == skipped and not new.calibrating
+    options = {"recipe": "fp8-e5m2-als", "executor": "eager", "loss_scale_rule": "fixed", "loss_scale_init": 4}
+    torch.compile(model, backend="lowprec", options=options)(torch.randn(8, 12)).sum().backward()
+    fixed = next(s for s in adaptive_states(model) if s.config.rule == "fixed")
+    assert fixed.scales.tolist() == [4.0] * 3
+
+
+def test_statistics_of_a_skipped_step_hold_no_later_step_back(fresh_dynamo):
+    """A step skipped for inf/NaN while calibrating left its statistics pending; the next
+    forward turned them into scales and vetoed that next step, whose own backward ran
+    at confirmed scales. The overflowing step should cost one step, no more."""
+    skipped = []
+    for overflow in (False, True):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(12, 5))  # calibrated by one refresh
+        run = _adaptive(model, interval=100)
+        opt, scaler = torch.optim.SGD(model.parameters(), lr=0.1), LossScaler("adaptive")
+        for i in range(6):
+            opt.zero_grad()
+            scaler.scale(run(torch.randn(64, 12)).square().mean() * 2.0**-10).backward()
+            if overflow and i == 0:
+                model[0].bias.grad[0] = float("inf")
+            scaler.step(opt)
+            scaler.update()
+        skipped.append(scaler.skipped_steps)
+    assert skipped[1] == skipped[0] >= 1, skipped
 
 
 def test_calibration_skips_optimizers_that_unscale_by_themselves():

@@ -391,6 +391,29 @@ def test_products_the_pass_does_not_quantize_warn():
     with warnings.catch_warnings():
         warnings.filterwarnings("error", message="lowprec")
         compile_(_Attention(), "fp32")(x).sum().backward()  # nothing is quantized anyway
+    with pytest.warns(UserWarning, match="stay in higher precision") as caught:
+        compile_(_Attention(), "fp8-e5m2", exclude=["mha"])(x).sum().backward()
+    messages = [str(w.message) for w in caught if "lowprec" in str(w.message)]
+    assert len(messages) == 1 and "mha" not in messages[0], messages  # excluded: kept on purpose
+
+
+class _PermuteThenMatmul(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.w = nn.Parameter(torch.randn(6, 3))
+
+    def forward(self, x):
+        return torch.linalg.matmul(torch.einsum("bi->ib", x).t(), self.w)
+
+
+def test_linalg_matmul_is_a_layer_and_a_permuting_einsum_no_product():
+    records = Records()
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="lowprec")
+        compile_(_PermuteThenMatmul(), "fp8-e5m2-sr")(mlp_input()).sum().backward()
+    roles = Counter(s.role for s in records.only().sites.values())
+    assert roles == {"activation": 1, "weight": 1, "weight_grad": 1, "error": 1}, roles
 
 
 def test_transposed_convolutions_are_quantized_layers():

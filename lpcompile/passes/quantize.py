@@ -35,7 +35,7 @@ from lpcompile.passes import CompileContext, Site
 LINEAR_TARGETS = {torch._C._nn.linear, F.linear}
 CONV_TARGETS = {torch.conv1d, torch.conv2d, torch.conv3d, F.conv1d, F.conv2d, F.conv3d}
 CONV_TRANSPOSE_TARGETS = {torch.conv_transpose1d, torch.conv_transpose2d, torch.conv_transpose3d}
-MATMUL_TARGETS = {torch.matmul, operator.matmul, torch.mm, torch.bmm}
+MATMUL_TARGETS = {torch.matmul, torch.linalg.matmul, operator.matmul, torch.mm, torch.bmm}
 MATMUL_METHODS = {"matmul", "mm", "bmm", "__matmul__"}
 # Products the pass leaves in higher precision, with a warning: their operands sit
 # elsewhere than (input, weight), or the products are inside one opaque call.
@@ -47,11 +47,17 @@ UNQUANTIZED_TARGETS = {
     torch.addmv,
     torch.mv,
     torch.tensordot,
+    torch.dot,
+    torch.vdot,
+    torch.inner,
+    torch.outer,
+    torch.linalg.multi_dot,
+    torch.chain_matmul,
     F.bilinear,
     F.scaled_dot_product_attention,
     F.multi_head_attention_forward,
 }
-UNQUANTIZED_METHODS = {"addmm", "baddbmm", "addbmm", "addmv", "mv"}
+UNQUANTIZED_METHODS = {"addmm", "baddbmm", "addbmm", "addmv", "mv", "dot", "vdot", "inner", "outer"}
 # Ops through which a parameter is still "the weight" (x @ self.w.t()).
 VIEW_METHODS = {"t", "transpose", "permute", "view", "reshape", "contiguous", "T", "mT"}
 VIEW_FUNCTIONS = {torch.t, torch.transpose, torch.permute, torch.reshape}
@@ -72,6 +78,8 @@ def is_layer_call(node: torch.fx.Node) -> bool:
 
 def is_unquantized_product(node: torch.fx.Node) -> bool:
     """Whether ``node`` multiplies tensors in a way the pass does not quantize."""
+    if node.op == "call_function" and node.target is torch.einsum:  # not a permutation or a sum
+        return len(node.all_input_nodes) > 1
     if node.op == "call_function":
         return node.target in UNQUANTIZED_TARGETS
     return node.op == "call_method" and node.target in UNQUANTIZED_METHODS
@@ -198,8 +206,11 @@ def kept_layers(gm: torch.fx.GraphModule, ctx: CompileContext) -> list[torch.fx.
         _operands_to_args(call)
     if ctx.config.keep_first_last:
         calls = calls[1:-1]
-    exclude = ctx.config.exclude
-    return [n for n in calls if not any(fnmatch.fnmatchcase(layer_name(n), p) for p in exclude)]
+    return [n for n in calls if not _excluded(layer_name(n), ctx.config.exclude)]
+
+
+def _excluded(name: str, patterns: tuple[str, ...]) -> bool:
+    return any(fnmatch.fnmatchcase(name, p) for p in patterns)
 
 
 def warn_settings_without_effect(gm: torch.fx.GraphModule, ctx: CompileContext) -> None:
@@ -209,7 +220,8 @@ def warn_settings_without_effect(gm: torch.fx.GraphModule, ctx: CompileContext) 
     first and the last (then every layer stays in higher precision)."""
     # (stacklevel 1: the user's frame is far up, under torch.compile's)
     names = [layer_name(n) for n in gm.graph.nodes if is_layer_call(n)]
-    if unused := [p for p in ctx.config.exclude if not any(fnmatch.fnmatchcase(n, p) for n in names)]:
+    products = [layer_name(n) for n in gm.graph.nodes if is_unquantized_product(n)]  # kept anyway
+    if unused := [p for p in ctx.config.exclude if not any(_excluded(n, (p,)) for n in names + products)]:
         message = f"lowprec: exclude patterns {unused} match no layer of a graph with layers {names}"
         warnings.warn(message, stacklevel=1)
     if ctx.config.keep_first_last and 0 < len(names) <= 2:
@@ -218,10 +230,12 @@ def warn_settings_without_effect(gm: torch.fx.GraphModule, ctx: CompileContext) 
 
 
 def warn_unquantized_products(gm: torch.fx.GraphModule, ctx: CompileContext) -> None:
-    """Warn about the products in a graph that the pass leaves in higher precision."""
+    """Warn about the products in a graph that the pass leaves in higher precision (but
+    those of layers ``exclude`` keeps there anyway)."""
     if not ctx.config.quantizes:
         return
-    calls = [n for n in gm.graph.nodes if is_unquantized_product(n)]
+    exclude = ctx.config.exclude
+    calls = [n for n in gm.graph.nodes if is_unquantized_product(n) and not _excluded(layer_name(n), exclude)]
     if calls:
         found = ", ".join(f"{getattr(n.target, '__name__', n.target)} in {layer_name(n)!r}" for n in calls)
         message = (
