@@ -142,12 +142,17 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a group of 16-bit params (to this wrapper and, as FP32 copies, to ``.optimizer``)."""
-        if not self._building:
-            param_group = _listed(param_group)
-            self.optimizer.add_param_group(self._shadow_group(param_group))
-            self._release()
-            param_group = self._model_group(param_group, len(self.optimizer.param_groups) - 1)
-        super().add_param_group(param_group)
+        if self._building:
+            super().add_param_group(param_group)
+            return
+        param_group = _listed(param_group)
+        self.optimizer.add_param_group(self._shadow_group(param_group))
+        self._release()
+        try:
+            super().add_param_group(self._model_group(param_group, len(self.optimizer.param_groups) - 1))
+        except Exception:
+            self.optimizer.param_groups.pop()  # refused here (e.g. a parameter already held): undone
+            raise
 
     def _pairs(self) -> Iterable[tuple[int, torch.Tensor, torch.Tensor]]:
         """``(index, model param, FP32 copy)`` for every parameter, in order."""

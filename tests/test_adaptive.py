@@ -314,7 +314,8 @@ def test_a_new_graph_of_the_model_starts_at_its_scales(fresh_dynamo):
     new = adaptive_states(model)[-1]
     assert new not in (idle, trained) and new.recorded.tolist() == learned
     assert scaler.skipped_steps == skipped and not new.calibrating
-    options = {"recipe": "fp8-e5m2-als", "executor": "eager", "loss_scale_rule": "fixed", "loss_scale_init": 4}
+    fixed = {"loss_scale_rule": "fixed", "loss_scale_init": 4}
+    options = {"recipe": "fp8-e5m2-als", "executor": "eager", **fixed}
     torch.compile(model, backend="lowprec", options=options)(torch.randn(8, 12)).sum().backward()
     fixed = next(s for s in adaptive_states(model) if s.config.rule == "fixed")
     assert fixed.scales.tolist() == [4.0] * 3

@@ -190,6 +190,14 @@ def test_param_groups_and_lr_scheduler_pass_through():
     r.grad = torch.ones(2, dtype=torch.float16)
     opt.step()
     assert r.detach().tolist() == [0.0, 0.0]
+    # a group refused (a parameter already held) is added to neither optimizer
+    with pytest.raises(ValueError, match="more than one parameter group"):
+        opt.add_param_group({"params": [r]})
+    assert len(opt.param_groups) == len(opt.optimizer.param_groups) == 3
+    r.grad = torch.ones(2, dtype=torch.float16)
+    opt.step()
+    assert r.detach().tolist() == [-1.0, -1.0]
+    opt.load_state_dict(opt.state_dict())  # failed: the copies held a group more than the wrapper
 
 
 def test_param_groups_given_as_generators():

@@ -463,6 +463,66 @@ def test_trainer_checks_its_loss_scale_and_compile_options_up_front():
         PipelinedTrainer(model, x, stages=2, lr=0.1, compile={"recipe": "fp9"})
     with pytest.raises(ValueError, match="must not set 'pipeline'"):
         PipelinedTrainer(model, x, stages=2, lr=0.1, compile={"pipeline": {"stages": 0}})
+    with pytest.raises(ValueError, match=r"batch dimension 1\), got batch sizes \[4\]"):
+        PipelinedTrainer(model, torch.rand(4, 64), stages=2, lr=0.1)
+    with pytest.raises(ValueError, match="weight_stash must be a bool"):
+        PipelinedTrainer(model, x, stages=2, lr=0.1, weight_stash="yes")
+
+
+def test_a_weight_read_by_two_stages_is_refused_by_its_name():
+    class Tied(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a = nn.Linear(4, 4)
+
+        def forward(self, x):
+            h = torch.relu(self.a(x))
+            pipe_split()
+            return self.a(h)
+
+    with pytest.raises(ValueError, match=r"^a.weight is read by stages \[0, 1\]"):
+        PipelinedTrainer(Tied(), torch.rand(1, 4), lr=0.1)
+
+
+def test_fit_checks_its_data_and_feeds_tuples():
+    class TwoInputs(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = nn.Linear(3, 3), nn.Linear(3, 4)
+
+        def forward(self, x, z):
+            h = torch.relu(self.a(x + z))
+            pipe_split()
+            return self.b(h)
+
+    torch.manual_seed(0)
+    model = TwoInputs()
+    x, z, y = torch.randn(6, 3), torch.randn(6, 3), torch.randint(0, 4, (6,))
+    trainer = PipelinedTrainer(model, (x[:1], z[:1]), lr=0.0)
+    losses = trainer.fit((x, z), y, seed=1)
+    order = torch.randperm(6, generator=torch.Generator().manual_seed(1)).tolist()
+    expected = [F.cross_entropy(model(x[i : i + 1], z[i : i + 1]), y[i : i + 1]).item() for i in order]
+    assert losses == pytest.approx(expected, rel=1e-6)
+    with pytest.raises(ValueError, match=r"as many samples, got \[6, 5\] and 6"):
+        trainer.fit((x, z[:5]), y)
+    with pytest.raises(ValueError, match="epochs must be an int >= 0"):
+        trainer.fit((x, z), y, epochs=-1)
+
+
+def test_a_mode_change_after_tracing_is_refused():
+    """The stage graphs keep the train()/eval() behaviour they were traced with: stepping
+    an eval()-mode model used to go on applying dropout (or, traced in eval(), never)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Dropout(0.5), nn.ReLU(), nn.Linear(8, 3))
+    trainer = PipelinedTrainer(model, torch.rand(1, 4), stages="layer", lr=0.1)
+    trainer.step(torch.rand(1, 4), torch.tensor([1]))
+    model.eval()
+    with pytest.raises(RuntimeError, match=r"train\(\)/eval\(\) modes changed"):
+        trainer.step(torch.rand(1, 4), torch.tensor([1]))
+    model.train()
+    trainer.step(torch.rand(1, 4), torch.tensor([2]))
+    trainer.drain()
+    assert len(trainer.losses) == 2
 
 
 def test_stage_count_errors():

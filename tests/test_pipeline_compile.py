@@ -207,7 +207,7 @@ def test_inductor_compiles_stage_markers(options):
     x = torch.randn(4, 6)
     for _ in range(3):
         outs = []
-        for model, run, optimizer in zip(models, runs, optimizers, strict=True):
+        for run, optimizer in zip(runs, optimizers, strict=True):
             optimizer.zero_grad()
             out = run(x)
             out.square().sum().backward()

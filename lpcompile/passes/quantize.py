@@ -101,10 +101,16 @@ def layer_name(node: torch.fx.Node) -> str:
     stack = node.meta.get("nn_module_stack") or {}
     path = _fqn(list(stack.values())[-1][0]) if stack else ""
     if not path and len(node.args) > 1 and isinstance(node.args[1], torch.fx.Node):
-        source = getattr(base_of(node.args[1]), "_dynamo_source", None)
-        if source is not None and parameter_of(node.args[1]) is not None:
-            path = _fqn(source.name)
+        if parameter_of(node.args[1]) is not None:
+            path = state_name(base_of(node.args[1]))
     return path or node.name
+
+
+def state_name(node: torch.fx.Node) -> str:
+    """The FQN of the parameter or buffer a Dynamo graph input holds (``0.weight``), else the
+    node's name."""
+    source = getattr(node, "_dynamo_source", None)
+    return _fqn(source.name) if source is not None else node.name
 
 
 def base_of(node: torch.fx.Node) -> torch.fx.Node:

@@ -56,6 +56,7 @@ from lpcompile.passes.quantize import (
     LINEAR_TARGETS,
     is_layer_call,
     layer_name,
+    state_name,
 )
 
 STAGE = "stage"
@@ -333,9 +334,9 @@ def partition_graph(gm: torch.fx.GraphModule, stages: int | str | None = None) -
             if is_state(node):
                 if len(readers) > 1:
                     raise ValueError(
-                        f"{node.name} is read by stages {sorted(readers)}: a parameter or buffer shared "
-                        "between pipeline stages (weight tying, or one buffer read on both sides of a "
-                        "cut) is not supported; move the cut, or give each stage its own copy"
+                        f"{state_name(node)} is read by stages {sorted(readers)}: a parameter or buffer "
+                        "shared between pipeline stages (weight tying, or one buffer read on both sides "
+                        "of a cut) is not supported; move the cut, or give each stage its own copy"
                     )
                 node.meta[STAGE] = min(readers, default=0)
             else:

@@ -49,7 +49,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lpcompile.checks import check_positive
+from lpcompile.checks import check_count, check_positive
 from lpcompile.config import LowPrecConfig
 from lpcompile.pipeline.optim import PipelineSGD
 from lpcompile.pipeline.partition import (
@@ -153,8 +153,10 @@ class PipelinedTrainer:
             see :func:`lpcompile.pipeline.scale_hyperparameters`).
         spike_compensation, prediction: see :class:`PipelineSGD`.
         weight_stash: the backward reads the weights its forward read, not the current ones.
-        loss_fn: ``loss_fn(output, target)``; ``output`` is the model's output
-            (a tuple when the graph returns several values).
+        loss_fn: ``loss_fn(output, target)``; ``output`` is what the traced graph
+            returns: the model's output tensor, or a tuple of the tensors of an output
+            with several (a dict's values, a tuple's tensors, in order; non-tensor
+            values are not returned).
         compile: ``None`` (stages run as eager FX) or lowprec ``options`` to compile each stage.
         loss_scale: a static loss scale; gradients are divided by it before the update.
         record: keep :attr:`history` (one :class:`Event` per forward and backward).
@@ -187,12 +189,22 @@ class PipelinedTrainer:
                 )
             LowPrecConfig.from_options(compile)  # bad options fail here, not at the first step
         check_positive("loss_scale", loss_scale)
+        if not isinstance(weight_stash, bool):
+            raise ValueError(f"weight_stash must be a bool, got {weight_stash!r}")
+        example = example_input if isinstance(example_input, tuple) else (example_input,)
+        batches = [v.shape[0] for v in example if isinstance(v, torch.Tensor) and v.dim() > 0]
+        if any(b != 1 for b in batches):
+            raise ValueError(
+                f"example_input must be one sample (batch dimension 1), got batch sizes {batches}: "
+                "pipelined backpropagation feeds one sample per step"
+            )
         self.model = model
         self.loss_fn = loss_fn
         self.weight_stash = weight_stash
         self.loss_scale = float(loss_scale)
         self.record = record
-        example = example_input if isinstance(example_input, tuple) else (example_input,)
+        # the stage graphs hold the train()/eval() behaviour of the capture (dropout, ...)
+        self._modes = _modes(model)
         # what step() checks each sample against: the graph is traced for these shapes
         self._example_shapes = [getattr(v, "shape", None) for v in example]
         gm = capture_graph(model, *example)
@@ -298,6 +310,12 @@ class PipelinedTrainer:
         model's inputs). Returns the loss of the sample that reached the last
         stage at this step, if any.
         """
+        if _modes(self.model) != self._modes:
+            raise RuntimeError(
+                "the model's train()/eval() modes changed since the trainer traced it; its stage "
+                "graphs keep the traced behaviour (dropout, ...): switch the modes back (e.g. "
+                "model.train() after evaluating) or build a new trainer"
+            )
         t = self.steps
         last = self.num_stages - 1
         fwd_next: list[Any] = [None] * self.num_stages
@@ -368,20 +386,32 @@ class PipelinedTrainer:
     ) -> list[float]:
         """Feed ``x``/``y`` one sample per step, in a new random order each epoch.
 
-        The pipeline keeps running across epochs (no flush); with ``drain`` it is
-        emptied at the end. ``callback(trainer)`` runs after every epoch.
-        Returns the per-sample losses of this call.
+        ``x`` is a tensor of samples, or a tuple of them for a model with several
+        inputs. The pipeline keeps running across epochs (no flush); with ``drain``
+        it is emptied at the end. ``callback(trainer)`` runs after every epoch
+        (a callback that evaluates the model in ``eval()`` must switch it back to
+        ``train()``). Returns the per-sample losses of this call.
         """
+        check_count("epochs", epochs)
+        inputs = x if isinstance(x, tuple) else (x,)
+        if any(len(v) != len(y) for v in inputs):
+            sizes = [len(v) for v in inputs]
+            raise ValueError(f"x and y must hold as many samples, got {sizes} and {len(y)}")
         order = torch.Generator().manual_seed(seed)
         start = len(self.losses)
         for _ in range(epochs):
             for i in torch.randperm(len(y), generator=order).tolist():
-                self.step(x[i : i + 1], y[i : i + 1])
+                sample = tuple(v[i : i + 1] for v in inputs)
+                self.step(sample if isinstance(x, tuple) else sample[0], y[i : i + 1])
             if callback is not None:
                 callback(self)
         if drain:
             self.drain()
         return self.losses[start:]
+
+
+def _modes(model: nn.Module) -> list[bool]:
+    return [module.training for module in model.modules()]
 
 
 def _slot(param: torch.Tensor) -> nn.Parameter:
