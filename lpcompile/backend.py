@@ -287,8 +287,10 @@ def lowprec(
     record = CompiledGraph(ctx.graph_id, ctx.stream, config, ctx.sites, ctx.records, fused=ctx.kernels)
     COMPILED_GRAPHS.append(record)
     inductor = config.executor == "inductor" and config.codegen != "triton"
-    passes = (*GRAPH_PASSES, *PIPELINE_GRAPH_PASSES) if config.pipeline is not None else ()
-    passes = passes or (GRAPH_PASSES if config.quantizes else ())
+    if config.pipeline is not None:
+        passes = (*GRAPH_PASSES, *PIPELINE_GRAPH_PASSES)
+    else:
+        passes = GRAPH_PASSES if config.quantizes else ()
     if inductor and (config.pipeline is not None or any(map(is_pipe_split, gm.graph.nodes))):
         passes = (*passes, remove_pipe_splits)  # stage markers, which Inductor cannot lower
     if passes:

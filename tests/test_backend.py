@@ -355,7 +355,7 @@ def test_unknown_op_is_left_alone():
     records = Records()
     model = EinsumThenLinear()
     x = mlp_input()
-    with pytest.warns(UserWarning, match=r"lowprec: einsum in '.*' stay in higher precision"):
+    with pytest.warns(UserWarning, match=r"lowprec: products left in higher precision: einsum in '.*'\. "):
         got = step(model, lambda: compile_(model, "fp8-e5m2-sr")(x))
     record = records.only()
     assert {s.layer for s in record.sites.values()} == {"out"} and len(record.sites) == 4
@@ -383,15 +383,15 @@ class _Attention(nn.Module):
 def test_products_the_pass_does_not_quantize_warn():
     """They run in higher precision: the warning names each, with its module."""
     x = torch.randn(2, 3, 6)
-    with pytest.warns(UserWarning, match="stay in higher precision") as caught:
+    with pytest.warns(UserWarning, match="left in higher precision") as caught:
         compile_(_Attention(), "fp8-e5m2")(x).sum().backward()
-    (message,) = [str(w.message) for w in caught if "higher precision" in str(w.message)]
+    (message,) = [str(w.message) for w in caught if "left in higher precision" in str(w.message)]
     for name in ("einsum in", "scaled_dot_product_attention in", "multi_head_attention_forward in 'mha'"):
         assert name in message, message
     with warnings.catch_warnings():
         warnings.filterwarnings("error", message="lowprec")
         compile_(_Attention(), "fp32")(x).sum().backward()  # nothing is quantized anyway
-    with pytest.warns(UserWarning, match="stay in higher precision") as caught:
+    with pytest.warns(UserWarning, match="left in higher precision") as caught:
         compile_(_Attention(), "fp8-e5m2", exclude=["mha"])(x).sum().backward()
     messages = [str(w.message) for w in caught if "lowprec" in str(w.message)]
     assert len(messages) == 1 and "mha" not in messages[0], messages  # excluded: kept on purpose

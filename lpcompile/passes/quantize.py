@@ -226,8 +226,8 @@ def warn_settings_without_effect(gm: torch.fx.GraphModule, ctx: CompileContext) 
     first and the last (then every layer stays in higher precision)."""
     # (stacklevel 1: the user's frame is far up, under torch.compile's)
     names = [layer_name(n) for n in gm.graph.nodes if is_layer_call(n)]
-    products = [layer_name(n) for n in gm.graph.nodes if is_unquantized_product(n)]  # kept anyway
-    if unused := [p for p in ctx.config.exclude if not any(_excluded(n, (p,)) for n in names + products)]:
+    kept = [layer_name(n) for n in gm.graph.nodes if is_unquantized_product(n)]  # kept anyway
+    if unused := [p for p in ctx.config.exclude if not any(fnmatch.fnmatchcase(n, p) for n in names + kept)]:
         message = f"lowprec: exclude patterns {unused} match no layer of a graph with layers {names}"
         warnings.warn(message, stacklevel=1)
     if ctx.config.keep_first_last and 0 < len(names) <= 2:
@@ -245,9 +245,9 @@ def warn_unquantized_products(gm: torch.fx.GraphModule, ctx: CompileContext) -> 
     if calls:
         found = ", ".join(f"{getattr(n.target, '__name__', n.target)} in {layer_name(n)!r}" for n in calls)
         message = (
-            f"lowprec: {found} stay in higher precision: the quantize pass knows linear, "
-            "conv, conv_transpose, matmul, mm and bmm (attention quantizes when written "
-            "with torch.matmul; see docs/known-limitations.md)"
+            f"lowprec: products left in higher precision: {found}. The quantize pass knows "
+            "linear, conv, conv_transpose, matmul, mm and bmm (attention is quantized when "
+            "written with torch.matmul; see docs/known-limitations.md)"
         )
         warnings.warn(message, stacklevel=1)
 
