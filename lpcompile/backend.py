@@ -12,6 +12,7 @@ lowprec operators into its own fused C++ or Triton) or runs them as plain FX
 
 from __future__ import annotations
 
+import collections
 import copy
 import functools
 import hashlib
@@ -45,7 +46,14 @@ from lpcompile.passes.loss_scale import insert_loss_scale
 from lpcompile.passes.matmul import remove_grid_marks, use_bf16_matmuls, uses_bf16_kernel
 from lpcompile.passes.partition import recompute_bool_masks
 from lpcompile.passes.pipeline import PIPELINE_ATEN_PASSES, PIPELINE_GRAPH_PASSES, remove_pipe_splits
-from lpcompile.passes.quantize import SEED_INPUT, annotate_lowprec_nodes, insert_quantize
+from lpcompile.passes.quantize import (
+    SEED_INPUT,
+    annotate_lowprec_nodes,
+    insert_quantize,
+    is_layer_call,
+    layer_name,
+    parameter_of,
+)
 from lpcompile.pipeline.partition import is_pipe_split
 
 # The ordered pass lists: graph-level rewrites, then passes over each AOT graph.
@@ -89,33 +97,55 @@ class CompiledGraph:
 COMPILED_GRAPHS: list[CompiledGraph] = []
 
 
-class SeedStepper:
-    """The per-call seed: the user seed in the high 32 bits, the call count below."""
+def step_seed(seed: int, step: int) -> torch.Tensor:
+    """The seed tensor a compiled graph reads at call number ``step``: the user seed in the
+    high 32 bits, the call count below (as a signed int64)."""
+    return torch.tensor((seed << 32 | (step & 0xFFFFFFFF)) - (1 << 63))
 
-    def __init__(self, seed: int) -> None:
-        self.seed = seed
-        self.step = 0
 
-    def next(self) -> torch.Tensor:
-        value = torch.tensor((self.seed << 32 | (self.step & 0xFFFFFFFF)) - (1 << 63))
-        self.step += 1
-        return value
+# Call counts behind the seeds: per model (its first parameter, weakly), random stream
+# and settings, so that a recompile of its graph (new shapes) continues the count, two
+# instances of one class (which share Dynamo's compiled graph) count apart, and so do
+# two compiles of one model with other options (e.g. the two executors).
+_CALLS: WeakIdKeyDictionary = WeakIdKeyDictionary()  # model key -> Counter of (stream, config)
+
+
+def next_step(key: torch.Tensor, stream: int, config: LowPrecConfig) -> int:
+    """The call number of this call of ``key``'s graphs with this stream and settings."""
+    calls = _CALLS.get(key)
+    if calls is None:
+        calls = _CALLS[key] = collections.Counter()
+    calls[stream, config] += 1
+    return calls[stream, config] - 1
 
 
 def graph_stream(gm: torch.fx.GraphModule) -> int:
-    """A 15-bit id of the captured graph's code, the high bits of its sites' offsets.
+    """A 15-bit id of the captured graph's layers (name, op, weight shapes), the high bits
+    of its sites' offsets.
 
-    It depends on the graph alone, not on what the process compiled before, so the
-    same model and seed give the same bits (and Inductor's cache keys stay stable).
+    It depends on the model alone, not on what the process compiled before nor on the
+    sizes Dynamo made symbolic: a recompile for new shapes keeps the stream (and its
+    call count), the same model and seed give the same bits in any process, and
+    Inductor's cache keys stay stable. A graph without layers hashes its code.
     """
-    return zlib.crc32(gm.code.encode()) & 0x7FFF
+    layers = []
+    for node in filter(is_layer_call, gm.graph.nodes):
+        operands = [a for a in node.args[:2] if isinstance(a, torch.fx.Node)]
+        shapes = [tuple(p.shape) for p in map(parameter_of, operands) if p is not None]
+        layers.append(f"{layer_name(node)}:{getattr(node.target, '__name__', node.target)}:{shapes}")
+    return zlib.crc32(("|".join(layers) if layers else gm.code).encode()) & 0x7FFF
 
 
-def step_seed(seed: int, step: int) -> torch.Tensor:
-    """The seed tensor the compiled graph reads at call number ``step``."""
-    stepper = SeedStepper(seed)
-    stepper.step = step
-    return stepper.next()
+def model_key_input(gm: torch.fx.GraphModule) -> int | None:
+    """The index of a Dynamo graph's first parameter input: it names the model at each call."""
+    placeholders = gm.graph.find_nodes(op="placeholder")
+    return next((i for i, node in enumerate(placeholders) if parameter_of(node) is not None), None)
+
+
+def model_key(args: Sequence[Any], index: int | None, default: torch.Tensor) -> torch.Tensor:
+    """The tensor that stands for the model in this call (a weight slot's owner: pipeline)."""
+    key = default if index is None else args[index]
+    return getattr(key, "lowprec_state_key", key)
 
 
 def own_copy(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
@@ -303,30 +333,31 @@ def lowprec(
     inputs = list(example_inputs)
     if not ctx.inputs:
         return _execute(gm, inputs, ctx, record)
-    stepper = SeedStepper(config.seed)
     layout = ctx.adaptive
+    model_input = model_key_input(gm)
+    default_key = torch.empty(0)  # for graphs that read no parameter: they count per graph
 
-    def extras(adaptive: dict[str, torch.Tensor], args: Sequence[Any]) -> list[torch.Tensor]:
-        values = {**adaptive, SEED_INPUT: stepper.next()} if SEED_INPUT in ctx.inputs else adaptive
+    def extras(adaptive: dict[str, Any], args: Sequence[Any], step: int | None) -> list[torch.Tensor]:
+        values = adaptive
+        if SEED_INPUT in ctx.inputs:
+            if step is None:
+                step = next_step(model_key(args, model_input, default_key), ctx.stream, config)
+            values = {**values, SEED_INPUT: step_seed(config.seed, step)}
         values = {**values, **{name: read(args) for name, read in ctx.readers.items()}}
         return [values[name] for name in ctx.inputs]
 
     def compile_variant(graph: torch.fx.GraphModule, adaptive: dict[str, torch.Tensor], tag: str = ""):
-        compiled = _execute(graph, [*inputs, *extras(adaptive, inputs)], ctx, record, tag)
-        stepper.step = 0
-        return compiled
+        return _execute(graph, [*inputs, *extras(adaptive, inputs, 0)], ctx, record, tag)
 
     if layout is None:
         compiled = compile_variant(gm, {})
-        return lambda *args: compiled(*args, *extras({}, args))
+        return lambda *args: compiled(*args, *extras({}, args, None))
     # Adaptive loss scaling: refresh calls run a variant that records gradient statistics.
     states = record.adaptive = WeakIdKeyDictionary()
     key_input = next((i for i in layout.weight_inputs if i is not None), None)
-    default_key = torch.empty(0)  # for graphs whose layers read no parameter
 
     def state_for(args: Sequence[Any]) -> AdaptiveScaleState:
-        key = default_key if key_input is None else args[key_input]
-        key = getattr(key, "lowprec_state_key", key)  # a stand-in's owner (pipeline weight slots)
+        key = model_key(args, key_input, default_key)
         state = states.get(key)
         if state is None:
             state = states[key] = layout.new_state(tuple(args))
@@ -338,6 +369,6 @@ def lowprec(
 
     def run(*args: Any) -> Any:
         adaptive, refresh = state_for(args).next_inputs()
-        return (recording if refresh else plain)(*args, *extras(adaptive, args))
+        return (recording if refresh else plain)(*args, *extras(adaptive, args, None))
 
     return run

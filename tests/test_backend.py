@@ -502,13 +502,16 @@ def test_no_grad_inference_is_quantized_and_recorded():
 
 @pytest.mark.parametrize("dynamic", [False, None])
 def test_recompile_for_a_new_batch_size(dynamic):
+    """A recompile (static shapes, or Dynamo's automatic dynamic ones) keeps the random
+    stream, which hashes the layers, not the code, and continues the model's call count:
+    no step's bits repeat an earlier step's."""
     records = Records()
     model = mlp()
     compiled = torch.compile(
         model, backend="lowprec", dynamic=dynamic, options={"recipe": "fp8-e5m2-sr", **EAGER}
     )
-    # (batch size, which compiled graph runs, its call count)
-    for batch, graph, call in [(4, 0, 0), (5, 1, 0), (4, 0 if dynamic is False else 1, 1)]:
+    # (batch size, which compiled graph runs, the model's call count)
+    for batch, graph, call in [(4, 0, 0), (5, 1, 1), (4, 0 if dynamic is False else 1, 2)]:
         x = mlp_input(batch)
         got = step(model, lambda: compiled(x))  # noqa: B023
         record = records.new[graph]
@@ -516,7 +519,20 @@ def test_recompile_for_a_new_batch_size(dynamic):
         ref = Ref.for_recipe("fp8-e5m2-sr", step_seed(0, call), record.stream)
         expected = step(model, lambda: mlp_ref(model, x, ref))  # noqa: B023
         assert_same_step(got, expected, str((batch, graph, call)))
-    assert len(records.new) == 2
+    assert len(records.new) == 2 and records.new[0].stream == records.new[1].stream
+
+
+def test_stochastic_rounding_does_not_depend_on_what_ran_before():
+    """Two fresh models of one class, same seed, same inputs, one after the other in one
+    process: the same bits. The second used to continue the first's call count (Dynamo
+    shares the compiled graph), and a recompile to dynamic shapes changed the stream."""
+    results = []
+    for _ in range(2):
+        model = mlp()
+        compiled = torch.compile(model, backend="lowprec", options={"recipe": "fp8-e5m2-sr", **EAGER})
+        results.append([step(model, lambda: compiled(mlp_input(b)))[1] for b in (4, 5, 4)])  # noqa: B023
+    for first, second in zip(*results, strict=True):
+        assert all(torch.equal(a, b) for a, b in zip(first, second, strict=True))
 
 
 def test_inductor_cache_keys_follow_the_operator_sources(tmp_path):

@@ -14,15 +14,15 @@ class GraphModule(torch.nn.Module):
         l_args_0_ = L_args_0_
         l_fn_modules_2_parameters_weight_ = L_fn_modules_2_parameters_weight_
         l_fn_modules_2_parameters_bias_ = L_fn_modules_2_parameters_bias_
-        quantize_default = torch.ops.lowprec.quantize.default(l_args_0_, 'e5m2', 'nearest', 'saturate', None, 924778496, None);  l_args_0_ = None
-        quantize_grad_default = torch.ops.lowprec.quantize_grad.default(l_fn_modules_0_parameters_weight_, 'e5m2', 'stochastic', 'inf', lowprec_seed, 924778497);  l_fn_modules_0_parameters_weight_ = None
-        quantize_default_1 = torch.ops.lowprec.quantize.default(quantize_grad_default, 'e5m2', 'nearest', 'saturate', None, 924778498, None);  quantize_grad_default = None
+        quantize_default = torch.ops.lowprec.quantize.default(l_args_0_, 'e5m2', 'nearest', 'saturate', None, 1382219776, None);  l_args_0_ = None
+        quantize_grad_default = torch.ops.lowprec.quantize_grad.default(l_fn_modules_0_parameters_weight_, 'e5m2', 'stochastic', 'inf', lowprec_seed, 1382219777);  l_fn_modules_0_parameters_weight_ = None
+        quantize_default_1 = torch.ops.lowprec.quantize.default(quantize_grad_default, 'e5m2', 'nearest', 'saturate', None, 1382219778, None);  quantize_grad_default = None
         input_1 = torch._C._nn.linear(quantize_default, quantize_default_1, l_fn_modules_0_parameters_bias_);  quantize_default = quantize_default_1 = l_fn_modules_0_parameters_bias_ = None
-        quantize_grad_default_1 = torch.ops.lowprec.quantize_grad.default(input_1, 'e5m2', 'stochastic', 'inf', lowprec_seed, 924778499);  input_1 = None
+        quantize_grad_default_1 = torch.ops.lowprec.quantize_grad.default(input_1, 'e5m2', 'stochastic', 'inf', lowprec_seed, 1382219779);  input_1 = None
         input_2 = torch.nn.functional.relu(quantize_grad_default_1, inplace = False);  quantize_grad_default_1 = None
-        quantize_default_2 = torch.ops.lowprec.quantize.default(input_2, 'e5m2', 'nearest', 'saturate', None, 924778500, None);  input_2 = None
-        quantize_grad_default_2 = torch.ops.lowprec.quantize_grad.default(l_fn_modules_2_parameters_weight_, 'e5m2', 'stochastic', 'inf', lowprec_seed, 924778501);  l_fn_modules_2_parameters_weight_ = None
-        quantize_default_3 = torch.ops.lowprec.quantize.default(quantize_grad_default_2, 'e5m2', 'nearest', 'saturate', None, 924778502, None);  quantize_grad_default_2 = None
+        quantize_default_2 = torch.ops.lowprec.quantize.default(input_2, 'e5m2', 'nearest', 'saturate', None, 1382219780, None);  input_2 = None
+        quantize_grad_default_2 = torch.ops.lowprec.quantize_grad.default(l_fn_modules_2_parameters_weight_, 'e5m2', 'stochastic', 'inf', lowprec_seed, 1382219781);  l_fn_modules_2_parameters_weight_ = None
+        quantize_default_3 = torch.ops.lowprec.quantize.default(quantize_grad_default_2, 'e5m2', 'nearest', 'saturate', None, 1382219782, None);  quantize_grad_default_2 = None
         input_3 = torch._C._nn.linear(quantize_default_2, quantize_default_3, l_fn_modules_2_parameters_bias_);  quantize_default_2 = quantize_default_3 = l_fn_modules_2_parameters_bias_ = None
-        quantize_grad_default_3 = torch.ops.lowprec.quantize_grad.default(input_3, 'e5m2', 'stochastic', 'inf', lowprec_seed, 924778503);  input_3 = lowprec_seed = None
+        quantize_grad_default_3 = torch.ops.lowprec.quantize_grad.default(input_3, 'e5m2', 'stochastic', 'inf', lowprec_seed, 1382219783);  input_3 = lowprec_seed = None
         return (quantize_grad_default_3,)

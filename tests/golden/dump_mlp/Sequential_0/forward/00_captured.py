@@ -9,18 +9,18 @@ import lpcompile.backend  # noqa: F401  (registers the torch.ops.lowprec operato
 
 class GraphModule(torch.nn.Module):
     def forward(self, primals_1, primals_2, primals_3, primals_4, primals_5, primals_6):
-        quantize = torch.ops.lowprec.quantize.default(primals_3, 'e5m2', 'nearest', 'saturate', None, 924778496, None);  primals_3 = None
-        quantize_grad = torch.ops.lowprec.quantize_grad.default(primals_1, 'e5m2', 'stochastic', 'inf', primals_6, 924778497);  primals_1 = None
-        quantize_1 = torch.ops.lowprec.quantize.default(quantize_grad, 'e5m2', 'nearest', 'saturate', None, 924778498, None);  quantize_grad = None
+        quantize = torch.ops.lowprec.quantize.default(primals_3, 'e5m2', 'nearest', 'saturate', None, 1382219776, None);  primals_3 = None
+        quantize_grad = torch.ops.lowprec.quantize_grad.default(primals_1, 'e5m2', 'stochastic', 'inf', primals_6, 1382219777);  primals_1 = None
+        quantize_1 = torch.ops.lowprec.quantize.default(quantize_grad, 'e5m2', 'nearest', 'saturate', None, 1382219778, None);  quantize_grad = None
         t = torch.ops.aten.t.default(quantize_1);  quantize_1 = None
         addmm = torch.ops.aten.addmm.default(primals_2, quantize, t);  primals_2 = t = None
-        quantize_grad_1 = torch.ops.lowprec.quantize_grad.default(addmm, 'e5m2', 'stochastic', 'inf', primals_6, 924778499);  addmm = None
+        quantize_grad_1 = torch.ops.lowprec.quantize_grad.default(addmm, 'e5m2', 'stochastic', 'inf', primals_6, 1382219779);  addmm = None
         relu = torch.ops.aten.relu.default(quantize_grad_1);  quantize_grad_1 = None
         detach = torch.ops.aten.detach.default(relu)
-        quantize_2 = torch.ops.lowprec.quantize.default(relu, 'e5m2', 'nearest', 'saturate', None, 924778500, None);  relu = None
-        quantize_grad_2 = torch.ops.lowprec.quantize_grad.default(primals_4, 'e5m2', 'stochastic', 'inf', primals_6, 924778501);  primals_4 = None
-        quantize_3 = torch.ops.lowprec.quantize.default(quantize_grad_2, 'e5m2', 'nearest', 'saturate', None, 924778502, None);  quantize_grad_2 = None
+        quantize_2 = torch.ops.lowprec.quantize.default(relu, 'e5m2', 'nearest', 'saturate', None, 1382219780, None);  relu = None
+        quantize_grad_2 = torch.ops.lowprec.quantize_grad.default(primals_4, 'e5m2', 'stochastic', 'inf', primals_6, 1382219781);  primals_4 = None
+        quantize_3 = torch.ops.lowprec.quantize.default(quantize_grad_2, 'e5m2', 'nearest', 'saturate', None, 1382219782, None);  quantize_grad_2 = None
         t_1 = torch.ops.aten.t.default(quantize_3);  quantize_3 = None
         addmm_1 = torch.ops.aten.addmm.default(primals_5, quantize_2, t_1);  primals_5 = None
-        quantize_grad_3 = torch.ops.lowprec.quantize_grad.default(addmm_1, 'e5m2', 'stochastic', 'inf', primals_6, 924778503);  addmm_1 = None
+        quantize_grad_3 = torch.ops.lowprec.quantize_grad.default(addmm_1, 'e5m2', 'stochastic', 'inf', primals_6, 1382219783);  addmm_1 = None
         return (quantize_grad_3, primals_6, quantize, detach, quantize_2, t_1)
