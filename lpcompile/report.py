@@ -62,7 +62,10 @@ class RunTelemetry:
     result: dict[str, Any] = field(default_factory=dict)
 
     def step(self, **values: Any) -> None:
-        """Record one step: any of ``loss``, ``step_time`` (s), ``loss_scale``, ``skipped``."""
+        """Record one step: any of ``loss``, ``step_time`` (s), ``loss_scale``, ``skipped``
+        (or other columns; ``step`` is the record's own index)."""
+        if "step" in values:
+            raise ValueError("RunTelemetry.step numbers the steps itself: 'step' is not a column")
         index = len(self.steps["step"])
         self.steps["step"].append(index)
         for key, value in values.items():
@@ -111,7 +114,8 @@ def load_runs(root: str | os.PathLike) -> list[dict[str, Any]]:
     for path in sorted(paths):
         try:
             data = json.loads(path.read_text())
-        except (ValueError, OSError):
+        except (ValueError, OSError) as error:
+            warnings.warn(f"{path}: not readable as JSON ({error}); file skipped", stacklevel=2)
             continue
         if isinstance(data, dict) and data.get("format") == TELEMETRY_FORMAT:
             data["path"] = str(path)
@@ -148,6 +152,9 @@ def _check_run(data: dict[str, Any], path: Path) -> None:
         for key in ("step", *fields):  # the series the report reads; others are the writer's own
             if key in lists and not _numbers(lists[key]):
                 raise ValueError(f"{path}: {where}[{key!r}] must be a list of numbers (or null)")
+        steps = len(lists.get("step", []))
+        if longer := [key for key in fields if len(lists.get(key, [])) > steps]:
+            raise ValueError(f"{path}: {where} has {longer} longer than its 'step' list ({steps})")
 
 
 # ----------------------------------------------------------------------------- plots
@@ -268,6 +275,8 @@ def _summary_row(run: dict[str, Any]) -> dict[str, str]:
 def write_report(root: str | os.PathLike, out: str | os.PathLike | None = None) -> Path:
     """Plot the runs recorded under ``root`` into ``out`` (default ``root/report``); the HTML page."""
     root = Path(root)
+    if not root.exists():
+        raise FileNotFoundError(f"{root} does not exist")
     runs = load_runs(root)
     if not runs:
         raise FileNotFoundError(f"no telemetry ({TELEMETRY_FORMAT} JSON) in {root} or {root / 'telemetry'}")

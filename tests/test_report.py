@@ -169,6 +169,10 @@ def test_report_shows_the_runs_final_loss_and_reads_partial_files(recorded, tmp_
         ({"steps": [1, 2]}, "steps must map names to lists"),
         ({"steps": {"step": [0, 1], "loss": ["a", "b"]}}, "steps['loss'] must be a list of numbers"),
         ({"layers": {"fc": {"step": 3}}}, "layers['fc']['step'] must be a list of numbers"),
+        # cut short or written by hand: the plots index 'step' with each series (a traceback)
+        ({"steps": {"loss": [1.0]}}, "steps has ['loss'] longer than its 'step' list (0)"),
+        ({"steps": {"step": [0, 1], "loss": [1.0, 0.9, 0.8]}}, "steps has ['loss'] longer than"),
+        ({"layers": {"fc": {"scale": [2.0]}}}, "layers['fc'] has ['scale'] longer than its 'step' list (0)"),
     ],
 )
 def test_a_malformed_telemetry_file_is_skipped_by_name(tmp_path, sections, complaint):
@@ -179,6 +183,16 @@ def test_a_malformed_telemetry_file_is_skipped_by_name(tmp_path, sections, compl
     good.write(tmp_path / "good.json")
     with pytest.warns(UserWarning, match=re.escape(f"{bad}: {complaint}") + ".*; file skipped"):
         assert [run["name"] for run in load_runs(tmp_path)] == ["good"]
+
+
+def test_unreadable_files_and_paths_are_named(tmp_path, capsys):
+    (tmp_path / "cut.json").write_text('{"format": "')
+    with pytest.warns(UserWarning, match=re.escape(str(tmp_path / "cut.json")) + ": not readable as JSON"):
+        assert load_runs(tmp_path) == []
+    assert main(["report", str(tmp_path / "missing")]) == 2
+    assert "missing does not exist" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="'step' is not a column"):
+        RunTelemetry("r").step(step=100, loss=1.0)
 
 
 def test_numpy_and_tensor_values_are_written_as_numbers(tmp_path):
