@@ -226,7 +226,7 @@ class LowPrecConfig:
 
     @classmethod
     def from_recipe(cls, name: str, **overrides: Any) -> LowPrecConfig:
-        if name not in _RECIPES:
+        if not isinstance(name, str) or name not in _RECIPES:
             raise ValueError(f"unknown recipe {name!r}; valid recipes: {', '.join(_RECIPES)}")
         return cls(recipe=name, **{**_RECIPES[name][1], **overrides})
 

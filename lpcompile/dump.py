@@ -88,6 +88,10 @@ KERNEL_NOTES = {
         "No kernels: executor='eager' runs the AOT graphs op by op as plain FX, lowprec operators "
         "included. With codegen='triton' the generated Triton kernels are written here."
     ),
+    "triton": (
+        "No kernels: codegen='triton' found no lowprec operators to fuse in this graph, which runs "
+        "as plain FX (as with executor='eager')."
+    ),
 }
 DECOMPOSED_NOTE = (
     "Inductor's ATen graph, as its inner compiler receives it: the lowprec operators are already "
@@ -546,8 +550,10 @@ def write_graph(session: _Session, entry: _Entry) -> Path:
     (folder / "kernels").mkdir()
     for name, source in sorted(kernels.items()):
         (folder / "kernels" / f"{_safe(name)}.py").write_text(source)
-    config = _config(record)
-    note = KERNEL_NOTES["eager" if (config or {}).get("executor") == "eager" else "inductor"]
+    config = _config(record) or {}
+    triton = config.get("codegen") == "triton"  # its AOT graphs run as FX, whatever `executor` says
+    executor = "eager" if triton else config.get("executor")
+    note = KERNEL_NOTES["triton" if triton else "eager" if executor == "eager" else "inductor"]
     if not kernels:
         (folder / "kernels" / "README.md").write_text(f"# Kernels of {entry.folder}\n\nNone. {note}\n")
     stages = _stages(views)
@@ -557,8 +563,8 @@ def write_graph(session: _Session, entry: _Entry) -> Path:
         "model": entry.model,
         "graph_id": getattr(record, "graph_id", None),
         "torch_version": torch.__version__,
-        "executor": (config or {}).get("executor"),
-        "config": config,
+        "executor": executor,
+        "config": config or None,
         "pass_order": [f"{r.graph}:{r.name}" for r in records],
         "passes": passes,
         "passes_seconds": sum(r.seconds for r in records),

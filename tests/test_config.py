@@ -61,6 +61,8 @@ def test_unknown_recipe_names_it_and_lists_valid_ones():
         assert name in str(err.value)
     with pytest.raises(ValueError, match="fp9"):
         LowPrecConfig.from_recipe("fp9")
+    with pytest.raises(ValueError, match=r"unknown recipe \['fp8-e5m2'\]; valid recipes"):
+        LowPrecConfig.from_options({"recipe": ["fp8-e5m2"]})  # was TypeError: unhashable
 
 
 def test_unknown_option_key_names_it_and_lists_valid_ones():

@@ -337,6 +337,18 @@ def test_backward_is_dumped_once_compiled_and_dot_missing_degrades_to_text(dump_
     assert index.count('<pre class="graph-text">') == 3 and "<svg" not in index
 
 
+def test_a_triton_codegen_graph_is_labelled_with_the_executor_that_ran_it(dump_to):
+    """codegen="triton" runs its AOT graphs as FX: the manifest said executor "inductor",
+    and a graph without kernels was said to be Inductor's."""
+    options = {"recipe": "fp8-e5m2-sr", "codegen": "triton", "exclude": "*"}  # nothing to fuse
+    torch.compile(tiny_mlp(), backend="lowprec", options=options)(torch.randn(2, 6)).sum().backward()
+    dump.flush()
+    folder = dump_to / "Sequential_0"
+    assert json.loads((folder / "manifest.json").read_text())["executor"] == "eager"
+    readme = (folder / "kernels" / "README.md").read_text()
+    assert "codegen='triton' found no lowprec operators" in readme and "Inductor fused" not in readme
+
+
 def test_a_function_graph_is_named_graph_and_the_cli_runs_scripts(tmp_path, monkeypatch, capsys):
     monkeypatch.delenv(dump.ENV, raising=False)
     script = tmp_path / "fn.py"

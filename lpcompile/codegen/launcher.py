@@ -67,9 +67,13 @@ def cache_dir() -> Path:
     return Path(root) if root else Path.home() / ".cache" / "lpcompile" / "triton"
 
 
+# The counters compile_stats reports, zero until counted.
+STAT_KEYS = ("jit", "memory_hits", "written", "disk_hits", "launches", "relayouts")
+
+
 def compile_stats() -> dict[str, int]:
-    """A copy of :data:`STATS`."""
-    return dict(STATS)
+    """A copy of :data:`STATS`, every counter of :data:`STAT_KEYS` included."""
+    return {key: STATS[key] for key in STAT_KEYS}
 
 
 def clear_memory_cache() -> None:
