@@ -103,20 +103,22 @@ def step_seed(seed: int, step: int) -> torch.Tensor:
     return torch.tensor((seed << 32 | (step & 0xFFFFFFFF)) - (1 << 63))
 
 
-# Call counts behind the seeds: per model (its first parameter, weakly), random stream
-# and settings, so that a recompile of its graph (new shapes) continues the count, two
-# instances of one class (which share Dynamo's compiled graph) count apart, and so do
-# two compiles of one model with other options (e.g. the two executors).
-_CALLS: WeakIdKeyDictionary = WeakIdKeyDictionary()  # model key -> Counter of (stream, config)
+# Call counts behind the seeds: per model (its first parameter, weakly), random stream,
+# settings and grad mode, so that a recompile of its graph (new shapes) continues the
+# count, two instances of one class (which share Dynamo's compiled graph) count apart,
+# and so do two compiles of one model with other options (e.g. the two executors) and
+# its no_grad graphs (evaluation does not shift the training steps' bits).
+_CALLS: WeakIdKeyDictionary = WeakIdKeyDictionary()  # model key -> Counter of (stream, ...)
 
 
-def next_step(key: torch.Tensor, stream: int, config: LowPrecConfig) -> int:
-    """The call number of this call of ``key``'s graphs with this stream and settings."""
+def next_step(key: torch.Tensor, counter: tuple[int, LowPrecConfig, bool]) -> int:
+    """The call number of this call of ``key``'s graphs with this (stream, settings, grad
+    mode)."""
     calls = _CALLS.get(key)
     if calls is None:
         calls = _CALLS[key] = collections.Counter()
-    calls[stream, config] += 1
-    return calls[stream, config] - 1
+    calls[counter] += 1
+    return calls[counter] - 1
 
 
 def graph_stream(gm: torch.fx.GraphModule) -> int:
@@ -336,12 +338,13 @@ def lowprec(
     layout = ctx.adaptive
     model_input = model_key_input(gm)
     default_key = torch.empty(0)  # for graphs that read no parameter: they count per graph
+    counter = (ctx.stream, config, torch.is_grad_enabled())
 
     def extras(adaptive: dict[str, Any], args: Sequence[Any], step: int | None) -> list[torch.Tensor]:
         values = adaptive
         if SEED_INPUT in ctx.inputs:
             if step is None:
-                step = next_step(model_key(args, model_input, default_key), ctx.stream, config)
+                step = next_step(model_key(args, model_input, default_key), counter)
             values = {**values, SEED_INPUT: step_seed(config.seed, step)}
         values = {**values, **{name: read(args) for name, read in ctx.readers.items()}}
         return [values[name] for name in ctx.inputs]

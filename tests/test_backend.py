@@ -535,6 +535,22 @@ def test_stochastic_rounding_does_not_depend_on_what_ran_before():
         assert all(torch.equal(a, b) for a, b in zip(first, second, strict=True))
 
 
+def test_evaluation_under_no_grad_does_not_shift_the_training_bits():
+    results = []
+    for evaluate in (False, True):
+        model = mlp()
+        compiled = torch.compile(model, backend="lowprec", options={"recipe": "fp8-e5m2-sr", **EAGER})
+        grads = []
+        for _ in range(3):
+            grads.append(step(model, lambda: compiled(mlp_input()))[1])  # noqa: B023
+            if evaluate:
+                with torch.no_grad():
+                    compiled(mlp_input())
+        results.append(grads)
+    for first, second in zip(*results, strict=True):
+        assert all(torch.equal(a, b) for a, b in zip(first, second, strict=True))
+
+
 def test_inductor_cache_keys_follow_the_operator_sources(tmp_path):
     """Editing the lowprec ops' Python must change Inductor's cache key (SourceStamp.uuid)."""
     import shutil
