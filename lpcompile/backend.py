@@ -109,6 +109,8 @@ def step_seed(seed: int, step: int) -> torch.Tensor:
 # and so do two compiles of one model with other options (e.g. the two executors) and
 # its no_grad graphs (evaluation does not shift the training steps' bits).
 _CALLS: WeakIdKeyDictionary = WeakIdKeyDictionary()  # model key -> Counter of (stream, ...)
+# The key of graphs with no such input: they count per stream and settings in the process.
+_NO_MODEL = torch.empty(0)
 
 
 def next_step(key: torch.Tensor, counter: tuple[int, LowPrecConfig, bool]) -> int:
@@ -139,9 +141,13 @@ def graph_stream(gm: torch.fx.GraphModule) -> int:
 
 
 def model_key_input(gm: torch.fx.GraphModule) -> int | None:
-    """The index of a Dynamo graph's first parameter input: it names the model at each call."""
+    """The index of the Dynamo graph input that names the model at each call: its first
+    parameter, else (functional code) its first input that requires grad."""
     placeholders = gm.graph.find_nodes(op="placeholder")
-    return next((i for i, node in enumerate(placeholders) if parameter_of(node) is not None), None)
+    params = [i for i, node in enumerate(placeholders) if parameter_of(node) is not None]
+    values = [node.meta.get("example_value") for node in placeholders]
+    trained = [i for i, v in enumerate(values) if isinstance(v, torch.Tensor) and v.requires_grad]
+    return next(iter(params or trained), None)
 
 
 def model_key(args: Sequence[Any], index: int | None, default: torch.Tensor) -> torch.Tensor:
@@ -337,14 +343,13 @@ def lowprec(
         return _execute(gm, inputs, ctx, record)
     layout = ctx.adaptive
     model_input = model_key_input(gm)
-    default_key = torch.empty(0)  # for graphs that read no parameter: they count per graph
     counter = (ctx.stream, config, torch.is_grad_enabled())
 
     def extras(adaptive: dict[str, Any], args: Sequence[Any], step: int | None) -> list[torch.Tensor]:
         values = adaptive
         if SEED_INPUT in ctx.inputs:
             if step is None:
-                step = next_step(model_key(args, model_input, default_key), counter)
+                step = next_step(model_key(args, model_input, _NO_MODEL), counter)
             values = {**values, SEED_INPUT: step_seed(config.seed, step)}
         values = {**values, **{name: read(args) for name, read in ctx.readers.items()}}
         return [values[name] for name in ctx.inputs]
@@ -360,7 +365,7 @@ def lowprec(
     key_input = next((i for i in layout.weight_inputs if i is not None), None)
 
     def state_for(args: Sequence[Any]) -> AdaptiveScaleState:
-        key = model_key(args, key_input, default_key)
+        key = model_key(args, key_input, _NO_MODEL)
         state = states.get(key)
         if state is None:
             state = states[key] = layout.new_state(tuple(args))

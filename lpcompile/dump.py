@@ -897,8 +897,12 @@ def summary(root: Path | str) -> str:
         done = [f"{p['graph']}:{p['name']} +{p['nodes_added']}/-{p['nodes_removed']}" for p in m["passes"]]
         lines.append("  passes: " + (", ".join(done) or "none"))
         kernels = m["kernels"]["count"]
-        eager = m.get("executor") == "eager"
-        why = "executor='eager': none" if eager else "codegen='inductor': Inductor's own"
+        if (m.get("config") or {}).get("codegen") == "triton":
+            why = "codegen='triton': no lowprec operators to fuse"
+        elif m.get("executor") == "eager":
+            why = "executor='eager': none"
+        else:
+            why = "codegen='inductor': Inductor's own"
         note = "" if kernels else f" ({why})"
         lines.append(f"  kernels: {kernels}{note}")
         stages = m.get("stages")

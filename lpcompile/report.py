@@ -32,6 +32,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from lpcompile.checks import check_count
+
 TELEMETRY_FORMAT = "lowprec-telemetry/1"
 STEP_FIELDS = ("loss", "step_time", "loss_scale", "skipped")
 LAYER_FIELDS = ("scale", "underflow", "overflow")
@@ -75,6 +77,7 @@ class RunTelemetry:
 
     def layer(self, name: str, step: int, **values: float | None) -> None:
         """Record a layer at ``step``: any of ``scale``, ``underflow``, ``overflow`` (fractions)."""
+        check_count("step", step)
         record = self.layers.setdefault(name, {"step": []})
         index = len(record["step"])
         record["step"].append(step)
@@ -133,9 +136,16 @@ def load_runs(root: str | os.PathLike) -> list[dict[str, Any]]:
     return runs
 
 
-def _numbers(values: Any) -> bool:
-    """A list of numbers or nulls (bools count: ``skipped`` holds flags)."""
-    return isinstance(values, list) and all(v is None or isinstance(v, int | float) for v in values)
+def _numbers(values: Any, nulls: bool = True) -> bool:
+    """A list of numbers a float holds (bools count: ``skipped`` holds flags), or nulls."""
+    if not isinstance(values, list):
+        return False
+    for v in values:
+        if v is None and nulls:
+            continue
+        if not isinstance(v, int | float) or (isinstance(v, int) and abs(v) > 2**1023):
+            return False
+    return True
 
 
 def _check_run(data: dict[str, Any], path: Path) -> None:
@@ -144,12 +154,18 @@ def _check_run(data: dict[str, Any], path: Path) -> None:
     layers = data["layers"]
     if not isinstance(layers, dict):
         raise ValueError(f"{path}: 'layers' must map layer names to series, got {type(layers).__name__}")
+    if not isinstance(data["name"], str) or not isinstance(data.get("result", {}), dict):
+        raise ValueError(f"{path}: 'name' must be a string and 'result' a dict")
     series = {"steps": (data["steps"], STEP_FIELDS)}
     series.update({f"layers[{name!r}]": (layer, LAYER_FIELDS) for name, layer in layers.items()})
     for where, (lists, fields) in series.items():
         if not isinstance(lists, dict):
             raise ValueError(f"{path}: {where} must map names to lists, got {type(lists).__name__}")
-        for key in ("step", *fields):  # the series the report reads; others are the writer's own
+        if where != "steps" and "step" not in lists:
+            raise ValueError(f"{path}: {where} has no 'step' list")
+        if "step" in lists and not _numbers(lists["step"], nulls=False):
+            raise ValueError(f"{path}: {where}['step'] must be a list of numbers")
+        for key in fields:  # the series the report reads; others are the writer's own
             if key in lists and not _numbers(lists[key]):
                 raise ValueError(f"{path}: {where}[{key!r}] must be a list of numbers (or null)")
         steps = len(lists.get("step", []))

@@ -468,7 +468,7 @@ def test_graph_break_rewrites_both_graphs_and_trains():
         first, second = records.new
         assert {s.layer for s in first.sites.values()} == {"a"} and len(first.sites) == 4
         assert {s.layer for s in second.sites.values()} == {"b"} and len(second.sites) == 4
-        seed = step_seed(0, call)  # each graph counts its own calls
+        seed = step_seed(0, call)  # each graph counts its model's calls (first parameters a.*, b.*)
 
         def reference(first=first, second=second, seed=seed):
             ref_a = Ref.for_recipe("fp8-e5m2-sr", seed, first.stream)
@@ -533,6 +533,29 @@ def test_stochastic_rounding_does_not_depend_on_what_ran_before():
         results.append([step(model, lambda: compiled(mlp_input(b)))[1] for b in (4, 5, 4)])  # noqa: B023
     for first, second in zip(*results, strict=True):
         assert all(torch.equal(a, b) for a, b in zip(first, second, strict=True))
+
+
+def test_functional_code_counts_per_trained_input():
+    """Weights as plain tensors (no Parameter): the first input that requires grad names
+    the model. The count was per compiled graph: a recompile reused step 0's seed, and a
+    second run continued the first's count."""
+
+    def f(x, w1, w2):
+        return F.linear(F.linear(x, w1).relu(), w2)
+
+    compiled = torch.compile(f, backend="lowprec", options={"recipe": "fp8-e5m2-sr", **EAGER})
+    runs = []
+    for _ in range(2):
+        torch.manual_seed(0)
+        w1, w2 = torch.randn(8, 6, requires_grad=True), torch.randn(3, 8, requires_grad=True)
+        grads = []
+        for batch in (4, 5, 4):
+            compiled(mlp_input(batch), w1, w2).sum().backward()
+            grads.append(w1.grad)
+            w1.grad = w2.grad = None
+        runs.append(grads)
+    assert all(torch.equal(a, b) for a, b in zip(*runs, strict=True))
+    assert not torch.equal(runs[0][0], runs[0][2])  # batch 4 twice: steps 0 and 2, not one seed
 
 
 def test_evaluation_under_no_grad_does_not_shift_the_training_bits():

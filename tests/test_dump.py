@@ -347,6 +347,7 @@ def test_a_triton_codegen_graph_is_labelled_with_the_executor_that_ran_it(dump_t
     assert json.loads((folder / "manifest.json").read_text())["executor"] == "eager"
     readme = (folder / "kernels" / "README.md").read_text()
     assert "codegen='triton' found no lowprec operators" in readme and "Inductor fused" not in readme
+    assert "kernels: 0 (codegen='triton': no lowprec operators to fuse)" in dump.summary(dump_to)
 
 
 def test_a_function_graph_is_named_graph_and_the_cli_runs_scripts(tmp_path, monkeypatch, capsys):

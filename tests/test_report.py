@@ -172,7 +172,11 @@ def test_report_shows_the_runs_final_loss_and_reads_partial_files(recorded, tmp_
         # cut short or written by hand: the plots index 'step' with each series (a traceback)
         ({"steps": {"loss": [1.0]}}, "steps has ['loss'] longer than its 'step' list (0)"),
         ({"steps": {"step": [0, 1], "loss": [1.0, 0.9, 0.8]}}, "steps has ['loss'] longer than"),
-        ({"layers": {"fc": {"scale": [2.0]}}}, "layers['fc'] has ['scale'] longer than its 'step' list (0)"),
+        ({"layers": {"fc": {"scale": [2.0]}}}, "layers['fc'] has no 'step' list"),
+        ({"layers": {"fc": {"step": [None], "scale": [2.0]}}}, "layers['fc']['step'] must be a list of"),
+        ({"steps": {"step": [0], "loss": [10**400]}}, "steps['loss'] must be a list of numbers"),
+        ({"name": 5}, "'name' must be a string and 'result' a dict"),
+        ({"result": [1]}, "'name' must be a string and 'result' a dict"),
     ],
 )
 def test_a_malformed_telemetry_file_is_skipped_by_name(tmp_path, sections, complaint):
@@ -193,6 +197,8 @@ def test_unreadable_files_and_paths_are_named(tmp_path, capsys):
     assert "missing does not exist" in capsys.readouterr().err
     with pytest.raises(ValueError, match="'step' is not a column"):
         RunTelemetry("r").step(step=100, loss=1.0)
+    with pytest.raises(ValueError, match="step must be an int >= 0"):
+        RunTelemetry("r").layer("fc", None, scale=2.0)
 
 
 def test_numpy_and_tensor_values_are_written_as_numbers(tmp_path):

@@ -48,7 +48,7 @@ class CompileContext:
 
     config: LowPrecConfig
     graph_id: int  # order of compilation in this process (names in dumps)
-    stream: int  # from the graph's code: keys its random streams, whatever was compiled before
+    stream: int  # from the graph's layers: keys its random streams, whatever was compiled before
     sites: dict[int, Site] = field(default_factory=dict)
     inputs: dict[str, torch.fx.Node] = field(default_factory=dict)
     # inputs whose value is read afresh at every call from the call's own inputs
