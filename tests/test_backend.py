@@ -339,6 +339,35 @@ def test_matmul_of_two_activations_gets_two_activation_sites():
     assert torch.equal(q.grad, q2.grad) and torch.equal(k.grad, k2.grad)
 
 
+class _Scores(nn.Module):
+    """Attention's two products of activations, in one submodule."""
+
+    def forward(self, q, k, v):
+        return torch.matmul(torch.matmul(q, k.transpose(-1, -2)).softmax(-1), v)
+
+
+class _WithScores(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.proj, self.attn = nn.Linear(6, 6), _Scores()
+
+    def forward(self, x):
+        h = self.proj(x)
+        return self.attn(h, h, h)
+
+
+def test_several_layer_calls_of_one_module_are_numbered():
+    """Both products of an attention block were named after the block: ``exclude`` kept
+    both or neither, and per-layer telemetry showed one name twice."""
+    records = Records()
+    x = torch.randn(2, 3, 6)
+    compile_(_WithScores(), "fp8-e5m2-sr")(x).sum().backward()
+    assert Counter(s.layer for s in records.new[-1].sites.values()) == {"proj": 4, "attn#0": 3, "attn#1": 3}
+    compile_(_WithScores(), "fp8-e5m2-sr", exclude=["attn#1"])(x).sum().backward()
+    assert {s.layer for s in records.new[-1].sites.values()} == {"proj", "attn#0"}
+
+
 def test_unknown_op_is_left_alone():
     """einsum is not a call the pass knows: it stays in full precision, the linear is quantized."""
 

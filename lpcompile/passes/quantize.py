@@ -95,15 +95,40 @@ def _fqn(source: str) -> str:
 def layer_name(node: torch.fx.Node) -> str:
     """The FQN of the module that made ``node``.
 
-    A call in the root module's own ``forward`` is named after its weight's FQN
-    (``F.linear(x, self.w)``: ``w``), or, without a parameter, after the node.
+    A module that makes several layer calls in a graph (an attention block's ``q @ k.T``
+    and ``p @ v``, a module called twice) numbers them in graph order: ``attn#0``,
+    ``attn#1``. A call in the root module's own ``forward`` is named after its weight's
+    FQN (``F.linear(x, self.w)``: ``w``), or, without a parameter, after the node.
     """
-    stack = node.meta.get("nn_module_stack") or {}
-    path = _fqn(list(stack.values())[-1][0]) if stack else ""
+    if (name := node.meta.get(LAYER_NAME)) is not None:
+        return name
+    path = _module_path(node)
+    if path and is_layer_call(node):
+        _name_module_layers(node.graph)
+        return node.meta[LAYER_NAME]
     if not path and len(node.args) > 1 and isinstance(node.args[1], torch.fx.Node):
         if parameter_of(node.args[1]) is not None:
             path = state_name(base_of(node.args[1]))
     return path or node.name
+
+
+LAYER_NAME = "lowprec_layer_name"  # node.meta key: a layer call's name, once its graph is named
+
+
+def _module_path(node: torch.fx.Node) -> str:
+    stack = node.meta.get("nn_module_stack") or {}
+    return _fqn(list(stack.values())[-1][0]) if stack else ""
+
+
+def _name_module_layers(graph: torch.fx.Graph) -> None:
+    """Name every layer call of ``graph`` made by a submodule (numbered where one makes several)."""
+    calls: dict[str, list[torch.fx.Node]] = {}
+    for node in filter(is_layer_call, graph.nodes):
+        if path := _module_path(node):
+            calls.setdefault(path, []).append(node)
+    for path, nodes in calls.items():
+        for i, node in enumerate(nodes):
+            node.meta[LAYER_NAME] = path if len(nodes) == 1 else f"{path}#{i}"
 
 
 def state_name(node: torch.fx.Node) -> str:
