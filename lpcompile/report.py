@@ -143,7 +143,11 @@ def _numbers(values: Any, nulls: bool = True) -> bool:
     for v in values:
         if v is None and nulls:
             continue
-        if not isinstance(v, int | float) or (isinstance(v, int) and abs(v) > 2**1023):
+        if not isinstance(v, int | float):
+            return False
+        try:
+            float(v)
+        except OverflowError:  # an int beyond float's range
             return False
     return True
 

@@ -62,6 +62,7 @@ UNQUANTIZED_METHODS = {"addmm", "baddbmm", "addbmm", "addmv", "mv", "dot", "vdot
 VIEW_METHODS = {"t", "transpose", "permute", "view", "reshape", "contiguous", "T", "mT"}
 VIEW_FUNCTIONS = {torch.t, torch.transpose, torch.permute, torch.reshape}
 
+LAYER_NAME = "lowprec_layer_name"  # node.meta key: a layer call's name, once its graph is named
 SCALE_GRAD = torch.ops.lowprec.scale_grad.default
 LOWPREC_OPS = {
     torch.ops.lowprec.quantize.default: "quantize",
@@ -110,9 +111,6 @@ def layer_name(node: torch.fx.Node) -> str:
         if parameter_of(node.args[1]) is not None:
             path = state_name(base_of(node.args[1]))
     return path or node.name
-
-
-LAYER_NAME = "lowprec_layer_name"  # node.meta key: a layer call's name, once its graph is named
 
 
 def _module_path(node: torch.fx.Node) -> str:
