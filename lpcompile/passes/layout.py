@@ -39,8 +39,8 @@ from __future__ import annotations
 import torch
 import torch.fx
 from torch._guards import detect_fake_mode
-from torch.fx.experimental.symbolic_shapes import optimization_hint
 
+from lpcompile.compat import optimization_hint
 from lpcompile.passes import CompileContext
 from lpcompile.passes.quantize import CONV_TARGETS
 

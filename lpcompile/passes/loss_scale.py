@@ -28,10 +28,10 @@ from __future__ import annotations
 
 import torch
 import torch.fx
-from torch.fx.experimental.symbolic_shapes import optimization_hint
 
 from lpcompile.adaptive import FLAGS_INPUT, HIST_INPUT, INVERSES_INPUT, SCALES_INPUT, AdaptiveLayout
 from lpcompile.adaptive_ops import STATS_SIZE
+from lpcompile.compat import optimization_hint
 from lpcompile.passes import CompileContext
 from lpcompile.passes.quantize import (
     CONV_TRANSPOSE_TARGETS,

@@ -17,9 +17,9 @@ from __future__ import annotations
 
 import torch
 import torch.fx
-from torch.fx.experimental.symbolic_shapes import optimization_hint
 
 from lpcompile import cpu_gemm
+from lpcompile.compat import optimization_hint
 from lpcompile.config import LowPrecConfig
 from lpcompile.formats import FloatFormat, parse_format
 from lpcompile.passes import CompileContext

@@ -48,8 +48,8 @@ from typing import Any
 import torch
 import torch.distributed.pipelining  # noqa: F401  (registers torch.ops.pippy._pipe_split)
 import torch.fx
-from torch.fx.experimental.symbolic_shapes import optimization_hint
 
+from lpcompile.compat import optimization_hint
 from lpcompile.passes.quantize import (
     CONV_TARGETS,
     CONV_TRANSPOSE_TARGETS,
