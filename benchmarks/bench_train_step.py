@@ -15,6 +15,10 @@ times depend on what the process allocated before (the 32x32 CNN's FP8 eager
 step: 55 ms after the MLP's cases, 103 ms run alone). ``--malloc keep``
 re-runs the script with malloc keeping freed memory (``GLIBC_TUNABLES``), which
 takes that history out, and writes ``train_step_malloc_keep.md``.
+
+``--device cuda`` times the same steps on a GPU (synchronized around each step),
+adds "fp8-e5m2-sr triton" (``codegen="triton"``: the generated kernels) and writes
+``train_step_cuda.md``.
 """
 
 from __future__ import annotations
@@ -72,9 +76,10 @@ def sgd_step(model: torch.nn.Module, run, x: torch.Tensor, y: torch.Tensor):
     return step
 
 
-def step_fn(model_fn, x, y, backend):
+def step_fn(model_fn, x, y, backend, device: str = "cpu"):
     torch.manual_seed(0)
-    model = model_fn()
+    model = model_fn().to(device)
+    x, y = x.to(device), y.to(device)
     if backend == "inductor":
         run = torch.compile(model)
     elif backend is not None:
@@ -88,14 +93,20 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--malloc", choices=["default", "keep"], default="default")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     args = parser.parse_args()
     use_malloc(args.malloc, "benchmarks.bench_train_step")
+    variants = dict(VARIANTS)
+    if args.device == "cuda":
+        variants["fp8-e5m2-sr triton"] = {**FP8, "codegen": "triton"}
+    sync = torch.cuda.synchronize if args.device == "cuda" else None
     rows = ["| model | variant | step ms | × fp32 inductor | fp8 eager ÷ this |", "|---|---|---|---|---|"]
     checks = []
     for case, (model_fn, x, y) in CASES.items():
         torch._dynamo.reset()
-        steps = {variant: step_fn(model_fn, x, y, backend) for variant, backend in VARIANTS.items()}
-        times = {name: statistics.median(ts) for name, ts in interleaved_times(steps, args.rounds).items()}
+        steps = {name: step_fn(model_fn, x, y, backend, args.device) for name, backend in variants.items()}
+        timed = interleaved_times(steps, args.rounds, sync=sync or (lambda: None))
+        times = {name: statistics.median(ts) for name, ts in timed.items()}
         for variant, t in times.items():
             print(f"{case:<34} {variant:<22} {t * 1e3:8.2f} ms", flush=True)
         for variant, t in times.items():
@@ -111,6 +122,8 @@ def main() -> None:
     malloc = MALLOC_NOTES[args.malloc]
     if args.malloc == "default":
         malloc += " (eager times depend on allocation history; see the script's docstring)"
+    if args.device == "cuda":
+        malloc = f"Device: {torch.cuda.get_device_name()} (steps synchronized); host {malloc}"
     body = malloc + "\n\n" + "\n".join(rows)
     body += (
         f"\n\nMedian step of each variant over {args.rounds} rounds; a round runs 10 steps of"
@@ -128,6 +141,8 @@ def main() -> None:
     )
     print(body)
     name = "train_step" if args.malloc == "default" else "train_step_malloc_keep"
+    if args.device == "cuda":
+        name += "_cuda"
     write_results(name, f"Training-step time (bench_train_step.py --malloc {args.malloc})", body)
 
 

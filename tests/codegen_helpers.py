@@ -1,9 +1,11 @@
-"""Shared by the codegen tests: run generated Triton on CPU and trace small ATen graphs.
+"""Shared by the codegen tests: run generated Triton and trace small ATen graphs.
 
-Generated kernels run in Triton's interpreter on CPU. ``triton.jit`` reads
+Generated kernels run in Triton's interpreter on CPU, or compiled on a GPU with
+``LOWPREC_TEST_DEVICE=cuda`` (``devices.py``). ``triton.jit`` reads
 ``TRITON_INTERPRET`` when a kernel module is imported (``triton.knobs`` reads
-the environment lazily), so the fixture :func:`interpreted` sets it, and a
-private ``LOWPREC_CACHE``, for the codegen tests only and restores both after.
+the environment lazily), so the fixture :func:`interpreted` sets it on CPU (unsets
+it on a GPU), and a private ``LOWPREC_CACHE``, for the codegen tests only and
+restores both after.
 """
 
 from __future__ import annotations
@@ -14,7 +16,9 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from devices import TEST_DEVICE, on_test_device
 from torch.fx.experimental.proxy_tensor import make_fx
+from torch.utils._pytree import tree_map
 
 from lpcompile.codegen import fuse_lowprec_kernels, launcher
 from lpcompile.formats import FloatFormat
@@ -22,9 +26,12 @@ from lpcompile.formats import FloatFormat
 
 @pytest.fixture(scope="module")
 def interpreted(tmp_path_factory):
-    """TRITON_INTERPRET=1 and a fresh kernel cache for the module's tests."""
+    """TRITON_INTERPRET=1 on CPU (compiled kernels on a GPU), a fresh kernel cache: for a module's tests."""
     saved = {k: os.environ.get(k) for k in ("TRITON_INTERPRET", "LOWPREC_CACHE")}
-    os.environ["TRITON_INTERPRET"] = "1"
+    if TEST_DEVICE.type == "cpu":
+        os.environ["TRITON_INTERPRET"] = "1"
+    else:
+        os.environ.pop("TRITON_INTERPRET", None)
     os.environ["LOWPREC_CACHE"] = str(tmp_path_factory.mktemp("lowprec_kernels"))
     yield
     for key, value in saved.items():
@@ -44,11 +51,22 @@ def small_blocks():
 
 
 def fuse(fn, *inputs):
-    """Trace ``fn`` to an ATen graph, fuse it; return ``(graph module, kernel records)``."""
-    gm = make_fx(fn, tracing_mode="fake")(*inputs)
+    """Trace ``fn`` to an ATen graph on the test device, fuse it; return ``(run, kernel records)``.
+
+    ``run(*inputs)`` takes CPU tensors, runs the fused graph on the test device and returns
+    its outputs on the CPU, where the tests compare them with ``fn`` run on the reference ops.
+    """
+    gm = make_fx(fn, tracing_mode="fake")(*map(on_test_device, inputs))
     ctx = SimpleNamespace(kernels=[])
     fuse_lowprec_kernels(gm, ctx)
-    return gm, ctx.kernels
+    if TEST_DEVICE.type == "cpu":
+        return gm, ctx.kernels
+
+    def run(*args):
+        outs = gm(*map(on_test_device, args))
+        return tree_map(lambda v: v.cpu() if isinstance(v, torch.Tensor) else v, outs)
+
+    return run, ctx.kernels
 
 
 def edge_values(fmt: FloatFormat, random: int, seed: int = 0) -> torch.Tensor:

@@ -4,6 +4,15 @@ from __future__ import annotations
 
 import pytest
 import torch
+from devices import TEST_DEVICE
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if TEST_DEVICE.type not in ("cpu", "cuda"):
+        raise pytest.UsageError(f"LOWPREC_TEST_DEVICE={TEST_DEVICE}: expected cpu or cuda")
+    if TEST_DEVICE.type == "cuda" and not torch.cuda.is_available():
+        raise pytest.UsageError("LOWPREC_TEST_DEVICE=cuda, but torch sees no CUDA device")
+
 
 _INT_OF = {
     torch.float32: torch.int32,

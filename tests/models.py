@@ -126,7 +126,7 @@ def step(model: nn.Module, fn: Callable[[], torch.Tensor]) -> tuple[torch.Tensor
     model.zero_grad(set_to_none=True)
     y = fn()
     # A weighted sum, so that every output element gets a different error.
-    weights = torch.linspace(-1.5, 2.0, y.numel()).reshape(y.shape)
+    weights = torch.linspace(-1.5, 2.0, y.numel(), device=y.device).reshape(y.shape)
     (y * weights).sum().backward()
     return y.detach(), [p.grad.clone() for p in model.parameters()]
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from devices import TEST_DEVICE, on_test_device
 from models import (
     RECIPE_SPECS,
     Records,
@@ -143,11 +144,13 @@ def test_quantized_tensors_bit_identical(executor, same_bits):
     so forward SR, backward SR and saturation are each checked bit for bit
     against lpcompile.quantize, over two calls (two seeds). Unlike the ``Ref``
     tests this checks the offsets and roundings that quantize_grad's backward uses.
+    The model runs on the test device (``LOWPREC_TEST_DEVICE``), the reference on the CPU.
     """
     n = 64
     layer = nn.Linear(n, n, bias=False)
     with torch.no_grad():
         layer.weight.copy_(torch.eye(n))
+    layer.to(TEST_DEVICE)
     gen = torch.Generator().manual_seed(5)
 
     def away_from_zero(scale: float) -> torch.Tensor:
@@ -164,19 +167,21 @@ def test_quantized_tensors_bit_identical(executor, same_bits):
     previous = None
     for call in range(2):
         layer.zero_grad()
-        xg = x.clone().requires_grad_()
+        xg = on_test_device(x.clone()).requires_grad_()
         y = compiled(xg)
-        y.backward(error)
+        y.backward(on_test_device(error))
+        y, x_grad, w_grad = y.detach().cpu(), xg.grad.cpu(), layer.weight.grad.cpu()
         base = records.only().stream << 16
         seed = step_seed(0, call)
         want_y = lpcompile.quantize(x, "e5m2", "stochastic", seed=seed, offset=base + 0)
         want_e = lpcompile.quantize(error, "e5m2", "stochastic", seed=seed, offset=base + 3, overflow="inf")
-        outer = want_e.t() @ want_y
+        # the same device's mm: exact, but the sign of a zero product (-0.0 + +0.0) is the library's
+        outer = (on_test_device(want_e).t() @ on_test_device(want_y)).cpu()
         want_w = lpcompile.quantize(outer, "e5m2", "stochastic", seed=seed, offset=base + 1, overflow="inf")
-        same_bits(y.detach(), want_y, x, f"call {call}: output = quantized activation")
-        same_bits(xg.grad, want_e, error, f"call {call}: input grad = quantized error")
-        same_bits(layer.weight.grad, want_w, outer, f"call {call}: weight grad")
+        same_bits(y, want_y, x, f"call {call}: output = quantized activation")
+        same_bits(x_grad, want_e, error, f"call {call}: input grad = quantized error")
+        same_bits(w_grad, want_w, outer, f"call {call}: weight grad")
         assert want_y[0, 0] == 57344 and want_y[0, 1] == -57344
         if previous is not None:  # a new seed: other stochastic roundings
-            assert not torch.equal(y, previous[0]) and not torch.equal(xg.grad, previous[1])
-        previous = (y.detach(), xg.grad)
+            assert not torch.equal(y, previous[0]) and not torch.equal(x_grad, previous[1])
+        previous = (y, x_grad)

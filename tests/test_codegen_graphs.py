@@ -2,7 +2,8 @@
 
 The same model, seed and inputs run twice: once with the AOT graphs as plain
 FX over the reference ops (``executor="eager"``), once with the fusion groups
-replaced by generated Triton (interpreted on CPU). Outputs and gradients must
+replaced by generated Triton (interpreted on CPU; compiled with
+``LOWPREC_TEST_DEVICE=cuda``, both runs then on the GPU). Outputs and gradients must
 be bit-identical, and the kernel count per graph is what the fusion promises,
 read from the codegen's own record (``CompiledGraph.fused``).
 """
@@ -13,6 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from codegen_helpers import interpreted  # noqa: F401
+from devices import TEST_DEVICE
 from models import assert_same_step, convnet, convnet_input, mlp, step
 from torch import nn
 
@@ -58,7 +60,8 @@ class Block(nn.Module):
 
 def run(make, x, options, steps=2):
     torch._dynamo.reset()
-    model = make()
+    model = make().to(TEST_DEVICE)
+    x = x.to(TEST_DEVICE)
     compiled = torch.compile(model, backend="lowprec", options=options)
     results = [step(model, lambda: compiled(x)) for _ in range(steps)]
     return results, backend.COMPILED_GRAPHS[-1], model

@@ -1,4 +1,4 @@
-"""Generated Triton (interpreted on CPU) against the reference ops, bit for bit.
+"""Generated Triton (interpreted on CPU, compiled on a GPU) against the reference ops, bit for bit.
 
 Each test traces a small function to an ATen graph, runs ``fuse_lowprec_kernels``
 on it and compares the fused graph's outputs with the same function run eagerly
@@ -9,11 +9,15 @@ small (the interpreter costs ~0.7 us per element) and not multiples of the block
 from __future__ import annotations
 
 import functools
+from types import SimpleNamespace
 
 import pytest
 import torch
 import torch.nn.functional as F
 from codegen_helpers import edge_values, fuse, interpreted, small_blocks, ulp_distance  # noqa: F401
+from devices import TEST_DEVICE
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx.experimental.proxy_tensor import make_fx
 
 from lpcompile.adaptive_ops import gradient_stats
 from lpcompile.codegen import CodegenDeviceError, fuse_lowprec_kernels
@@ -169,6 +173,25 @@ def test_predicted_weight_quantize_is_one_kernel(same_bits):
         same_bits(gm(w, v, lr), f(w, v, lr), w, mode)
 
 
+def test_division_is_correctly_rounded(same_bits):
+    """A tensor / tensor and a / scalar around a quantize: IEEE division as ATen's (a GPU's
+    fast division is off by up to 2 ulp), over numerators and denominators from
+    subnormal to huge, where an approximate division would differ."""
+    gen = torch.Generator().manual_seed(4)
+    a = torch.randn(61, 70, generator=gen) * torch.pow(2.0, torch.randint(-140, 120, (61, 70), generator=gen))
+    d = torch.randn(61, 70, generator=gen) * torch.pow(2.0, torch.randint(-140, 127, (61, 70), generator=gen))
+    d.view(-1)[:4] = torch.tensor([0.0, -0.0, float("inf"), 3.0])
+
+    def f(a, d):
+        q = Q(a / d, "e5m2", "nearest", "inf", None, 0, None)
+        return a / d, q / 3.0
+
+    gm, kernels = fuse(f, a, d)
+    assert len(kernels) == 1
+    for got, want in zip(gm(a, d), f(a, d), strict=True):
+        same_bits(got, want, a, "division")
+
+
 def test_gelu_group_within_ulp_bound(same_bits):
     """gelu is not bit-identical: ATen evaluates erf with its own vectorised polynomial, the
     interpreter (and a GPU) with another erf. Bounds on gelu's value before the quantize:
@@ -261,6 +284,25 @@ def test_addresses_past_two_to_the_31(same_bits):
     same_bits(gm(x, mask), f(x, mask), x, "strided mask")
 
 
+def test_a_cpu_seed_joins_a_cuda_kernel(same_bits):
+    """On a GPU the step's seed is a 0-dim CPU tensor: SR quantizes must fuse all the same
+    (they did not: on CUDA every backward SR quantize stayed an unfused op). Traced with fake
+    CUDA tensors, so the fusion is checked without a GPU; on one, the kernel runs too."""
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+
+    def f(x, seed):
+        return Q(x, "e5m2", "stochastic", "inf", seed, 3, None) * 2
+
+    with mode:
+        gm = make_fx(f)(torch.empty(50, 30, device="cuda"), mode.from_tensor(SEED))
+    ctx = SimpleNamespace(kernels=[])
+    fuse_lowprec_kernels(gm, ctx)
+    assert [k.inputs for k in ctx.kernels] == [["x_1", "seed_1"]]
+    if TEST_DEVICE.type == "cuda":
+        x = torch.randn(50, 30) * 1e-3
+        same_bits(gm(x.cuda(), SEED).cpu(), f(x, SEED), x, "CPU seed, CUDA kernel")
+
+
 def test_identity_only_regions_are_left_alone():
     def f(x):
         return QG(x, "e5m2", "nearest", "inf", None, 0) * 2
@@ -270,10 +312,8 @@ def test_identity_only_regions_are_left_alone():
 
 
 def test_cpu_without_interpreter_is_an_error(monkeypatch):
-    monkeypatch.delenv("TRITON_INTERPRET")
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # unset already on a GPU run
     x = torch.randn(8)
-    gm = torch.fx.experimental.proxy_tensor.make_fx(lambda x: Q(x, "e5m2", "nearest", "inf", None, 0, None))(
-        x
-    )
+    gm = make_fx(lambda x: Q(x, "e5m2", "nearest", "inf", None, 0, None))(x)
     with pytest.raises(CodegenDeviceError, match="TRITON_INTERPRET=1"):
         fuse_lowprec_kernels(gm, None)

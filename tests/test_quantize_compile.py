@@ -11,6 +11,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from devices import TEST_DEVICE
 from torch._dynamo.testing import CompileCounter, CompileCounterWithBackend
 from torch._inductor.utils import run_and_get_code
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -59,11 +60,12 @@ def many_cases(x, xt, xb, seed, scale):
     )
 
 
-def fresh_args(seed_value: int):
-    x = mixed_inputs().requires_grad_()
+def fresh_args(seed_value: int, device: str | torch.device = "cpu"):
+    x = mixed_inputs().to(device).requires_grad_()
     xt = (x.detach()[: 64 * 48].reshape(48, 64) * 3).t()
     xb = x.detach()[:5000].to(torch.bfloat16)
-    return x, xt, xb, torch.tensor(seed_value, dtype=torch.int64), torch.tensor(4.0)
+    seed = torch.tensor(seed_value, dtype=torch.int64, device=device)
+    return x, xt, xb, seed, torch.tensor(4.0, device=device)
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:
@@ -80,15 +82,16 @@ def assert_bits_equal(a: torch.Tensor, b: torch.Tensor, label: str):
 
 
 def run_with_backward(fn, args):
+    """Outputs and the input's gradient, on the CPU."""
     outs = fn(*args)
     x = args[0]
     x.grad = None
-    gout = torch.linspace(-1e3, 1e3, x.numel()) * 0.37  # many e5m2 rounding decisions
+    gout = torch.linspace(-1e3, 1e3, x.numel(), device=x.device) * 0.37  # many e5m2 rounding decisions
     # quantize_grad's output gets gout (its gradient is SR of gout); the nearest
     # quantize passes a second gradient straight through.
     loss = (outs[-1] * gout).sum() + (outs[0] * 0.5).sum()
     loss.backward()
-    return [o.detach() for o in outs], x.grad.clone()
+    return [o.detach().cpu() for o in outs], x.grad.cpu()
 
 
 def test_dynamo_traces_with_fake_tensors():
@@ -114,11 +117,12 @@ def test_fake_kernels():
 
 
 def test_inductor_matches_eager():
-    """One Inductor compile (forward and backward); a second seed must not recompile."""
+    """One Inductor compile (forward and backward, on the test device) against the reference
+    ops on the CPU; a second seed must not recompile."""
     counter = CompileCounterWithBackend("inductor")
     compiled = torch.compile(many_cases, backend=counter, fullgraph=True)
     for seed_value in [2**40 + 3, -17]:
-        got, got_grad = run_with_backward(compiled, fresh_args(seed_value))
+        got, got_grad = run_with_backward(compiled, fresh_args(seed_value, TEST_DEVICE))
         want, want_grad = run_with_backward(many_cases, fresh_args(seed_value))
         for i, (a, b) in enumerate(zip(got, want, strict=True)):
             assert_bits_equal(a, b, f"seed {seed_value}: output {i}")

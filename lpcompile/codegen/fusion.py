@@ -91,6 +91,13 @@ def _tensor_args(node: torch.fx.Node) -> list[torch.fx.Node]:
     return OPS[node.target].reads(node)
 
 
+def on_device(node: torch.fx.Node, device: torch.device) -> bool:
+    """Whether a kernel on ``device`` can read ``node``'s value: on that device, or a 0-dim CPU
+    tensor (the per-step seed, a Python-side scale), which the launcher copies there."""
+    value = node.meta["val"]
+    return value.device == device or (value.device.type == "cpu" and value.dim() == 0)
+
+
 def fusable(node: torch.fx.Node, shape: tuple[int, ...], device: torch.device, stage: object = None) -> bool:
     """Whether ``node`` can be a pointwise member of a group over ``shape`` (in pipeline ``stage``)."""
     if node.op != "call_function" or node.target not in OPS:
@@ -101,7 +108,7 @@ def fusable(node: torch.fx.Node, shape: tuple[int, ...], device: torch.device, s
         return False
     for arg in _tensor_args(node):
         arg_shape = static_shape(arg)
-        if arg_shape is None or not broadcasts_to(arg_shape, shape) or arg.meta["val"].device != device:
+        if arg_shape is None or not broadcasts_to(arg_shape, shape) or not on_device(arg, device):
             return False
     try:
         return bool(OPS[node.target].check(node))

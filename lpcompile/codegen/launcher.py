@@ -33,6 +33,10 @@ from lpcompile.codegen.kernel import NAME_PLACEHOLDER, KernelSpec, code_key
 STATS: Counter[str] = Counter()
 _LOADED: dict[tuple[str, str, bool], Any] = {}  # (cache dir, code key, interpreted) -> kernel
 GPU_BLOCK = 1024
+# Elements per program of a kernel with reductions on a GPU: each program ends in atomic adds
+# (a histogram's bins, a count), so fewer, larger programs contend less. Measured on an H200
+# (benchmarks/results/codegen_cuda.md): 4096 beat 1024 and 16384 for both reduction patterns.
+GPU_REDUCTION_BLOCK = 4096
 MAX_INTERPRETED_BLOCK = 1 << 16
 INT32_MIN = -(1 << 31)
 
@@ -113,9 +117,9 @@ def load_kernel(spec: KernelSpec) -> Any:
     return _LOADED[slot]
 
 
-def _block_size(device: torch.device, numel: int) -> int:
+def _block_size(device: torch.device, numel: int, reduces: bool) -> int:
     if device.type == "cuda":
-        return GPU_BLOCK
+        return GPU_REDUCTION_BLOCK if reduces else GPU_BLOCK
     # The interpreter pays ~0.7 ms per program: few large blocks.
     block = 16
     while block < numel and block < MAX_INTERPRETED_BLOCK:
@@ -141,11 +145,16 @@ class FusedKernel:
         spec = self.spec
         if len(tensors) != len(spec.inputs):
             raise TypeError(f"{spec.name} takes {len(spec.inputs)} tensors, got {len(tensors)}")
-        device = tensors[0].device if tensors else torch.device("cpu")
+        # a CUDA kernel may read 0-dim CPU tensors (the step's seed): copied to the device here
+        device = next((t.device for t in tensors if t.device.type != "cpu"), torch.device("cpu"))
         check_device(device)
         args: list[Any] = []
         strides: list[int] = []
         for t, inp in zip(tensors, spec.inputs, strict=True):
+            if t.device != device:
+                if t.dim():
+                    raise ValueError(f"{spec.name}: {inp.name} is on {t.device}, the kernel on {device}")
+                t = t.to(device, non_blocking=True)
             if inp.kind == "contiguous":
                 if tuple(t.shape) != spec.shape:
                     raise ValueError(
@@ -162,7 +171,7 @@ class FusedKernel:
             if o.strided:
                 strides.extend(out.stride())
         numel = spec.numel
-        block = _block_size(device, numel)
+        block = _block_size(device, numel, bool(spec.reductions))
         programs = -(-numel // block)
         buffers = []
         for red in spec.reductions:
@@ -184,7 +193,15 @@ class FusedKernel:
             quiet = np.errstate(all="ignore") if device.type == "cpu" else contextlib.nullcontext()
             grid = (programs,)
             with quiet:
-                self.fn[grid](*args, *outs, *buffers, *scalars, BLOCK_SIZE=block, enable_fp_fusion=False)
+                self.fn[grid](
+                    *args,
+                    *outs,
+                    *buffers,
+                    *scalars,
+                    BLOCK_SIZE=block,
+                    num_warps=min(16, max(4, block // 512)),  # 4 (Triton's default) up to 2048
+                    enable_fp_fusion=False,
+                )
             STATS["launches"] += 1
         results = []
         for red, buf in zip(spec.reductions, buffers, strict=True):

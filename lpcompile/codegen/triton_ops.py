@@ -354,6 +354,12 @@ def _binary(op: str, bool_op: str | None = None) -> OpSpec:
     return OpSpec(render, check)
 
 
+def _render_div(w: Writer, node: torch.fx.Node) -> Value:
+    # tl.div_rn: IEEE division, as ATen's; Triton's ``/`` may compile to an approximate one on GPUs.
+    a, b = node.args[:2]
+    return w.assign(f"tl.div_rn({w.operand(a, torch.float32)}, {w.operand(b, torch.float32)})", torch.float32)
+
+
 def _div_check(node: torch.fx.Node) -> bool:
     return _arith_ok(node) and out_dtype(node) == torch.float32
 
@@ -513,7 +519,7 @@ def _render_quantize(w: Writer, node: torch.fx.Node) -> Value:
         random = "0"
     out = w.assign(f"{fn}({xf}, {random})", torch.float32)
     if scale is not None:
-        out = w.assign(f"{out.expr} / {s}", torch.float32)
+        out = w.assign(f"tl.div_rn({out.expr}, {s})", torch.float32)
     return cast(w, out, out_dtype(node))
 
 
@@ -563,7 +569,7 @@ OPS: dict[Any, OpSpec] = {
     aten.add.Tensor: _binary("+", "|"),
     aten.sub.Tensor: _binary("-"),
     aten.mul.Tensor: _binary("*", "&"),
-    aten.div.Tensor: OpSpec(_binary("/").render, _div_check),
+    aten.div.Tensor: OpSpec(_render_div, _div_check),
     aten.neg.default: OpSpec(_render_neg, lambda n: _unary_ok(n) and out_dtype(n) != torch.bool),
     aten.abs.default: OpSpec(_render_abs, _unary_ok),
     aten.relu.default: OpSpec(_render_relu, _float_only),

@@ -1,0 +1,23 @@
+"""The device the kernel tests run on: ``LOWPREC_TEST_DEVICE`` (``cpu``, the default, or ``cuda``).
+
+With ``cuda``, the tests that compile kernels (generated Triton, Inductor) run them on
+the GPU and compare with the reference ops on the CPU; with ``cpu`` generated Triton
+runs in Triton's interpreter.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+TEST_DEVICE = torch.device(os.environ.get("LOWPREC_TEST_DEVICE", "cpu"))
+
+
+def on_test_device(value):
+    """A tensor copied to :data:`TEST_DEVICE` with its shape and strides (a strided view keeps
+    its gaps) and its ``requires_grad``, as a leaf; any other value as it is."""
+    if not isinstance(value, torch.Tensor) or value.device == TEST_DEVICE:
+        return value
+    out = torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device=TEST_DEVICE)
+    return out.copy_(value.detach()).requires_grad_(value.requires_grad)
