@@ -93,7 +93,7 @@ def _tensor_args(node: torch.fx.Node) -> list[torch.fx.Node]:
 
 def on_device(node: torch.fx.Node, device: torch.device) -> bool:
     """Whether a kernel on ``device`` can read ``node``'s value: on that device, or a 0-dim CPU
-    tensor (the per-step seed, a Python-side scale), which the launcher copies there."""
+    tensor (such as the per-step seed on a GPU), which the launcher copies there."""
     value = node.meta["val"]
     return value.device == device or (value.device.type == "cpu" and value.dim() == 0)
 
