@@ -35,6 +35,7 @@ from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
+from torch.utils._pytree import tree_leaves
 
 from benchmarks.common import interleaved_times, machine, write_results
 from lpcompile.adaptive_ops import gradient_stats
@@ -81,14 +82,14 @@ def patterns(rows: int, cols: int, device: str) -> dict[str, tuple[Callable, tup
     }
 
 
+def tensors(values: object) -> list[torch.Tensor]:
+    """The tensors in a (nested) tuple of results or arguments."""
+    return [t for t in tree_leaves(values) if isinstance(t, torch.Tensor)]
+
+
 def traffic(fn: Callable, args: tuple) -> int:
     """Bytes of one fused pass: every tensor input read once, every output written once."""
-    outs = fn(*args)
-    outs = outs if isinstance(outs, tuple) else (outs,)
-    flat = [t for t in args if isinstance(t, torch.Tensor)]
-    for o in outs:
-        flat += list(o) if isinstance(o, tuple) else [o]
-    return sum(t.numel() * t.element_size() for t in flat if isinstance(t, torch.Tensor))
+    return sum(t.numel() * t.element_size() for t in tensors(args) + tensors(fn(*args)))
 
 
 def round_robin(fns: dict[str, Callable[[], object]], repeats: int, sync: Callable[[], None]) -> dict:
@@ -153,25 +154,21 @@ def interpreter_section(repeats: int) -> str:
     return "\n".join(lines)
 
 
-def flat_outputs(outs) -> list[torch.Tensor]:
-    outs = outs if isinstance(outs, tuple) else (outs,)
-    return [t for o in outs for t in (o if isinstance(o, tuple) else (o,))]
-
-
-def same_results(got, want, numel: int) -> None:
+def same_results(got: object, want: object, numel: int) -> None:
     """Elementwise outputs bit for bit; reductions (summed in another order) to 1e-5."""
-    for g, w in zip(flat_outputs(got), flat_outputs(want), strict=True):
+    for g, w in zip(tensors(got), tensors(want), strict=True):
         if g.numel() == numel:
             assert torch.equal(g, w), "an elementwise output changed with the block size"
         else:
             torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
 
 
-def gpu_section(numel: int, blocks: tuple[int, ...] = (4096, 16384)) -> str:
+def gpu_section(numel: int, blocks: tuple[int, ...] = (1024, 4096, 16384)) -> str:
     """GB/s of each generated kernel (the fused graph's call: allocation, launch, reduction
     finish), of Inductor's fusion and of a copy, timed with CUDA events (median of
     ``triton.testing.do_bench``), in turn per pattern. Kernels with reductions are timed
-    again with ``blocks`` elements per program (their results checked against the default's)."""
+    with each of ``blocks`` elements per program, their results checked against the default's.
+    The seed is a CUDA tensor here; in training it is a CPU one, copied per kernel."""
     os.environ.pop("TRITON_INTERPRET", None)
     from triton.testing import do_bench
 
@@ -191,7 +188,7 @@ def gpu_section(numel: int, blocks: tuple[int, ...] = (4096, 16384)) -> str:
         "GB/s counts each input read once and each output written once; `copy` is a same-run",
         "`x.clone()` of one input (read + write). Times: median of `triton.testing.do_bench`",
         "(CUDA events), after one warm-up call. `block`: elements per program (kernels with",
-        "reductions end each program in atomic adds).",
+        f"reductions end each program in atomic adds; * the default, {default_block}).",
         "",
         "| pattern | kernels | block | fused µs | fused GB/s | fraction of copy | Inductor GB/s "
         "| fused / Inductor |",
@@ -204,14 +201,16 @@ def gpu_section(numel: int, blocks: tuple[int, ...] = (4096, 16384)) -> str:
         t_ind = bench(partial(torch.compile(fn, backend="inductor"), *args))
         copy, ind = 2 * x.nbytes / t_copy / 1e9, nbytes / t_ind / 1e9
         reference = gm(*args)
-        sizes = (default_block, *blocks) if any(k.reductions for k in kernels) else (launcher.GPU_BLOCK,)
+        reduces = any(k.reductions for k in kernels)
         try:
-            for block in sizes:
+            for block in blocks if reduces else (launcher.GPU_BLOCK,):
                 launcher.GPU_REDUCTION_BLOCK = block
                 same_results(gm(*args), reference, rows * cols)
-                fused = nbytes / bench(partial(gm, *args)) / 1e9
+                t = bench(partial(gm, *args))
+                fused = nbytes / t / 1e9
+                star = "*" if block == (default_block if reduces else launcher.GPU_BLOCK) else ""
                 lines.append(
-                    f"| {name} | {len(kernels)} | {block} | {nbytes / fused / 1e3:.0f} | {fused:.0f} "
+                    f"| {name} | {len(kernels)} | {block}{star} | {t * 1e6:.0f} | {fused:.0f} "
                     f"| {fused / copy:.2f} | {ind:.0f} | {fused / ind:.2f} |"
                 )
         finally:
@@ -223,7 +222,7 @@ def gpu_section(numel: int, blocks: tuple[int, ...] = (4096, 16384)) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--numel", type=int, default=1 << 22)
-    parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--repeats", type=int, default=15, help="CPU rounds (the GPU uses do_bench)")
     parser.add_argument("--threads", type=int, default=1, help="intra-op threads (1: steadier when shared)")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--no-write", action="store_true", help="print only")
@@ -233,15 +232,16 @@ def main() -> None:
     load = os.getloadavg()
     if args.device == "cuda":
         body = gpu_section(args.numel)
+        body += f"\n\nRun: `python -m benchmarks.bench_codegen --numel {args.numel} --device cuda`"
     else:
         body = "\n\n".join([cpu_section(args.numel, args.repeats), interpreter_section(args.repeats)])
-        body += "\n\nGPU: `--device cuda`, in `codegen_cuda.md`."
-    body += (
-        f"\n\nLoad average before / after: {load[0]:.1f} / {os.getloadavg()[0]:.1f} (other jobs share the"
-        " machine: eager rows, many small ops, suffer most from it).\n\n"
-        f"Run: `python -m benchmarks.bench_codegen --numel {args.numel} --repeats {args.repeats}"
-        f" --threads {args.threads} --device {args.device}`"
-    )
+        body += (
+            "\n\nGPU: `--device cuda`, in `codegen_cuda.md`.\n\n"
+            f"Load average before / after: {load[0]:.1f} / {os.getloadavg()[0]:.1f} (other jobs share"
+            " the machine: eager rows, many small ops, suffer most from it).\n\n"
+            f"Run: `python -m benchmarks.bench_codegen --numel {args.numel} --repeats {args.repeats}"
+            f" --threads {args.threads}`"
+        )
     print(f"Machine: {machine()}\n\n{body}")
     if not args.no_write:
         name = "codegen" if args.device == "cpu" else "codegen_cuda"

@@ -99,13 +99,13 @@ def main() -> None:
     variants = dict(VARIANTS)
     if args.device == "cuda":
         variants["fp8-e5m2-sr triton"] = {**FP8, "codegen": "triton"}
-    sync = torch.cuda.synchronize if args.device == "cuda" else None
+    sync = torch.cuda.synchronize if args.device == "cuda" else (lambda: None)
     rows = ["| model | variant | step ms | × fp32 inductor | fp8 eager ÷ this |", "|---|---|---|---|---|"]
     checks = []
     for case, (model_fn, x, y) in CASES.items():
         torch._dynamo.reset()
         steps = {name: step_fn(model_fn, x, y, backend, args.device) for name, backend in variants.items()}
-        timed = interleaved_times(steps, args.rounds, sync=sync or (lambda: None))
+        timed = interleaved_times(steps, args.rounds, sync=sync)
         times = {name: statistics.median(ts) for name, ts in timed.items()}
         for variant, t in times.items():
             print(f"{case:<34} {variant:<22} {t * 1e3:8.2f} ms", flush=True)

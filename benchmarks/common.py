@@ -76,7 +76,14 @@ def machine() -> str:
             cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
     except (OSError, StopIteration):
         pass
-    return f"{cpu}, {os.cpu_count()} cores, torch {torch.__version__}, {torch.get_num_threads()} threads"
+    try:
+        import triton
+
+        kernels = f", triton {triton.__version__}"
+    except ImportError:
+        kernels = ""
+    threads = torch.get_num_threads()
+    return f"{cpu}, {os.cpu_count()} cores, torch {torch.__version__}{kernels}, {threads} threads"
 
 
 def write_results(name: str, title: str, body: str) -> Path:

@@ -1,4 +1,4 @@
-"""Torch names that moved between the versions lpcompile supports (``torch>=2.6``)."""
+"""Torch names that moved between the versions lpcompile runs on (torch 2.11 and later)."""
 
 try:
     from torch.fx.experimental.symbolic_shapes import optimization_hint

@@ -23,12 +23,14 @@ export PYTHONUNBUFFERED=1
     || { echo "install failed:"; tail -5 "$out/install.txt"; }
 
 echo "== kernel tests on CUDA (generated Triton compiled, Inductor) against the CPU reference"
-LOWPREC_TEST_DEVICE=cuda timeout "${TEST_LIMIT:-200}" "$py" -m pytest -q -n 8 -rf \
+workers=()  # pytest-xdist, where installed
+"$py" -c "import xdist" 2>/dev/null && workers=(-n 8)
+LOWPREC_TEST_DEVICE=cuda timeout "${TEST_LIMIT:-200}" "$py" -m pytest -q "${workers[@]}" -rf \
     tests/test_codegen_ops.py tests/test_codegen_graphs.py \
     tests/test_quantize_compile.py::test_inductor_matches_eager \
     tests/test_backend_numerics.py::test_quantized_tensors_bit_identical \
     >"$out/tests.txt" 2>&1
-echo "exit $?"; grep -E "passed|failed|FAILED|Error" "$out/tests.txt" | tail -25
+echo "exit $?"; grep -E "passed|failed|FAILED|Error|ERROR" "$out/tests.txt" | tail -25
 
 echo "== generated kernels: GB/s"
 timeout "${CODEGEN_LIMIT:-100}" "$py" -m benchmarks.bench_codegen --device cuda --numel 67108864 \

@@ -43,11 +43,12 @@ def interpreted(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def small_blocks():
-    """At most 1024 elements per program, so that kernels run several programs and a partial block."""
-    saved = launcher.MAX_INTERPRETED_BLOCK
-    launcher.MAX_INTERPRETED_BLOCK = 1024
+    """At most 1024 elements per program (interpreted, and on a GPU for kernels with
+    reductions too), so that kernels run several programs and a partial block."""
+    saved = launcher.MAX_INTERPRETED_BLOCK, launcher.GPU_REDUCTION_BLOCK
+    launcher.MAX_INTERPRETED_BLOCK = launcher.GPU_REDUCTION_BLOCK = 1024
     yield
-    launcher.MAX_INTERPRETED_BLOCK = saved
+    launcher.MAX_INTERPRETED_BLOCK, launcher.GPU_REDUCTION_BLOCK = saved
 
 
 def fuse(fn, *inputs):

@@ -8,13 +8,18 @@ runs in Triton's interpreter.
 from __future__ import annotations
 
 import os
+from typing import TypeVar
 
 import torch
 
-TEST_DEVICE = torch.device(os.environ.get("LOWPREC_TEST_DEVICE", "cpu"))
+_NAME = os.environ.get("LOWPREC_TEST_DEVICE", "cpu")
+if _NAME not in ("cpu", "cuda"):
+    raise ValueError(f"LOWPREC_TEST_DEVICE={_NAME!r}: expected cpu or cuda")
+TEST_DEVICE = torch.device(_NAME)
+T = TypeVar("T")
 
 
-def on_test_device(value):
+def on_test_device(value: T) -> T:
     """A tensor copied to :data:`TEST_DEVICE` with its shape and strides (a strided view keeps
     its gaps) and its ``requires_grad``, as a leaf; any other value as it is."""
     if not isinstance(value, torch.Tensor) or value.device == TEST_DEVICE:

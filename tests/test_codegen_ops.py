@@ -15,12 +15,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 from codegen_helpers import edge_values, fuse, interpreted, small_blocks, ulp_distance  # noqa: F401
-from devices import TEST_DEVICE
+from devices import TEST_DEVICE, on_test_device
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from lpcompile.adaptive_ops import gradient_stats
-from lpcompile.codegen import CodegenDeviceError, fuse_lowprec_kernels
+from lpcompile.codegen import CodegenDeviceError, fuse_lowprec_kernels, triton_ops
 from lpcompile.formats import parse_format
 from lpcompile.ops import quantize_reference
 from lpcompile.ops_pipeline import predict_weight
@@ -173,23 +173,60 @@ def test_predicted_weight_quantize_is_one_kernel(same_bits):
         same_bits(gm(w, v, lr), f(w, v, lr), w, mode)
 
 
-def test_division_is_correctly_rounded(same_bits):
-    """A tensor / tensor and a / scalar around a quantize: IEEE division as ATen's (a GPU's
-    fast division is off by up to 2 ulp), over numerators and denominators from
-    subnormal to huge, where an approximate division would differ."""
+def _division_inputs() -> tuple[torch.Tensor, torch.Tensor]:
+    """Numerators and denominators from subnormal to huge, where an approximate division differs."""
     gen = torch.Generator().manual_seed(4)
     a = torch.randn(61, 70, generator=gen) * torch.pow(2.0, torch.randint(-140, 120, (61, 70), generator=gen))
     d = torch.randn(61, 70, generator=gen) * torch.pow(2.0, torch.randint(-140, 127, (61, 70), generator=gen))
     d.view(-1)[:4] = torch.tensor([0.0, -0.0, float("inf"), 3.0])
+    return a, d
 
-    def f(a, d):
-        q = Q(a / d, "e5m2", "nearest", "inf", None, 0, None)
-        return a / d, q / 3.0
 
-    gm, kernels = fuse(f, a, d)
+def _divisions(a, d, s):
+    q = Q(a / d, "e5m2", "nearest", "inf", None, 0, None)
+    return a / d, q / 3.0, a / s
+
+
+def test_division_rounds_as_aten_on_the_device(same_bits):
+    """Tensor / tensor, / a Python number and / a 0-dim tensor around a quantize, against
+    ATen on the test device: IEEE division (``tl.div_rn``: a GPU's fast division is off by
+    up to 2 ulp); on CUDA ATen multiplies by a CPU scalar's reciprocal, and so must the
+    kernel (the interpreter run of that form: the next test)."""
+    a, d = _division_inputs()
+    s = torch.tensor(7.0)
+    gm, kernels = fuse(_divisions, a, d, s)
+    assert len(kernels) == 1 and "tl.div_rn(" in kernels[0].source
+    want = [t.cpu() for t in _divisions(*map(on_test_device, (a, d, s)))]
+    for got, expected in zip(gm(a, d, s), want, strict=True):
+        same_bits(got, expected, a, "division")
+
+
+def test_cpu_scalar_divisor_multiplies_by_its_reciprocal_on_cuda(monkeypatch, same_bits):
+    """On CUDA, ATen computes ``x / s`` for a CPU scalar ``s`` (a Python number, a 0-dim CPU
+    tensor) as ``x * (1 / s)``, the reciprocal rounded to FP32 on the host. The kernel source
+    for fake CUDA tensors takes that form; the same form, made for the CPU here, runs in
+    the interpreter and must equal that product bit for bit."""
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    with mode:
+        cuda = torch.empty(61, 70, device="cuda")
+        gm = make_fx(_divisions)(cuda, cuda, mode.from_tensor(torch.tensor(7.0)))
+    ctx = SimpleNamespace(kernels=[])
+    fuse_lowprec_kernels(gm, ctx)
+    source = ctx.kernels[0].source
+    assert "0.3333333432674408" in source and "tl.div_rn(1.0," in source  # float32(1 / 3), 1 / s
+    assert source.count("tl.div_rn(") == 3  # the two a / d nodes stay divisions; 1 / s
+
+    monkeypatch.setattr(triton_ops, "reciprocal_divisor", lambda device: True)
+    a, d = _division_inputs()
+    s = torch.tensor(7.0)
+    gm, kernels = fuse(_divisions, a, d, s)
     assert len(kernels) == 1
-    for got, want in zip(gm(a, d), f(a, d), strict=True):
-        same_bits(got, want, a, "division")
+    got = gm(a, d, s)
+    same_bits(got[0], a / d, a, "tensor divisor")
+    third = torch.tensor(1.0) / torch.tensor(3.0)
+    same_bits(got[1], Q(a / d, "e5m2", "nearest", "inf", None, 0, None) * third, a, "Python number divisor")
+    same_bits(got[2], a * (torch.tensor(1.0) / s), a, "0-dim tensor divisor")
+    assert not torch.equal(got[2], a / s)  # the two forms differ by an ulp here and there
 
 
 def test_gelu_group_within_ulp_bound(same_bits):
@@ -298,6 +335,8 @@ def test_a_cpu_seed_joins_a_cuda_kernel(same_bits):
     ctx = SimpleNamespace(kernels=[])
     fuse_lowprec_kernels(gm, ctx)
     assert [k.inputs for k in ctx.kernels] == [["x_1", "seed_1"]]
+    with pytest.raises(ValueError, match="compiled for cuda tensors"):
+        gm(torch.randn(50, 30), SEED)  # the kernel made for CUDA, called with CPU tensors
     if TEST_DEVICE.type == "cuda":
         x = torch.randn(50, 30) * 1e-3
         same_bits(gm(x.cuda(), SEED).cpu(), f(x, SEED), x, "CPU seed, CUDA kernel")

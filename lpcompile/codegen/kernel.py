@@ -110,6 +110,7 @@ class KernelSpec:
     nodes: list[str]  # the FX nodes it fuses
     exact: bool  # False when a transcendental op makes it agree to a few ulp only
     coords: bool  # whether strided loads/stores need row-major coordinates
+    device: torch.device  # where the group's values live (0-dim CPU inputs are copied there)
     views: list[str] = field(default_factory=list)
 
     @property
@@ -314,6 +315,7 @@ def generate_kernel(
         nodes=[n.name for n in group.nodes] + [r.node.name for r in group.reductions],
         exact=exact,
         coords=w.coords,
+        device=group.nodes[0].meta["val"].device,
         views=[v.name for v in views],
     )
 

@@ -145,14 +145,16 @@ class FusedKernel:
         spec = self.spec
         if len(tensors) != len(spec.inputs):
             raise TypeError(f"{spec.name} takes {len(spec.inputs)} tensors, got {len(tensors)}")
-        # a CUDA kernel may read 0-dim CPU tensors (the step's seed): copied to the device here
         device = next((t.device for t in tensors if t.device.type != "cpu"), torch.device("cpu"))
+        if device.type != spec.device.type:
+            raise ValueError(f"{spec.name} was compiled for {spec.device.type} tensors, got {device} ones")
         check_device(device)
         args: list[Any] = []
         strides: list[int] = []
         for t, inp in zip(tensors, spec.inputs, strict=True):
             if t.device != device:
-                if t.dim():
+                # a GPU kernel may read 0-dim CPU tensors (the step's seed): copied to the device
+                if t.device.type != "cpu" or t.dim():
                     raise ValueError(f"{spec.name}: {inp.name} is on {t.device}, the kernel on {device}")
                 t = t.to(device, non_blocking=True)
             if inp.kind == "contiguous":

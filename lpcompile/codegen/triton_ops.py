@@ -354,10 +354,34 @@ def _binary(op: str, bool_op: str | None = None) -> OpSpec:
     return OpSpec(render, check)
 
 
+def reciprocal_divisor(device: torch.device) -> bool:
+    """Whether ATen on ``device`` divides by a CPU scalar as a multiply by its FP32 reciprocal
+    (its CUDA kernel does; its CPU kernel divides)."""
+    return device.type == "cuda"
+
+
+def _cpu_scalar(a: Any) -> bool:
+    if not isinstance(a, torch.fx.Node):
+        return True  # a Python number: ATen wraps it as a CPU scalar
+    return a.meta["val"].device.type == "cpu" and a.meta["val"].dim() == 0
+
+
+def divide(w: Writer, num: str, den: Any, device: torch.device) -> Value:
+    """``num / den`` in FP32 as ATen computes it on ``device``: IEEE division (``tl.div_rn``;
+    Triton's ``/`` may compile to an approximate one on GPUs), or, for a CPU-scalar divisor
+    where :func:`reciprocal_divisor`, ``num`` times the divisor's FP32 reciprocal."""
+    if reciprocal_divisor(device) and _cpu_scalar(den):
+        if isinstance(den, torch.fx.Node):
+            inv = f"tl.div_rn(1.0, {w.operand(den, torch.float32)})"
+        else:  # a Python number: its reciprocal as ATen computes it on the host, in FP32
+            inv = f32_literal(float(torch.tensor(1.0) / torch.tensor(float(den), dtype=torch.float32)))
+        return w.assign(f"{num} * {inv}", torch.float32)
+    return w.assign(f"tl.div_rn({num}, {w.operand(den, torch.float32)})", torch.float32)
+
+
 def _render_div(w: Writer, node: torch.fx.Node) -> Value:
-    # tl.div_rn: IEEE division, as ATen's; Triton's ``/`` may compile to an approximate one on GPUs.
     a, b = node.args[:2]
-    return w.assign(f"tl.div_rn({w.operand(a, torch.float32)}, {w.operand(b, torch.float32)})", torch.float32)
+    return divide(w, w.operand(a, torch.float32), b, node.meta["val"].device)
 
 
 def _div_check(node: torch.fx.Node) -> bool:
@@ -519,7 +543,7 @@ def _render_quantize(w: Writer, node: torch.fx.Node) -> Value:
         random = "0"
     out = w.assign(f"{fn}({xf}, {random})", torch.float32)
     if scale is not None:
-        out = w.assign(f"tl.div_rn({out.expr}, {s})", torch.float32)
+        out = divide(w, out.expr, scale, node.meta["val"].device)
     return cast(w, out, out_dtype(node))
 
 
