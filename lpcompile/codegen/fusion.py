@@ -27,7 +27,7 @@ import torch
 import torch.fx
 from torch.fx.experimental.symbolic_shapes import is_concrete_int
 
-from lpcompile.codegen.triton_ops import OPS
+from lpcompile.codegen.triton_ops import OPS, cpu_scalar
 
 aten = torch.ops.aten
 WORK_TARGETS = {torch.ops.lowprec.quantize.default, torch.ops.lowprec.predict_weight.default}
@@ -94,8 +94,7 @@ def _tensor_args(node: torch.fx.Node) -> list[torch.fx.Node]:
 def on_device(node: torch.fx.Node, device: torch.device) -> bool:
     """Whether a kernel on ``device`` can read ``node``'s value: on that device, or a 0-dim CPU
     tensor (such as the per-step seed on a GPU), which the launcher copies there."""
-    value = node.meta["val"]
-    return value.device == device or (value.device.type == "cpu" and value.dim() == 0)
+    return node.meta["val"].device == device or cpu_scalar(node)
 
 
 def fusable(node: torch.fx.Node, shape: tuple[int, ...], device: torch.device, stage: object = None) -> bool:

@@ -360,9 +360,10 @@ def reciprocal_divisor(device: torch.device) -> bool:
     return device.type == "cuda"
 
 
-def _cpu_scalar(a: Any) -> bool:
+def cpu_scalar(a: Any) -> bool:
+    """Whether ``a`` (an FX node or a Python number, which ATen wraps) is a 0-dim CPU tensor."""
     if not isinstance(a, torch.fx.Node):
-        return True  # a Python number: ATen wraps it as a CPU scalar
+        return True
     return a.meta["val"].device.type == "cpu" and a.meta["val"].dim() == 0
 
 
@@ -370,7 +371,7 @@ def divide(w: Writer, num: str, den: Any, device: torch.device) -> Value:
     """``num / den`` in FP32 as ATen computes it on ``device``: IEEE division (``tl.div_rn``;
     Triton's ``/`` may compile to an approximate one on GPUs), or, for a CPU-scalar divisor
     where :func:`reciprocal_divisor`, ``num`` times the divisor's FP32 reciprocal."""
-    if reciprocal_divisor(device) and _cpu_scalar(den):
+    if reciprocal_divisor(device) and cpu_scalar(den):
         if isinstance(den, torch.fx.Node):
             inv = f"tl.div_rn(1.0, {w.operand(den, torch.float32)})"
         else:  # a Python number: its reciprocal as ATen computes it on the host, in FP32
