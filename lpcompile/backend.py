@@ -39,6 +39,7 @@ from lpcompile.passes.conv import use_im2col_convs
 from lpcompile.passes.histogram import count_histograms_serially
 from lpcompile.passes.layout import (
     prefers_contiguous_layout,
+    realize_transposed_copies,
     remove_permute_pairs,
     use_channels_last_conv_backward,
 )
@@ -65,6 +66,8 @@ ATEN_PASSES = (annotate_lowprec_nodes,)
 JOINT_PASSES = (use_bf16_matmuls, remove_grid_marks, recompute_bool_masks)
 INFERENCE_PASSES = (use_bf16_matmuls, remove_grid_marks)
 INDUCTOR_PASSES = (remove_permute_pairs, use_channels_last_conv_backward, count_histograms_serially)
+# Only over backward graphs (passes/layout.py says why not the forward's).
+BACKWARD_PASSES = (realize_transposed_copies,)
 # codegen="triton": after the passes, each fusion group becomes one generated Triton kernel.
 CODEGEN_PASSES = (fuse_lowprec_kernels,)
 
@@ -262,7 +265,10 @@ def _inductor_compiler(inner: Callable, ctx: CompileContext, tag: str) -> Callab
 
     def inner_compile(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *args: Any, **kwargs: Any):
         kind = dump.inductor_graph_kind(kwargs)
-        passes = (*INFERENCE_PASSES, *INDUCTOR_PASSES) if kind == "inference" else INDUCTOR_PASSES
+        passes = {
+            "inference": (*INFERENCE_PASSES, *INDUCTOR_PASSES),
+            "backward": (*INDUCTOR_PASSES, *BACKWARD_PASSES),
+        }.get(kind, INDUCTOR_PASSES)
         run_passes(gm, passes, ctx, graph=kind + tag)
         return inner(gm, example_inputs, *args, **kwargs)
 

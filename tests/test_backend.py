@@ -658,6 +658,40 @@ def test_remove_permute_pairs(first, second, removed):
         assert torch.equal(got, want) and got.stride() == want.stride()
 
 
+@pytest.mark.parametrize("device", ["cpu", "meta"])
+def test_realize_transposed_copies_stores_cpu_transposes_once(device):
+    """A CPU copy that transposes (``clone`` of a ``permute`` with new strides) is read
+    through ``lowprec::realize`` by all its readers; copies that keep their strides or
+    copy no permute, and any copy off the CPU, are left to Inductor."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from lpcompile.passes.layout import realize_transposed_copies
+
+    aten = torch.ops.aten
+
+    def fn(x, y):
+        moved = aten.clone.default(aten.permute.default(x, [0, 2, 1]), memory_format=torch.contiguous_format)
+        kept = aten.clone.default(aten.permute.default(y, [1, 0]))  # preserves the permuted strides
+        every_other = aten.slice.Tensor(x, 2, 0, 4, 2)
+        packed = aten.clone.default(every_other, memory_format=torch.contiguous_format)  # no transpose
+        return moved * 2, moved.sum(0), kept + 1, packed
+
+    x, y = torch.randn(2, 3, 4, device=device), torch.randn(3, 5, device=device)
+    gm = make_fx(fn)(x, y)
+    realize_transposed_copies(gm, None)
+    gm.recompile()
+    realized = gm.graph.find_nodes(op="call_function", target=torch.ops.lowprec.realize.default)
+    if device == "meta":
+        assert not realized
+        return
+    (stored,) = realized
+    copy = stored.args[0]
+    assert copy.target is aten.clone.default and copy.args[0].target is aten.permute.default
+    assert list(copy.users) == [stored] and len(stored.users) == 2  # both readers of `moved`
+    for got, want in zip(gm(x, y), fn(x, y), strict=True):
+        assert torch.equal(got, want) and got.stride() == want.stride()
+
+
 def test_a_mask_of_an_input_mutated_in_place_is_saved_not_recomputed(monkeypatch):
     """Recomputed in the backward, ``buf > 0`` read ``buf`` after ``buf.sub_``: the
     gradient was zero where eager gives one."""
@@ -715,6 +749,7 @@ def test_inductor_gets_the_saved_weight_without_the_transpose_pair(monkeypatch):
         ("use_channels_last_conv_backward", "backward"): 0,
         ("count_histograms_serially", "forward"): 0,  # no adaptive scaling, no histograms
         ("count_histograms_serially", "backward"): 0,
+        ("realize_transposed_copies", "backward"): 0,  # adds, removes nothing
     }
     forward = received["forward"]
     permutes = forward.graph.find_nodes(op="call_function", target=torch.ops.aten.permute.default)

@@ -156,11 +156,20 @@ def assert_close_steps(got, want) -> None:
 
 def test_rewritten_step_matches_atens_convolution_in_the_graphs_inductor_gets(monkeypatch):
     """The same quantized step with the small convolutions as im2col + mm and as ATen's:
-    FP32 sums in another order, and input gradients through the im2col's backward."""
-    inductor_runs_fx(monkeypatch)
+    FP32 sums in another order, and input gradients through the im2col's backward.
+    The backward graph recomputes the NCHW copies of the matmuls' channels-last
+    outputs; ``realize_transposed_copies`` has them stored once (not the forward's)."""
+    received = inductor_runs_fx(monkeypatch)
     records = Records()
     got = compiled_step({}, digits_like())
     assert rewritten(records) == 3
+
+    def stored_transposes(kind: str) -> int:
+        graph = received[kind].graph
+        realized = graph.find_nodes(op="call_function", target=torch.ops.lowprec.realize.default)
+        return sum(node.args[0].target is torch.ops.aten.clone.default for node in realized)
+
+    assert stored_transposes("forward") == 0 and stored_transposes("backward") >= 1
     assert_close_steps(got, compiled_step({"conv": "aten"}, digits_like()))
 
 

@@ -32,6 +32,21 @@ writes from the kernels that produce them (the digits CNN's FP8 training step to
 1.03-1.06x the time without it, in eight one-process A/B rounds as above). The gradients the
 graph returns keep the layout they were traced with: only the clones' and the
 backward's own metadata change, and Inductor lays graph outputs out by theirs.
+
+Inductor inlines a pointwise copy into every loop that reads it. For a copy that
+transposes (a ``clone`` of a ``permute``) that is a strided read in each of those
+loops, and a loop that also reads other tensors in the copy's layout may then be
+vectorised badly. A small convolution written as a matmul (``passes/conv.py``)
+returns the NCHW copy of its channels-last product; the backward graph recomputes
+that copy from the saved product, and GroupNorm's backward reads it in three loops
+next to the NCHW error. Inductor 2.13 vectorised the last of them across the 4
+groups, gathering scalars into vectors: the digits CNN's second GroupNorm backward
+took ~0.2 ms of a 1.6 ms FP8 step, most of it in that loop (``perf``), for 32 K
+elements. ``realize_transposed_copies`` stores such copies once (``lowprec::realize``),
+written by a tiled transpose, in the CPU backward graphs: the digits CNN's FP8 step
+then took 0.87-0.90x the time (four one-process A/B pairs, each variant compiled
+with its own seed). Forward graphs keep Inductor's choice: realizing the forward's
+copies as well gave 1.0-1.05x (two pairs).
 """
 
 from __future__ import annotations
@@ -47,6 +62,7 @@ from lpcompile.passes.quantize import CONV_TARGETS
 PERMUTE = torch.ops.aten.permute.default
 CONV_BACKWARD = torch.ops.aten.convolution_backward.default
 CLONE = torch.ops.aten.clone.default
+REALIZE = torch.ops.lowprec.realize.default
 SMALL_CONV_PIXELS = 16 * 16
 SPATIAL_DIMS = {target: int(target.__name__[-2]) for target in CONV_TARGETS}  # conv2d -> 2
 
@@ -110,3 +126,23 @@ def use_channels_last_conv_backward(gm: torch.fx.GraphModule, ctx: CompileContex
                 node.update_arg(index, copy)
             args = [a.meta["val"] if isinstance(a, torch.fx.Node) else a for a in node.args]
             node.meta["val"] = CONV_BACKWARD(*args)  # the gradients' strides follow the input's
+
+
+def realize_transposed_copies(gm: torch.fx.GraphModule, ctx: CompileContext) -> None:
+    """Store each CPU copy of a permuted view that changes its strides once, rather
+    than have Inductor inline it into every loop that reads it (backward graphs)."""
+    for node in list(gm.graph.find_nodes(op="call_function", target=CLONE)):
+        source = node.args[0]
+        if not (isinstance(source, torch.fx.Node) and source.target is PERMUTE):
+            continue
+        before, after = source.meta.get("val"), node.meta.get("val")
+        if not (isinstance(before, torch.Tensor) and isinstance(after, torch.Tensor)):
+            continue
+        if after.device.type != "cpu" or before.stride() == after.stride():
+            continue
+        readers = list(node.users)
+        with gm.graph.inserting_after(node):
+            stored = gm.graph.call_function(REALIZE, (node,))
+        stored.meta = dict(node.meta)
+        for reader in readers:
+            reader.replace_input_with(node, stored)
