@@ -44,9 +44,10 @@ groups, gathering scalars into vectors: the digits CNN's second GroupNorm backwa
 took ~0.2 ms of a 1.6 ms FP8 step, most of it in that loop (``perf``), for 32 K
 elements. ``realize_transposed_copies`` stores such copies once (``lowprec::realize``),
 written by a tiled transpose, in the CPU backward graphs: the digits CNN's FP8 step
-then took 0.87-0.90x the time (four one-process A/B pairs, each variant compiled
-with its own seed). Forward graphs keep Inductor's choice: realizing the forward's
-copies as well gave 1.0-1.05x (two pairs).
+then took 0.87-0.96x the time, 0.73x under round-to-nearest (one-process A/B
+pairs, each variant compiled with its own seed); the MLP and the 32x32 CNN (no such
+copies) 1.00x, a small self-attention block (two copies stored) 0.97x. Forward graphs
+keep Inductor's choice: realizing the forward's copies as well gave 1.0-1.05x.
 """
 
 from __future__ import annotations
