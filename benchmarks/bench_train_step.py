@@ -73,7 +73,7 @@ CASES = {
 def sgd_step(model: torch.nn.Module, run, x: torch.Tensor, y: torch.Tensor, fused: bool = False):
     """One training step: ``run(x)`` (the model, compiled or not), cross-entropy, SGD with
     momentum (torch's fused kernel with ``fused``, else its default: a loop on CPU)."""
-    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9, fused=fused or None)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9, fused=fused)
 
     def step():
         opt.zero_grad(set_to_none=True)
@@ -110,9 +110,9 @@ def main() -> None:
     sync = torch.cuda.synchronize if args.device == "cuda" else (lambda: None)
     rows = ["| model | variant | step ms | × fp32 inductor | fp8 eager ÷ this |", "|---|---|---|---|---|"]
     checks = []
+    fused = args.optimizer == "fused"
     for case, (model_fn, x, y) in CASES.items():
         torch._dynamo.reset()
-        fused = args.optimizer == "fused"
         steps = {name: step_fn(model_fn, x, y, opts, args.device, fused) for name, opts in variants.items()}
         timed = interleaved_times(steps, args.rounds, sync=sync)
         times = {name: statistics.median(ts) for name, ts in timed.items()}
@@ -133,7 +133,7 @@ def main() -> None:
         malloc += " (eager times depend on allocation history; see the script's docstring)"
     if args.device == "cuda":
         malloc = f"Device: {torch.cuda.get_device_name()} (steps synchronized); host {malloc}"
-    sgd = "torch's fused SGD" if args.optimizer == "fused" else "torch's default SGD (a loop over parameters)"
+    sgd = "torch's fused SGD" if fused else "torch's default SGD (a loop over parameters)"
     body = f"{malloc}\n\nOptimizer: {sgd}, momentum 0.9, the same for every variant\n\n" + "\n".join(rows)
     body += (
         f"\n\nMedian step of each variant over {args.rounds} rounds; a round runs 10 steps of"
