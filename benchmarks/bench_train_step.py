@@ -230,6 +230,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.runs < 1 or args.rounds < 1 or args.gap < 0:
         parser.error("--runs and --rounds must be at least 1, --gap not negative")
+    if args.json and args.runs > 1:
+        parser.error("--json writes one run's medians: it takes no --runs")
     if args.runs == 1:
         use_malloc(args.malloc, "benchmarks.bench_train_step")
         variants = dict(VARIANTS)
@@ -255,10 +257,9 @@ def main() -> None:
         name += "_sgd_loop"
     if args.device == "cuda":
         name += "_cuda"
-    if args.runs > 1:
-        name += "_runs"
     flags = f"--malloc {args.malloc} --optimizer {args.optimizer}"
     if args.runs > 1:
+        name += "_runs"
         flags += f" --runs {args.runs} --gap {args.gap:g}"
     write_results(name, f"Training-step time (bench_train_step.py {flags})", body)
 
