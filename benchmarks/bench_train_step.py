@@ -26,7 +26,8 @@ This machine's speed drifts between phases, and a slow phase costs the compiled
 steps more than the eager reference, so one run's ratios depend on when it ran.
 ``--runs N`` repeats the whole measurement N times, each in a fresh process,
 ``--gap`` seconds apart, and writes every run's figures and how many met the
-targets to ``train_step_runs.md``.
+targets to the results file's name plus ``_runs`` (``train_step_runs.md`` with the
+other options at their defaults).
 
 ``--device cuda`` times the same steps on a GPU (synchronized around each step),
 adds "fp8-e5m2-sr triton" (``codegen="triton"``: the generated kernels) and writes
