@@ -8,7 +8,7 @@
 setup: .venv/.installed
 
 demo: .venv/.installed
-	.venv/bin/lowprec demo
+	.venv/bin/python -m examples.demo
 
 test: .venv/.installed
 	.venv/bin/python -m pytest -q

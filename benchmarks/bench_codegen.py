@@ -38,8 +38,8 @@ import torch.nn.functional as F
 from torch.utils._pytree import tree_leaves
 
 from benchmarks.common import interleaved_times, machine, write_results
-from lpcompile.adaptive_ops import gradient_stats
-from lpcompile.ops_pipeline import predict_weight
+from lpcompile.numerics.predict import predict_weight
+from lpcompile.numerics.scale_grad import gradient_stats
 
 Q = torch.ops.lowprec.quantize
 QG = torch.ops.lowprec.quantize_grad

@@ -28,7 +28,7 @@ VARIANTS = {
 CHILD = """
 import json, sys, time, torch
 from benchmarks.bench_train_step import step_fn
-from lpcompile.models import DigitsCNN
+from examples.models import DigitsCNN
 x, y = torch.rand(64, 1, 8, 8), torch.randint(0, 10, (64,))
 step = step_fn(DigitsCNN, x, y, json.loads(sys.argv[1]))
 start = time.perf_counter()

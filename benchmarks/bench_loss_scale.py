@@ -26,9 +26,9 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.common import MALLOC_NOTES, interleaved_times, use_malloc, write_results
-from lpcompile.experiments import DECAYING_ERRORS, SEEDS, by_variant, compare_loss_scaling, format_runs
-from lpcompile.models import MLP
-from lpcompile.scaling import LossScaler
+from examples.experiments import DECAYING_ERRORS, SEEDS, by_variant, compare_loss_scaling, format_runs
+from examples.models import MLP
+from lpcompile.runtime.scaler import LossScaler
 
 
 def make_step(options: dict, scaler_mode: str, warmup: int = 5):

@@ -22,7 +22,7 @@ import statistics
 
 from benchmarks.bench_train_step import CASES, step_fn
 from benchmarks.common import interleaved_times, write_results
-from lpcompile.backend import COMPILED_GRAPHS
+from lpcompile.backend import REGISTRY
 
 MODELS = dict(zip(("mlp", "cnn", "cnn32"), CASES, strict=True))
 BLOCK = 10
@@ -44,10 +44,10 @@ def compiled_steps(case: str, base: dict, variants: dict[str, dict]) -> dict:
     model_fn, x, y = CASES[case]
     steps = {}
     for i, (name, overrides) in enumerate(variants.items()):
-        before = len(COMPILED_GRAPHS)
+        before = REGISTRY.graph_count
         steps[name] = step_fn(model_fn, x, y, {**base, "seed": 1000 + i, **overrides})
         steps[name]()
-        if len(COMPILED_GRAPHS) == before:
+        if REGISTRY.graph_count == before:
             raise RuntimeError(f"variant {name!r} did not compile: it would time another variant's graph")
     return steps
 

@@ -21,9 +21,9 @@ import statistics
 import torch
 
 from benchmarks.common import RESULTS, write_results
-from lpcompile.data import load_digits
-from lpcompile.pipeline import scale_hyperparameters
-from lpcompile.pipeline.digits import VARIANTS, DigitsRun, run_digits
+from examples.data import load_digits
+from examples.pipeline_digits import VARIANTS, DigitsRun, run_digits
+from lpcompile.runtime.pipeline import scale_hyperparameters
 
 # recipe name -> (lr, momentum, batch size) of the batch-B recipe scaled to batch 1
 RECIPES = {"batch-32 recipe": (0.016, 0.9, 32), "batch-10 recipe": (0.01, 0.9, 10)}

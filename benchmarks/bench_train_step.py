@@ -50,7 +50,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from benchmarks.common import MALLOC_NOTES, interleaved_times, use_malloc, write_results
-from lpcompile.models import MLP, DigitsCNN
+from examples.models import MLP, DigitsCNN
 
 FP8 = {"recipe": "fp8-e5m2-sr"}
 VARIANTS = {

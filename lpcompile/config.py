@@ -1,17 +1,25 @@
-"""Configuration: frozen dataclasses, named recipes and ``options`` parsing."""
+"""Configuration: frozen dataclasses, named recipes and ``options`` parsing.
+
+The leaf every other part reads its vocabulary from: option names, recipes and the
+enumerations (``ROUNDINGS``, ``OVERFLOWS``, ``PREDICTIONS``, ``STATS``, ``RULES`` are
+defined beside the numerics that implement them and re-exported here).
+"""
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 
-from lpcompile.adaptive import AdaptiveScaleConfig
-from lpcompile.formats import parse_format
-from lpcompile.ops import OVERFLOWS, ROUNDINGS
-from lpcompile.ops_pipeline import PREDICTIONS
+from lpcompile.numerics.checks import is_real
+from lpcompile.numerics.formats import FloatFormat, parse_format
+from lpcompile.numerics.predict import PREDICTIONS
+from lpcompile.numerics.quantize import OVERFLOWS, ROUNDINGS
+from lpcompile.numerics.scale_grad import STATS  # noqa: F401  (re-exported)
+from lpcompile.numerics.scale_rules import RULES, ScaleBounds
 
 
 class Role(str, Enum):
@@ -39,6 +47,45 @@ ADAPTIVE_KEYS = {
     "loss_scale_max_cumulative": "max_cumulative",
     "loss_scale_init": "init",
 }
+
+
+@dataclass(frozen=True)
+class AdaptiveScaleConfig:
+    """Settings of adaptive loss scaling (``options`` keys ``loss_scale_*``).
+
+    ``rule="fixed"`` never changes the scales (all ``init``): telemetry only,
+    e.g. to measure a fixed loss scale's underflow per layer.
+    """
+
+    rule: str = "quantile"
+    interval: int = 100
+    underflow: float = 1e-3
+    max_scale: float | None = None
+    max_cumulative: float | None = None
+    init: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.rule not in RULES:
+            raise ValueError(f"loss_scale_rule must be one of {RULES}, got {self.rule!r}")
+        if isinstance(self.interval, bool) or not isinstance(self.interval, int) or self.interval < 1:
+            raise ValueError(f"loss_scale_interval must be a positive int, got {self.interval!r}")
+        if not (is_real(self.underflow) and 0 < self.underflow < 1):
+            raise ValueError(f"loss_scale_underflow must be in (0, 1), got {self.underflow!r}")
+        # Powers of two keep the scaling and unscaling exact, and the histogram's bins whole.
+        limits = {"init": self.init, "max": self.max_scale, "max_cumulative": self.max_cumulative}
+        for key, value in limits.items():
+            if (value is not None or key == "init") and not _power_of_two_at_least_one(value):
+                raise ValueError(f"loss_scale_{key} must be a power of two ≥ 1, got {value!r}")
+
+    def bounds(self, fmt: FloatFormat) -> ScaleBounds:
+        default = ScaleBounds.for_format(fmt)
+        return ScaleBounds(self.max_scale or default.max_scale, self.max_cumulative or default.max_cumulative)
+
+
+def _power_of_two_at_least_one(value: Any) -> bool:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        return False
+    return value >= 1 and math.frexp(value)[0] == 0.5
 
 
 @dataclass(frozen=True)
@@ -110,7 +157,7 @@ class PipelineConfig:
     (S stages balanced by a cost model) or ``"layer"`` (one stage per
     matmul/conv). ``prediction``: ``"none"``, ``"lwp_v"`` or ``"lwp_w"``:
     each parameter read at stage s goes through ``lowprec::predict_weight``
-    with that stage's delay. See ``lpcompile.pipeline``.
+    with that stage's delay. See ``lpcompile.runtime.pipeline``.
     """
 
     stages: int | str | None = None
@@ -160,7 +207,7 @@ class LowPrecConfig:
     ``executor="inductor"`` and ``codegen="inductor"``). ``conv="auto"`` lets
     Inductor compiles for the CPU run small quantized 2-D convolutions (an im2col
     matrix of at most 2^18 elements) as that matrix, which Inductor writes, and a
-    matmul (``lpcompile.passes.conv``); ``"aten"`` keeps ATen's convolution
+    matmul (``lpcompile.passes.dynamo.conv``); ``"aten"`` keeps ATen's convolution
     everywhere.
     """
 

@@ -21,7 +21,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.utils._pytree import tree_map
 
 from lpcompile.codegen import fuse_lowprec_kernels, launcher
-from lpcompile.formats import FloatFormat
+from lpcompile.numerics.formats import FloatFormat
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lpcompile.backend import COMPILED_GRAPHS, CompiledGraph
+from lpcompile.backend import REGISTRY, CompiledGraph
 
 Q = torch.ops.lowprec.quantize
 QG = torch.ops.lowprec.quantize_grad
@@ -159,7 +159,7 @@ def lowprec_nodes(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
 
 def capture_dynamo_graphs(monkeypatch) -> list[torch.fx.GraphModule]:
     """Collect the rewritten Dynamo graphs the backend hands to its executor."""
-    import lpcompile.backend as backend
+    import lpcompile.backend.compile as backend
 
     graphs: list[torch.fx.GraphModule] = []
     execute = backend._execute
@@ -176,11 +176,11 @@ class Records:
     """The ``CompiledGraph`` records made since this object was created."""
 
     def __init__(self) -> None:
-        self.start = len(COMPILED_GRAPHS)
+        self.start = REGISTRY.graph_count
 
     @property
     def new(self) -> list[CompiledGraph]:
-        return COMPILED_GRAPHS[self.start :]
+        return REGISTRY.records_since(self.start)
 
     def only(self) -> CompiledGraph:
         assert len(self.new) == 1, f"expected one compiled graph, got {len(self.new)}"
@@ -188,13 +188,11 @@ class Records:
 
 
 def stand_in_for_inductor(monkeypatch, inner: Callable) -> None:
-    """Make ``inner`` the ``inner_compile`` the backend hands Inductor's ``compile_fx``
-    (it gets each AOT graph after lowprec's passes, under Inductor's patched config)."""
-    import contextlib
+    """Make ``inner`` Inductor's ``compile_fx_inner``, which the backend's ``inner_compile``
+    calls (it gets each AOT graph after lowprec's passes, under Inductor's patched config)."""
+    import torch._inductor.compile_fx
 
-    from lpcompile import dump
-
-    monkeypatch.setattr(dump, "capture_inductor", lambda record, tag: contextlib.nullcontext(inner))
+    monkeypatch.setattr(torch._inductor.compile_fx, "compile_fx_inner", inner)
 
 
 def inductor_runs_fx(monkeypatch) -> dict:
@@ -206,12 +204,12 @@ def inductor_runs_fx(monkeypatch) -> dict:
     """
     from functorch.compile import make_boxed_func
 
-    from lpcompile import dump
+    from lpcompile.backend.compile import inductor_graph_kind
 
     received = {}
 
     def inner(gm, example_inputs, *args, **kwargs):
-        received[dump.inductor_graph_kind(kwargs)] = gm
+        received[inductor_graph_kind(kwargs)] = gm
         return make_boxed_func(gm)
 
     stand_in_for_inductor(monkeypatch, inner)

@@ -3,7 +3,7 @@
 Three layers, as in Inductor and tinygrad (docs/codegen.md):
 
 * :mod:`~lpcompile.codegen.triton_ops`: the table op -> Triton expression, the
-  bitwise rounding and the counter RNG rendered from ``lpcompile.rng``;
+  bitwise rounding and the counter RNG rendered from ``lpcompile.numerics.rng``;
 * :mod:`~lpcompile.codegen.fusion` and :mod:`~lpcompile.codegen.kernel`: fusion
   groups, and one tutorial-style kernel per group;
 * :mod:`~lpcompile.codegen.launcher`: the on-disk cache, ``triton.jit``, the

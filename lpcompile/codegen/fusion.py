@@ -28,6 +28,7 @@ import torch.fx
 from torch.fx.experimental.symbolic_shapes import is_concrete_int
 
 from lpcompile.codegen.triton_ops import OPS, cpu_scalar
+from lpcompile.passes.graph import INDEX_CASTS, RESHAPES
 
 aten = torch.ops.aten
 WORK_TARGETS = {torch.ops.lowprec.quantize.default, torch.ops.lowprec.predict_weight.default}
@@ -37,8 +38,6 @@ SEED_TARGETS = {
     torch.ops.lowprec.scale_grad.default,
     torch.ops.lowprec.predict_weight.default,
 }
-RESHAPES = {aten.view.default, aten.reshape.default, aten._unsafe_view.default}
-INDEX_CASTS = {aten._to_copy.default, torch.ops.prims.convert_element_type.default}
 MAX_BINS = 4096
 
 

@@ -5,7 +5,7 @@ Triton tutorials: ``_ptr`` suffixes, ``BLOCK_SIZE: tl.constexpr``, the
 pid / offsets / mask idiom, and a header comment naming the FX nodes it fuses.
 Each program handles ``BLOCK_SIZE`` consecutive elements of the group's
 iteration shape in row-major order (the element index is also the counter of
-the stochastic-rounding RNG, as in ``lpcompile.rng``). Inputs are read once,
+the stochastic-rounding RNG, as in ``lpcompile.numerics.rng``). Inputs are read once,
 outputs written once; reductions are finished per program:
 
 * integer sums (counts) and histograms: atomic adds, exact;

@@ -14,9 +14,9 @@ Numerics follow the eager ATen ops bit for bit:
 * all rounding to a narrower float format, the ``lowprec::quantize`` grid
   and the FP32 -> FP16/BF16 casts alike, is done with integer operations on
   the FP32 bit pattern (:func:`quantize_helper`, the Triton twin of
-  ``lpcompile.ops.round_bits``): the Triton interpreter's own FP8/BF16 casts do
+  ``lpcompile.numerics.quantize.round_bits``): the Triton interpreter's own FP8/BF16 casts do
   not round as torch's do;
-* the counter RNG is rendered from ``lpcompile.rng.MIX_STEPS`` in uint32
+* the counter RNG is rendered from ``lpcompile.numerics.rng.MIX_STEPS`` in uint32
   arithmetic (:func:`rng_helpers`), the same bits as the int32 torch version;
 * transcendental ops (``gelu``) are marked: they agree with torch to a few
   ulp, not bit for bit (tests state the bound).
@@ -35,11 +35,11 @@ import torch
 import torch.fx
 from torch._prims_common import ELEMENTWISE_TYPE_PROMOTION_KIND, elementwise_dtypes
 
-import lpcompile.adaptive_ops  # noqa: F401  (registers lowprec::scale_grad)
-import lpcompile.ops_pipeline  # noqa: F401  (registers lowprec::predict_weight)
-from lpcompile import rng
-from lpcompile.formats import FloatFormat, parse_format
-from lpcompile.ops import check_args, exact_power_steps
+import lpcompile.numerics.predict  # noqa: F401  (registers lowprec::predict_weight)
+import lpcompile.numerics.scale_grad  # noqa: F401  (registers lowprec::scale_grad)
+from lpcompile.numerics import rng
+from lpcompile.numerics.formats import FloatFormat, parse_format
+from lpcompile.numerics.quantize import check_args, exact_power_steps
 
 aten = torch.ops.aten
 prims = torch.ops.prims
@@ -153,14 +153,14 @@ def rng_helpers() -> dict[str, str]:
         "lowbias32": f"""\
 @triton.jit
 def lowbias32(x):
-    # One round of lpcompile.rng.MIX_STEPS on uint32 (logical shifts, wrapping multiplies).
+    # One round of lpcompile.numerics.rng.MIX_STEPS on uint32 (logical shifts, wrapping multiplies).
     {mix}
     return x
 """,
         "stream_key": f"""\
 @triton.jit
 def stream_key(seed, offset):
-    # lpcompile.rng.key_tensor: the 32-bit key of a 64-bit seed and a 32-bit stream offset.
+    # lpcompile.numerics.rng.key_tensor: the 32-bit key of a 64-bit seed and a 32-bit stream offset.
     seed = seed.to(tl.int64)  # any integer seed tensor, as the reference's key_tensor takes
     lo = (seed & 0xFFFFFFFF).to(tl.uint32)
     hi = (seed >> 32).to(tl.uint32)
@@ -169,7 +169,7 @@ def stream_key(seed, offset):
         "random_bits": """\
 @triton.jit
 def random_bits(index, key):
-    # lpcompile.rng.bits_from_index: 32 random bits for each row-major element index.
+    # lpcompile.numerics.rng.bits_from_index: 32 random bits for each row-major element index.
     return lowbias32(lowbias32(index.to(tl.uint32) ^ key) + key)
 """,
     }
@@ -182,7 +182,7 @@ def _ident(text: str) -> str:
 def quantize_helper(fmt: FloatFormat, rounding: str, overflow: str) -> tuple[str, str]:
     """``(name, source)`` of a Triton function rounding FP32 onto ``fmt``'s grid.
 
-    The same steps as ``lpcompile.ops.round_bits``, in uint32: add a rounding
+    The same steps as ``lpcompile.numerics.quantize.round_bits``, in uint32: add a rounding
     increment below the kept mantissa bits and truncate; below ``fmt``'s
     smallest normal round on the constant subnormal spacing in FP32
     arithmetic; then overflow and NaN. ``random`` (uint32) is only read for
@@ -233,7 +233,8 @@ def quantize_helper(fmt: FloatFormat, rounding: str, overflow: str) -> tuple[str
     out.append("return (out | sign).to(tl.float32, bitcast=True)")
     body = "\n    ".join(out)
     doc = (
-        f"Round FP32 x onto the {fmt.name} grid ({rounding}, overflow={overflow}): lpcompile.ops.round_bits."
+        f"Round FP32 x onto the {fmt.name} grid ({rounding}, overflow={overflow}):"
+        " lpcompile.numerics.quantize.round_bits."
     )
     source = f"@triton.jit\ndef {name}(x, random):\n    # {doc}\n    {body}\n"
     return name, source
@@ -566,7 +567,7 @@ def _render_predict_weight(w: Writer, node: torch.fx.Node) -> Value:
     weight, buf, lr, delay, mode = node.args
     wv = w.operand(weight, torch.float32)
     bv = w.operand(buf, torch.float32)
-    if mode == "lwp_v":  # w - (lr * delay) * buf, as lpcompile.ops_pipeline
+    if mode == "lwp_v":  # w - (lr * delay) * buf, as lpcompile.numerics.predict
         step = w.assign(f"{w.operand(lr, torch.float32)} * {literal(delay, torch.float32)}", torch.float32)
         prod = w.assign(f"{step.expr} * {bv}", torch.float32)
         return w.assign(f"{wv} - {prod.expr}", torch.float32)

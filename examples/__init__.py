@@ -1,0 +1,1 @@
+"""Demo, experiments and training loops built on lpcompile (not part of the package)."""

@@ -1,0 +1,304 @@
+"""Per-layer adaptive loss scaling: the state a compiled graph reads, and its telemetry.
+
+One :class:`AdaptiveScaleState` belongs to each compiled graph rewritten by
+``insert_loss_scale``. It owns the tensors the graph takes as inputs:
+
+* ``scales`` (L,): the power-of-two scale ``s_i`` of each layer's error, and
+  ``inverses``, their reciprocals (for the unscaling);
+* ``hist`` (L, STATS_SIZE): a probe whose gradient is each layer's error
+  histogram. It requires grad only on refresh calls, which run a second
+  compiled variant of the graph; the other calls skip the statistics;
+* ``flags`` (L,): a probe whose gradient counts inf/NaN in one gradient of
+  each layer without a trained weight (its smallest input gradient), every
+  call (for ``LossScaler("adaptive")``; a trained weight's gradient shows the
+  layer's overflow instead). It accumulates over backward passes (gradient
+  accumulation) until :meth:`AdaptiveScaleState.back_off` reads it.
+
+Every ``interval`` calls (the first included) the backward records the
+histograms, and the next call turns them into new scales by the chosen rule.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from lpcompile.numerics.checks import check_count
+from lpcompile.numerics.formats import parse_format
+from lpcompile.numerics.scale_grad import STATS_SIZE
+from lpcompile.numerics.scale_rules import (
+    approx_range_scale,
+    bound_scales,
+    overflow_cap,
+    quantile_scale,
+    underflow_fraction,
+)
+from lpcompile.passes.dynamo.loss_scale import (
+    FLAGS_INPUT,
+    HIST_INPUT,
+    INVERSES_INPUT,
+    SCALES_INPUT,
+    AdaptiveLayout,
+)
+
+
+@dataclass
+class LayerTelemetry:
+    """What the last refresh saw for one layer, and its history."""
+
+    layer: str
+    scale: float = 1.0  # α_i = s_i / s_(i+1): this layer's scale over the one above it
+    cumulative: float = 1.0  # s_i, the paper's A_i
+    # fraction of non-zero |error| below the format's min at the scale in use (NaN: all zero)
+    underflow: float = 0.0
+    overflow: int = 0  # inf/NaN seen in this layer's gradients since the last refresh
+    # (recording call, the s_i that call used, underflow at it)
+    history: list[tuple[int, float, float]] = field(default_factory=list)
+
+
+# The keys every AdaptiveScaleState.state_dict() has ("recorded" and "pending" may be missing).
+STATE_KEYS = ("layers", "scales", "calls", "telemetry")
+
+
+def check_saved_state(state: Any) -> None:
+    """Raise ``ValueError`` unless ``state`` has the shape of an
+    :meth:`AdaptiveScaleState.state_dict` (of any layers): loading it cannot fail half-way."""
+    if not isinstance(state, dict) or any(key not in state for key in STATE_KEYS):
+        raise ValueError(f"a per-layer scaling state is a dict with keys {STATE_KEYS}, got {state!r:.200}")
+    layers = state["layers"]
+    if not isinstance(layers, list | tuple) or not all(isinstance(name, str) for name in layers):
+        raise ValueError(f"a per-layer scaling state's 'layers' are layer names, got {layers!r:.200}")
+    count = len(layers)
+    shapes = {"scales": (count,), "recorded": (count,), "pending": (count, STATS_SIZE)}
+    for key, shape in shapes.items():
+        value = state.get(key)
+        if value is None and key != "scales":
+            continue
+        if not isinstance(value, torch.Tensor) or not value.is_floating_point() or value.shape != shape:
+            raise ValueError(f"a per-layer scaling state's {key!r} must be a float tensor of shape {shape}")
+    check_count("a per-layer scaling state's 'calls'", state["calls"])
+    telemetry = state["telemetry"]
+    if not (isinstance(telemetry, list) and len(telemetry) == count):
+        raise ValueError(f"a per-layer scaling state's 'telemetry' must be a list of {count} entries")
+    for entry in telemetry:
+        try:
+            LayerTelemetry(**entry)
+        except TypeError as error:
+            raise ValueError(f"a per-layer scaling state has a bad telemetry entry: {error}") from None
+
+
+class AdaptiveScaleState:
+    """Scales, probes and telemetry of one model's layers in one compiled graph.
+
+    ``calibrating``: the scales have not yet been set from statistics (the initial
+    ones, or a cascade of refreshes still raising them by more than a binade), so
+    every call records statistics. ``unsettled``: since ``LossScaler.update`` a
+    backward ran on errors quantized at such scales (the refresh of its statistics
+    left the state calibrating), and ``LossScaler`` skips the step those gradients
+    went into. A graph that is called but never backpropagated (a forward in
+    ``eval()`` with grad on) stays calibrating without holding any step back.
+    """
+
+    def __init__(
+        self,
+        layout: AdaptiveLayout,
+        weights: list[torch.Tensor | None],
+        owners: list[torch.Tensor | None],
+        device: torch.device,
+    ) -> None:
+        self.layers = list(layout.layers)
+        # Weak: the state lives in the registry, keyed weakly by the model's first weight,
+        # which a strong reference here would keep alive (and the state with it) after the
+        # model. ``weights`` are what the graph reads (a pipeline's weight slots);
+        # ``owners`` the model's own parameters they stand for.
+        self.weights = [None if w is None else weakref.ref(w) for w in weights]
+        self.owners = [None if w is None else weakref.ref(w) for w in owners]
+        self.out_dims = layout.out_dims
+        self.fmt = parse_format(layout.fmt)
+        self.config = config = layout.config
+        count = len(self.layers)
+        self.scales = torch.full((count,), float(config.init), device=device)
+        self.hist = torch.zeros(count, STATS_SIZE, device=device, requires_grad=True)
+        self.hist_off = torch.zeros(count, STATS_SIZE, device=device)
+        self.flags = torch.zeros(count, device=device, requires_grad=True)
+        self.calls = 0
+        self.recorded = self.scales  # the scales the last recording call read
+        # Until the scales come from statistics, every call records them and its
+        # gradients (errors quantized at the initial scale) are not to be stepped on.
+        self.calibrating = config.rule != "fixed"
+        self.unsettled = False
+        self.telemetry = [LayerTelemetry(name) for name in self.layers]
+        self._set([float(config.init)] * count)
+
+    @property
+    def scales(self) -> torch.Tensor:
+        """The scales ``s_i`` the next call reads (a new tensor whenever they change)."""
+        return self._scales
+
+    @scales.setter
+    def scales(self, value: torch.Tensor) -> None:
+        self._scales = value
+        # 1/s_i, exact for powers of two, as an input of its own: a division by s_i in
+        # Inductor's loops is redone per vector (the scale's pointer may alias the output)
+        self.inverses = value.reciprocal()
+
+    def next_inputs(self) -> tuple[dict[str, torch.Tensor], bool]:
+        """The graph inputs for the next call, and whether it records statistics.
+
+        First turns the statistics of the last recording call into new scales.
+        While :attr:`calibrating`, every call records.
+        """
+        self.refresh_pending()
+        recording = self.calibrating or self.calls % self.config.interval == 0
+        if recording:
+            self.recorded = self.scales
+        self.calls += 1
+        return self.example_inputs(recording), recording
+
+    def example_inputs(self, recording: bool) -> dict[str, torch.Tensor]:
+        """Graph inputs by name; the histogram probe requires grad only when recording."""
+        hist = self.hist if recording else self.hist_off
+        scales = {SCALES_INPUT: self.scales, INVERSES_INPUT: self.inverses}
+        return {**scales, HIST_INPUT: hist, FLAGS_INPUT: self.flags}
+
+    def refresh_pending(self) -> None:
+        """Turn the statistics of the last recording call, if not yet done, into scales."""
+        if self.hist.grad is not None:
+            calibrating = self.calibrating  # as when that call ran: only refreshes change it
+            self.refresh(self.hist.grad)
+            self.hist.grad = None
+            self.unsettled |= calibrating and self.calibrating
+
+    def refresh(self, stats: torch.Tensor) -> None:
+        """Set new scales from per-layer statistics by the configured rule."""
+        stats = stats.detach().cpu()
+        used = self.recorded.tolist()  # a back-off since may have changed self.scales
+        for i, t in enumerate(self.telemetry):
+            t.underflow = underflow_fraction(stats[i], used[i], self.fmt)
+            t.history.append((self.calls - 1, used[i], t.underflow))
+            t.overflow = 0
+        if self.config.rule == "fixed":
+            return
+        if self.config.rule == "quantile":
+            needed = [quantile_scale(s, self.fmt, self.config.underflow) for s in stats]
+        else:
+            needed = [
+                approx_range_scale(s, None if w is None else w(), self.fmt, self.config.underflow, dim)
+                for s, w, dim in zip(stats, self.weights, self.out_dims, strict=True)
+            ]
+        caps = [overflow_cap(s, self.fmt) for s in stats]
+        scales = bound_scales(needed, self.scales.tolist(), caps, self.config.bounds(self.fmt))
+        self._set(scales)
+        # Calibrated once a call's scales were within a binade of what its statistics ask
+        # for: errors that underflowed hid the layers below them (all zero there), so each
+        # refresh reaches further down. Bounded: a layer that overflows at the scale its
+        # underflow asks for would raise forever.
+        raised = any(new > 2 * old for new, old in zip(scales, used, strict=True))
+        if not raised or self.calls > len(self.layers):
+            self.calibrating = False
+
+    def _set(self, scales: list[float]) -> None:
+        # A new tensor, not an in-place update: a backward still to come (pipelining,
+        # or a graph that was run twice before backward) saved the scales its forward read.
+        self.scales = torch.tensor(scales, dtype=torch.float32, device=self.scales.device)
+        above = 1.0
+        for t, s in reversed(list(zip(self.telemetry, scales, strict=True))):
+            t.cumulative, t.scale, above = s, s / above, s
+
+    def same_layers(self, other: AdaptiveScaleState) -> bool:
+        """Whether ``other`` scales the same layers of the same model with the same settings
+        (another graph of it: a recompile for new shapes, or its ``eval()`` forward)."""
+        keys = [_weight_key(w) for w in self.owners]
+        return (
+            other is not self
+            and other.layers == self.layers
+            and other.fmt == self.fmt
+            and other.config == self.config
+            and any(k is not None for k in keys)
+            and keys == [_weight_key(w) for w in other.owners]
+        )
+
+    def start_from(self, other: AdaptiveScaleState) -> None:
+        """Start at ``other``'s scales instead of the initial ones; still calibrating, so the
+        first call's statistics confirm them (its step is taken if they hold)."""
+        self._set(other.scales.tolist())
+        self.recorded = self.scales
+
+    def trained_by(self, params: set[int]) -> bool:
+        """Whether an optimizer holding the parameters with these ids trains this state's
+        layers (so its scaler backs them off); a state whose layers read no parameter
+        belongs to every scaler."""
+        keys = {_weight_key(w) for w in self.owners} - {None}
+        return not keys or not keys.isdisjoint(params)
+
+    def overflowed(self, found_inf: bool = False) -> list[int]:
+        """Indices of layers whose gradients held inf/NaN since the last back-off.
+
+        The in-graph probe counts them in layers without a trained weight. The
+        others show an overflow in their weight gradient (a product of the layer's
+        error, or a sum over the batch that overflowed by itself): when
+        ``found_inf`` (the step found inf/NaN in some gradient) those are checked.
+        """
+        counts = [] if self.flags.grad is None else self.flags.grad.tolist()
+        hit = {i for i, count in enumerate(counts) if count > 0}
+        if found_inf:
+            grads = [None if w is None or w() is None else w().grad for w in self.weights]
+            hit |= {i for i, g in enumerate(grads) if g is not None and not bool(torch.isfinite(g).all())}
+        return sorted(hit)
+
+    def back_off(self, found_inf: bool = False, everywhere: bool = False) -> list[str]:
+        """Halve the scale of every layer that overflowed (see :meth:`overflowed`), or of
+        every layer (``everywhere``); not under the "fixed" rule. Returns their names."""
+        hit = list(range(len(self.layers))) if everywhere else self.overflowed(found_inf)
+        for i in hit:
+            self.telemetry[i].overflow += 1
+        if hit and self.config.rule != "fixed":
+            scales = self.scales.tolist()
+            for i in hit:
+                scales[i] /= 2
+            self._set(scales)
+        self.flags.grad = None
+        return [self.layers[i] for i in hit]
+
+    def state_dict(self) -> dict[str, Any]:
+        """Scales, call count, telemetry, and the statistics of a recording call not yet
+        turned into scales (the next call does that)."""
+        pending = self.hist.grad
+        return {
+            "layers": list(self.layers),
+            "scales": self.scales.detach().cpu().clone(),
+            "recorded": self.recorded.detach().cpu().clone(),
+            "pending": None if pending is None else pending.detach().cpu().clone(),
+            "calls": self.calls,
+            "calibrating": self.calibrating,
+            "telemetry": [dict(t.__dict__, history=list(t.history)) for t in self.telemetry],
+        }
+
+    def check_state_dict(self, state: Any) -> None:
+        """Raise ``ValueError`` unless ``state`` is a :meth:`state_dict` of these layers."""
+        check_saved_state(state)
+        if list(state["layers"]) != self.layers:
+            raise ValueError(f"state for layers {state['layers']} does not fit layers {self.layers}")
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`; what calls since compiling left pending is dropped."""
+        self.check_state_dict(state)
+        device = self.scales.device
+        self.scales = state["scales"].to(torch.float32).to(device).clone()
+        self.recorded = state.get("recorded", state["scales"]).to(torch.float32).to(device).clone()
+        pending = state.get("pending")
+        self.hist.grad = None if pending is None else pending.to(torch.float32).to(device).clone()
+        self.flags.grad = None
+        self.calls = state["calls"]
+        self.calibrating = state.get("calibrating", False)
+        self.unsettled = False
+        self.telemetry = [LayerTelemetry(**t) for t in state["telemetry"]]
+
+
+def _weight_key(ref: weakref.ref | None) -> int | None:
+    """Identity of a layer's own weight, None without one or once freed."""
+    weight = None if ref is None else ref()
+    return None if weight is None else id(weight)

@@ -1,0 +1,222 @@
+"""The ``lowprec`` torch.compile backend: options → passes → Inductor or FX.
+
+``torch.compile(model, backend="lowprec", options={...})`` calls :func:`lowprec`
+once per Dynamo graph. It parses the options into a
+:class:`~lpcompile.config.LowPrecConfig`, runs the Dynamo-graph passes, then
+captures forward and backward with AOT autograd and either hands them to Inductor
+(``executor="inductor"``: the joint-graph and AOT passes run inside its compile,
+and Inductor decomposes the lowprec operators into its own fused C++ or Triton)
+or runs them as plain FX (``executor="eager"``; ``codegen="triton"`` fuses the
+lowprec nodes into generated Triton first). Each compiled graph leaves a
+:class:`~lpcompile.backend.records.CompiledGraph` in the registry.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import zlib
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.fx
+from functorch.compile import make_boxed_func
+from torch._dynamo.backends.common import aot_autograd
+from torch._functorch.partitioners import _is_tangent as is_tangent
+
+from lpcompile.backend import runtime
+from lpcompile.backend.cache import SourceStamp, package_hash
+from lpcompile.backend.records import CompiledGraph
+from lpcompile.backend.state import REGISTRY
+from lpcompile.codegen import fuse_lowprec_kernels
+from lpcompile.config import LowPrecConfig
+from lpcompile.kernels.cpu import gemm
+from lpcompile.numerics import lowering
+from lpcompile.passes.aot import AOT_PASSES
+from lpcompile.passes.aot.layout import prefers_contiguous_layout
+from lpcompile.passes.driver import CompileContext, applicable, run_passes
+from lpcompile.passes.dynamo import DYNAMO_PASSES
+from lpcompile.passes.graph import is_layer_call, layer_name, parameter_of
+from lpcompile.passes.joint import JOINT_PASSES
+from lpcompile.passes.joint.matmul import uses_bf16_kernel
+
+# codegen="triton": after the AOT passes, each fusion group becomes one generated Triton kernel.
+CODEGEN_PASSES = (fuse_lowprec_kernels,)
+
+
+def graph_stream(gm: torch.fx.GraphModule) -> int:
+    """A 15-bit id of the captured graph's layers (name, op, weight shapes), the high bits
+    of its sites' offsets.
+
+    It depends on the model alone, not on what the process compiled before nor on the
+    sizes Dynamo made symbolic: a recompile for new shapes keeps the stream (and its
+    call count), the same model and seed give the same bits in any process, and
+    Inductor's cache keys stay stable. A graph without layers hashes its code.
+    """
+    layers = []
+    for node in filter(is_layer_call, gm.graph.nodes):
+        operands = [a for a in node.args[:2] if isinstance(a, torch.fx.Node)]
+        shapes = [tuple(p.shape) for p in map(parameter_of, operands) if p is not None]
+        layers.append(f"{layer_name(node)}:{getattr(node.target, '__name__', node.target)}:{shapes}")
+    return zlib.crc32(("|".join(layers) if layers else gm.code).encode()) & 0x7FFF
+
+
+def own_copy(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """A copy of a Dynamo graph that passes may change.
+
+    Dynamo keeps using the graph it hands to a backend, so the passes work on a
+    copy that keeps what AOT autograd reads from Dynamo's: the module meta, the
+    parameter sources and each placeholder's ``_dynamo_source``.
+    """
+    graph = copy.deepcopy(gm.graph)
+    new = {node.name: node for node in graph.find_nodes(op="placeholder")}
+    for old in gm.graph.find_nodes(op="placeholder"):
+        if hasattr(old, "_dynamo_source"):
+            new[old.name]._dynamo_source = old._dynamo_source
+    copied = torch.fx.GraphModule(gm, graph)
+    copied.meta.update(gm.meta)
+    if hasattr(gm, "_param_name_to_source"):
+        copied._param_name_to_source = gm._param_name_to_source
+    return copied
+
+
+class JointPasses(SourceStamp):
+    """Inductor's joint-graph hook: runs :data:`JOINT_PASSES` before AOT partitions.
+
+    Its uuid is SourceStamp's plus what the passes decide from outside the graph
+    (whether matmuls go to the bf16 kernel): AOT autograd's cache keys on the graph
+    before the passes.
+    """
+
+    def __init__(self, ctx: CompileContext, tag: str) -> None:
+        self.ctx, self.tag = ctx, tag
+
+    def uuid(self) -> str:
+        return f"{package_hash()}-bf16-matmuls-{uses_bf16_kernel(self.ctx.config)}"
+
+    def __call__(self, graph: torch.fx.Graph) -> None:
+        # Inductor runs its joint-graph passes on inference graphs too; the backend runs
+        # JOINT_PASSES over those itself, as the inference graph's (no tangent inputs).
+        if any(map(is_tangent, graph.find_nodes(op="placeholder"))):
+            run_passes(graph.owning_module, JOINT_PASSES, self.ctx, graph="joint" + self.tag)
+
+
+def inductor_graph_kind(kwargs: dict[str, Any]) -> str:
+    """Which AOT graph a call of Inductor's ``inner_compile`` compiles, from its keywords."""
+    if kwargs.get("is_inference"):
+        return "inference"
+    return "backward" if kwargs.get("is_backward") else "forward"
+
+
+def _fx_compiler(ctx: CompileContext, record: CompiledGraph, kind: str) -> Callable:
+    """AOT's compiler for graphs that run as FX: the AOT passes (and codegen), then FX."""
+
+    def compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]):
+        gm.meta["lowprec_graph"] = kind
+        run_passes(gm, AOT_PASSES, ctx, graph=kind)
+        if ctx.config.codegen == "triton":
+            run_passes(gm, CODEGEN_PASSES, ctx, graph=kind)
+        record.aten_graphs[kind] = gm
+        return make_boxed_func(gm)
+
+    return compile_graph
+
+
+def _inductor_compiler(ctx: CompileContext, record: CompiledGraph, tag: str, observers: list) -> Callable:
+    """Inductor's ``inner_compile`` after lowprec's passes over each AOT graph."""
+    from torch._inductor.compile_fx import compile_fx_inner
+
+    def inner_compile(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *args: Any, **kwargs: Any):
+        kind = inductor_graph_kind(kwargs) + tag
+        gm.meta["lowprec_graph"] = kind
+        passes = (*JOINT_PASSES, *AOT_PASSES) if kind.startswith("inference") else AOT_PASSES
+        run_passes(gm, passes, ctx, graph=kind)
+        for observer in observers:
+            observer.inductor_graph(record, kind, gm)
+        return compile_fx_inner(gm, example_inputs, *args, **kwargs)
+
+    return inner_compile
+
+
+def _execute(
+    gm: torch.fx.GraphModule, example_inputs: list, ctx: CompileContext, record: CompiledGraph, tag: str = ""
+):
+    observers = REGISTRY.active_observers()
+    # codegen="triton" generates its own fused kernels: the AOT graphs then run as FX
+    # (the eager executor) whatever `executor` says, or Inductor would fuse them again.
+    if ctx.config.executor == "eager" or ctx.config.codegen == "triton":
+        backend = aot_autograd(
+            fw_compiler=_fx_compiler(ctx, record, "forward" + tag),
+            bw_compiler=_fx_compiler(ctx, record, "backward" + tag),
+            inference_compiler=_fx_compiler(ctx, record, "inference" + tag),
+        )
+        compiled = backend(gm, example_inputs)
+    else:
+        from torch._inductor.compile_fx import compile_fx
+
+        lowering.refresh_inductor_decompositions()
+        patches = {
+            "post_grad_custom_post_pass": SourceStamp(),
+            "joint_custom_post_pass": JointPasses(ctx, tag),
+            # a fused FP16/BF16 intermediate is rounded to its dtype, as eager stores it,
+            # before a quantize reads it: else the quantize rounds the FP32 value elsewhere
+            "emulate_precision_casts": True,
+            **record.inductor_options,
+        }
+        # An observer of Inductor's graphs needs them compiled: a cache hit would skip that.
+        uncached = torch._functorch.config.patch(enable_autograd_cache=False)
+        with uncached if observers else contextlib.nullcontext(), lowering.grid_marks():
+            compiled = compile_fx(
+                gm,
+                example_inputs,
+                inner_compile=_inductor_compiler(ctx, record, tag, observers),
+                config_patches=patches,
+            )
+    for observer in observers:
+        observer.graph_compiled(record, gm, tag)
+    return compiled
+
+
+def uses_cpp_wrapper(wrapper: str, example_inputs: Sequence[Any]) -> bool:
+    """Whether Inductor generates C++ rather than Python to call a graph's kernels
+    (``wrapper="auto"``: for graphs whose tensors are all on the CPU)."""
+    if wrapper != "auto":
+        return wrapper == "cpp"
+    tensors = [x for x in example_inputs if isinstance(x, torch.Tensor)]
+    return bool(tensors) and all(x.device.type == "cpu" for x in tensors)
+
+
+def lowprec(
+    gm: torch.fx.GraphModule,
+    example_inputs: Sequence[Any],
+    options: dict[str, Any] | None = None,
+    mode: str | None = None,
+) -> Callable:
+    """The backend: rewrite ``gm`` for low-precision training and compile it."""
+    if mode is not None:
+        raise ValueError(
+            f"backend='lowprec' takes no mode (got mode={mode!r}): lowprec chooses Inductor's"
+            " settings itself; pass lowprec's own settings as options={...}"
+        )
+    config = LowPrecConfig.from_options(options)
+    if config.matmul == "bf16" and (why := gemm.unavailable()):
+        raise ValueError(f"matmul='bf16': lowprec's bf16 matmul kernel cannot run here: {why}")
+    ctx = CompileContext(config=config, graph_id=REGISTRY.new_graph_id(), stream=graph_stream(gm))
+    record = CompiledGraph(ctx.graph_id, ctx.stream, config, ctx.sites, ctx.records, fused=ctx.kernels)
+    REGISTRY.records.append(record)
+    if applicable(DYNAMO_PASSES, gm, ctx, "dynamo"):
+        gm = run_passes(own_copy(gm), DYNAMO_PASSES, ctx, graph="dynamo")
+        record.partition = ctx.partition
+    inductor = config.executor == "inductor" and config.codegen != "triton"
+    if inductor and prefers_contiguous_layout(gm):  # small CPU convolutions: see passes/aot/layout.py
+        record.inductor_options["layout_optimization"] = False
+        ctx.contiguous_layout = True
+    if inductor and uses_cpp_wrapper(config.wrapper, example_inputs):
+        record.inductor_options["cpp_wrapper"] = True
+
+    def compile_variant(inputs: list, tag: str = "") -> Callable:
+        """Compile the rewritten graph (a variant, named by its tag, compiles a copy)."""
+        return _execute(own_copy(gm) if tag else gm, inputs, ctx, record, tag)
+
+    return runtime.wrap(gm, list(example_inputs), ctx, compile_variant)

@@ -1,0 +1,86 @@
+"""The per-call wrapper of a compiled graph: the inputs of lowprec's own that follow
+the user's (the step's seed, the adaptive scales and probes, the weight-prediction
+buffers), read afresh at every call.
+
+Seeds: every call of a model's graphs gets the next call number of its
+(random stream, settings, grad mode), counted in the registry per model, so a
+recompile for new shapes continues the count, two instances of one class (which
+share Dynamo's compiled graph) count apart, and evaluation under ``no_grad`` does
+not shift the training steps' bits.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.fx
+
+from lpcompile.backend.adaptive import AdaptiveScaleState
+from lpcompile.backend.state import REGISTRY
+from lpcompile.passes.driver import CompileContext
+from lpcompile.passes.dynamo.quantize import SEED_INPUT
+from lpcompile.passes.graph import parameter_of
+
+
+def step_seed(seed: int, step: int) -> torch.Tensor:
+    """The seed tensor a compiled graph reads at call number ``step``: the user seed in the
+    high 32 bits, the call count below (as a signed int64)."""
+    return torch.tensor((seed << 32 | (step & 0xFFFFFFFF)) - (1 << 63))
+
+
+def model_key_input(gm: torch.fx.GraphModule) -> int | None:
+    """The index of the Dynamo graph input that names the model at each call: its first
+    parameter, else (functional code) its first input that requires grad."""
+    placeholders = gm.graph.find_nodes(op="placeholder")
+    params = [i for i, node in enumerate(placeholders) if parameter_of(node) is not None]
+    values = [node.meta.get("example_value") for node in placeholders]
+    trained = [i for i, v in enumerate(values) if isinstance(v, torch.Tensor) and v.requires_grad]
+    return next(iter(params or trained), None)
+
+
+def model_key(args: Sequence[Any], index: int | None) -> torch.Tensor:
+    """The tensor that stands for the model in this call."""
+    return REGISTRY.no_model if index is None else REGISTRY.key(args[index])
+
+
+def wrap(
+    gm: torch.fx.GraphModule, inputs: list, ctx: CompileContext, compile_variant: Callable[..., Callable]
+) -> Callable:
+    """Compile ``gm`` (through ``compile_variant(inputs, tag)``) and return what Dynamo
+    calls: the compiled graph with lowprec's inputs appended at every call."""
+    if not ctx.inputs:
+        return compile_variant(inputs)
+    config, layout = ctx.config, ctx.adaptive
+    model_input = model_key_input(gm)
+    counter = (ctx.stream, config, torch.is_grad_enabled())
+
+    def extras(adaptive: dict[str, Any], args: Sequence[Any], step: int | None) -> list[torch.Tensor]:
+        values = dict(adaptive)
+        if SEED_INPUT in ctx.inputs:
+            if step is None:
+                step = REGISTRY.next_step(model_key(args, model_input), counter)
+            values[SEED_INPUT] = step_seed(config.seed, step)
+        for name, spec in ctx.call_inputs.items():
+            values[name] = REGISTRY.prediction_input(args[spec.index], spec)
+        return [values[name] for name in ctx.inputs]
+
+    if layout is None:
+        compiled = compile_variant([*inputs, *extras({}, inputs, 0)])
+        return lambda *args: compiled(*args, *extras({}, args, None))
+    # Adaptive loss scaling: refresh calls run a variant that records gradient statistics.
+    key_input = next((i for i in layout.weight_inputs if i is not None), None)
+
+    def state_for(args: Sequence[Any]) -> AdaptiveScaleState:
+        return REGISTRY.adaptive_state(model_key(args, key_input), ctx.graph_id, layout, tuple(args))
+
+    first = state_for(inputs)
+    recording = compile_variant([*inputs, *extras(first.example_inputs(True), inputs, 0)], "[stats]")
+    plain = compile_variant([*inputs, *extras(first.example_inputs(False), inputs, 0)])
+
+    def run(*args: Any) -> Any:
+        adaptive, refresh = state_for(args).next_inputs()
+        return (recording if refresh else plain)(*args, *extras(adaptive, args, None))
+
+    return run

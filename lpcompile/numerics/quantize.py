@@ -1,0 +1,311 @@
+"""The quantize operators and their reference implementations.
+
+* ``lowprec::quantize(x, fmt, rounding, overflow, seed, offset, scale)``:
+  round ``x`` (times ``scale``) onto the grid of ``fmt``, return it (divided by
+  ``scale``) in ``x``'s dtype. Straight-through gradient.
+* ``lowprec::quantize_grad(x, fmt, rounding, overflow, seed, offset)``: the
+  identity in the forward; its gradient is ``quantize`` of the incoming
+  gradient. This is how errors and weight gradients get quantize nodes in the
+  backward graph: autograd places them.
+* ``lowprec::counter_bits(key, shape)``: stochastic rounding's random bits
+  (:mod:`lpcompile.numerics.rng`).
+* ``lowprec::on_grid(x, fmt)``: the identity, marking ``x`` as lying on
+  ``fmt``'s grid for the joint-graph passes (``lpcompile.passes.joint.matmul``).
+* ``lowprec::realize(x)``: the identity, whose Inductor lowering stores ``x``
+  in a buffer rather than recomputing it wherever it is read
+  (``lpcompile.passes.dynamo.conv``).
+
+The reference implementations are plain torch ops on the FP32 bit pattern, in
+32-bit integers. They are the eager kernels, the decompositions Inductor
+compiles (:mod:`lpcompile.numerics.lowering`), and the oracle the generated
+Triton is tested against.
+"""
+
+from __future__ import annotations
+
+import functools
+import numbers
+
+import torch
+
+from lpcompile.numerics import rng
+from lpcompile.numerics.checks import check_fp32_scale, is_real
+from lpcompile.numerics.formats import FloatFormat, parse_format
+
+ROUNDINGS = ("nearest", "stochastic")
+OVERFLOWS = ("saturate", "inf")
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+_EXP_MASK = 0x7F800000
+_ABS_MASK = 0x7FFFFFFF
+_NAN_BITS = 0x7FC00000
+
+
+@functools.cache
+def _format(name: str) -> FloatFormat:
+    return parse_format(name)
+
+
+def _f32_bits(value: float) -> int:
+    return torch.tensor(value, dtype=torch.float32).view(torch.int32).item()
+
+
+def check_args(x: torch.Tensor, fmt: str, rounding: str, overflow: str) -> FloatFormat:
+    """Validate the arguments of a quantize call; return the parsed format."""
+    target = _format(fmt)
+    if x.dtype not in FLOAT_DTYPES:
+        raise TypeError(f"lowprec.quantize takes float32, float16 or bfloat16 tensors, got {x.dtype}")
+    if rounding not in ROUNDINGS:
+        raise ValueError(f"rounding must be one of {ROUNDINGS}, got {rounding!r}")
+    if overflow not in OVERFLOWS:
+        raise ValueError(f"overflow must be one of {OVERFLOWS}, got {overflow!r}")
+    if not target.fits_in(x.dtype):
+        raise ValueError(f"format {target.name} has values that {x.dtype} cannot hold exactly")
+    return target
+
+
+def exact_power_steps(exponent: int) -> list[int]:
+    """Split ``2**exponent`` into factors that FP32 holds (exponents ≤ 127)."""
+    steps = []
+    while exponent > 127:
+        steps.append(127)
+        exponent -= 127
+    return [*steps, exponent]
+
+
+def round_bits(
+    bits: torch.Tensor, fmt: FloatFormat, rounding: str, overflow: str, random: torch.Tensor | None
+) -> torch.Tensor:
+    """Round FP32 bit patterns (int32) onto ``fmt``'s grid; return the bit
+    patterns of the rounded magnitudes (sign bit clear).
+
+    Normal range: add a rounding increment below the kept mantissa bits and
+    truncate (the carry moves into the exponent by itself). Below the smallest
+    normal of ``fmt`` the grid spacing is constant, 2**(min_exp - man_bits):
+    nearest-even rounds with one FP32 add and subtract of a constant whose
+    ulp is that spacing; stochastic rounding compares the fraction of a
+    spacing with 24 random bits.
+    """
+    drop = 23 - fmt.man_bits
+    mag = torch.bitwise_and(bits, _ABS_MASK)
+    if drop == 0:
+        out = mag
+    else:
+        low = (1 << drop) - 1
+        if rounding == "nearest":
+            odd = torch.bitwise_and(torch.bitwise_right_shift(mag, drop), 1)
+            inc = odd + ((1 << (drop - 1)) - 1)
+        else:
+            inc = torch.bitwise_and(torch.bitwise_right_shift(random, 32 - drop), low)
+        out = torch.bitwise_and(mag + inc, ~low)
+    if fmt.min_exp > -126:  # fmt's subnormals are FP32 normals: constant spacing there
+        absx = mag.view(torch.float32)
+        spacing_exp = fmt.min_exp - fmt.man_bits
+        if rounding == "nearest":
+            magic = 2.0 ** (spacing_exp + 23)
+            sub = (absx + magic) - magic
+        else:
+            units = absx
+            for step in exact_power_steps(-spacing_exp):
+                units = units * 2.0**step
+            whole = torch.floor(units)
+            uniform = torch.bitwise_and(torch.bitwise_right_shift(random, 8), 0xFFFFFF)
+            up = (units - whole) > uniform.to(torch.float32) * 2.0**-24
+            sub = (whole + up.to(torch.float32)) * 2.0**spacing_exp
+        tiny = mag < ((fmt.min_exp + 127) << 23)
+        out = torch.where(tiny, sub.view(torch.int32), out)
+    max_bits = _f32_bits(fmt.max)
+    if overflow == "saturate" or not (fmt.has_inf or fmt.has_nan):
+        over_bits = max_bits
+    else:
+        over_bits = _EXP_MASK if fmt.has_inf else _NAN_BITS
+    # Finite overflow and infinite inputs alike go to over_bits; NaN stays NaN.
+    out = torch.where(out > max_bits, over_bits, out)
+    return torch.where(mag > _EXP_MASK, _NAN_BITS, out)
+
+
+def quantize_reference(
+    x: torch.Tensor,
+    fmt: str,
+    rounding: str = "nearest",
+    overflow: str = "saturate",
+    seed: torch.Tensor | None = None,
+    offset: int = 0,
+    scale: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Reference implementation of ``lowprec::quantize`` in plain torch ops."""
+    target = check_args(x, fmt, rounding, overflow)
+    # Contiguous, as the fake kernel promises (a transposed input would otherwise
+    # give a transposed result); element indices are row-major anyway.
+    xf = x.to(torch.float32).contiguous()
+    if scale is not None:
+        xf = xf * scale
+    random = None
+    if rounding == "stochastic":
+        if seed is None:
+            raise ValueError("stochastic rounding needs a seed")
+        key = rng.key_tensor(seed.to(x.device), offset)
+        random = torch.ops.lowprec.counter_bits(key, list(x.shape))
+    # The sign goes back on as a float op, not as bits: Inductor stores the input of a
+    # final int32 -> float32 view in the default (contiguous) layout, so a quantize
+    # feeding a channels-last convolution wrote its bits and transposed them back (its
+    # GroupNorm+ReLU+quantize kernel took 2.3x the fp32 kernel's time in a 32x32 CNN).
+    # With copysign the output is a float node that Inductor lays out for its consumer.
+    mag = round_bits(xf.view(torch.int32), target, rounding, overflow, random)
+    out = torch.copysign(mag.view(torch.float32), xf)
+    if scale is not None:
+        out = out / scale
+    return out.to(x.dtype)
+
+
+def _check_key(key: torch.Tensor) -> None:
+    if key.dim() != 0 or key.dtype != torch.int32:
+        got = f"{key.dtype} {tuple(key.shape)}"
+        raise ValueError(f"counter_bits takes a 0-dim int32 key (rng.key_tensor), got {got}")
+
+
+@torch.library.custom_op("lowprec::counter_bits", mutates_args=())
+def counter_bits_op(key: torch.Tensor, shape: list[int]) -> torch.Tensor:
+    _check_key(key)
+    return rng.index_bits(shape, key)
+
+
+@counter_bits_op.register_fake
+def _(key, shape):
+    _check_key(key)
+    return key.new_empty(shape, dtype=torch.int32)
+
+
+@torch.library.custom_op("lowprec::quantize", mutates_args=())
+def quantize_op(
+    x: torch.Tensor,
+    fmt: str,
+    rounding: str,
+    overflow: str,
+    seed: torch.Tensor | None,
+    offset: int,
+    scale: torch.Tensor | None,
+) -> torch.Tensor:
+    return quantize_reference(x, fmt, rounding, overflow, seed, offset, scale)
+
+
+@quantize_op.register_fake
+def _(x, fmt, rounding, overflow, seed, offset, scale):
+    check_args(x, fmt, rounding, overflow)
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+def _straight_through(ctx, grad):
+    return grad, None, None, None, None, None, None
+
+
+quantize_op.register_autograd(_straight_through)
+
+
+@torch.library.custom_op("lowprec::quantize_grad", mutates_args=())
+def quantize_grad_op(
+    x: torch.Tensor,
+    fmt: str,
+    rounding: str,
+    overflow: str,
+    seed: torch.Tensor | None,
+    offset: int,
+) -> torch.Tensor:
+    check_args(x, fmt, rounding, overflow)
+    return x.clone()
+
+
+@quantize_grad_op.register_fake
+def _(x, fmt, rounding, overflow, seed, offset):
+    check_args(x, fmt, rounding, overflow)
+    return torch.empty_like(x)
+
+
+def _save_grad_spec(ctx, inputs, output):
+    _, ctx.fmt, ctx.rounding, ctx.overflow, seed, ctx.offset = inputs
+    ctx.save_for_backward(seed)
+
+
+def _quantize_incoming(ctx, grad):
+    (seed,) = ctx.saved_tensors
+    out = quantize_op(grad, ctx.fmt, ctx.rounding, ctx.overflow, seed, ctx.offset, None)
+    return out, None, None, None, None, None
+
+
+quantize_grad_op.register_autograd(_quantize_incoming, setup_context=_save_grad_spec)
+
+
+@torch.library.custom_op("lowprec::on_grid", mutates_args=())
+def on_grid_op(x: torch.Tensor, fmt: str) -> torch.Tensor:
+    """The identity, marking ``x`` as a tensor on ``fmt``'s grid for the joint-graph passes."""
+    return x.clone()
+
+
+@on_grid_op.register_fake
+def _(x, fmt):
+    return torch.empty_like(x)
+
+
+@torch.library.custom_op("lowprec::realize", mutates_args=())
+def realize_op(x: torch.Tensor) -> torch.Tensor:
+    """The identity; under Inductor ``x`` is computed once into a buffer."""
+    return x.clone()
+
+
+@realize_op.register_fake
+def _(x):
+    return torch.empty_like(x)
+
+
+realize_op.register_autograd(lambda ctx, grad: grad)
+
+
+def _as_tensor(value, dtype: torch.dtype, device: torch.device) -> torch.Tensor | None:
+    if value is None or isinstance(value, torch.Tensor):
+        return value
+    return torch.tensor(value, dtype=dtype, device=device)
+
+
+def quantize(
+    x: torch.Tensor,
+    fmt: str | FloatFormat,
+    rounding: str = "nearest",
+    *,
+    seed: int | torch.Tensor = 0,
+    offset: int = 0,
+    scale: float | torch.Tensor | None = None,
+    overflow: str = "saturate",
+) -> torch.Tensor:
+    """Round ``x`` onto the grid of ``fmt`` and return it in ``x``'s dtype.
+
+    ``rounding`` is ``"nearest"`` (to nearest, ties to even) or
+    ``"stochastic"`` (up with probability equal to the distance from the lower
+    neighbour, in units of the grid spacing). Stochastic bits come from
+    ``lpcompile.numerics.rng`` keyed by ``(seed, offset, element index)``.
+    ``overflow="saturate"`` clamps values beyond the format's max, infinities
+    included, to ±max (torch's ``float8_e4m3fn`` cast does this); ``"inf"``
+    turns them into ±inf, or NaN for a format without inf (the OCP
+    non-saturating mode). NaN stays NaN under both.
+    With ``scale``, ``x * scale`` is rounded and the result divided by ``scale``.
+    """
+    name = parse_format(fmt).name if isinstance(fmt, FloatFormat) else fmt
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"quantize takes a tensor, got {type(x).__name__}")
+    if isinstance(offset, bool) or not isinstance(offset, numbers.Integral):
+        raise TypeError(f"offset must be an int, got {type(offset).__name__}")
+    if not 0 <= offset < 2**32:
+        raise ValueError(f"offset must be in [0, 2**32) (the streams' 32-bit offset), got {offset}")
+    offset = int(offset)
+    if rounding == "stochastic" and not isinstance(seed, torch.Tensor):
+        if isinstance(seed, bool) or not isinstance(seed, numbers.Integral):
+            raise TypeError(f"seed must be an int or an int64 tensor, got {type(seed).__name__}")
+        if not -(2**63) <= seed < 2**63:
+            raise ValueError(f"seed must be a 64-bit int, in [-2**63, 2**63), got {seed}")
+        seed = int(seed)
+    if scale is not None and not isinstance(scale, torch.Tensor):
+        if not is_real(scale):
+            raise TypeError(f"scale must be a number or a tensor, got {type(scale).__name__}")
+        check_fp32_scale("scale", scale)
+    seed_t = _as_tensor(seed, torch.int64, x.device) if rounding == "stochastic" else None
+    scale_t = _as_tensor(scale, torch.float32, x.device)
+    return torch.ops.lowprec.quantize(x, name, rounding, overflow, seed_t, offset, scale_t)

@@ -1,0 +1,85 @@
+"""``lowprec::scale_grad``: the node that scales a gradient and measures it.
+
+``scale_grad(x, scale, probe, stats)`` is the identity in the forward. In the
+backward it multiplies the incoming gradient by ``scale`` and, when ``probe``
+requires a gradient, returns statistics of the incoming gradient as the
+probe's gradient. Statistics thus leave the compiled backward graph the way
+any gradient does, with no mutation inside the graph:
+
+* ``stats="histogram"``: :data:`STATS_SIZE` values: a count per FP32 exponent
+  field (bin ``e`` holds ``|g|`` in ``[2**(e-127), 2**(e-126))``; bin 0 holds
+  zeros and FP32 subnormals, bin 255 inf and NaN), then the sum and the sum of
+  squares of the finite values;
+* ``stats="nonfinite"``: the number of inf/NaN values (a scalar probe).
+
+The histogram traces into ``index_add`` (what the Triton codegen fuses);
+:func:`count_bins` is the same count as one opaque call, which
+``passes.histogram.count_histograms_serially`` puts in its place for Inductor.
+"""
+
+from __future__ import annotations
+
+import torch
+
+EXP_BINS = 256
+STATS_SIZE = EXP_BINS + 2
+STATS = ("none", "histogram", "nonfinite")
+
+
+def gradient_stats(grad: torch.Tensor, stats: str) -> torch.Tensor:
+    """The statistics ``scale_grad`` reports for ``grad`` (FP32)."""
+    g = grad.to(torch.float32)
+    if stats == "nonfinite":
+        return (~torch.isfinite(g)).sum().to(torch.float32)
+    exponent = torch.bitwise_and(torch.bitwise_right_shift(g.view(torch.int32), 23), 0xFF)
+    counts = torch.zeros(EXP_BINS, dtype=torch.float32, device=g.device).index_add(
+        0, exponent.reshape(-1).to(torch.int64), torch.ones_like(g).reshape(-1)
+    )
+    finite = torch.where(torch.isfinite(g), g, 0.0)
+    moments = torch.stack([finite.sum(), (finite * finite).sum()])
+    return torch.cat([counts, moments])
+
+
+@torch.library.custom_op("lowprec::count_bins", mutates_args=())
+def count_bins(bins: torch.Tensor, size: int) -> torch.Tensor:
+    """How many elements of the integer tensor ``bins`` hold each of ``0 .. size-1``
+    (FP32 counts, as ``index_add(zeros(size), 0, bins.view(-1), ones)`` makes them)."""
+    counts = torch.bincount(bins.reshape(-1), minlength=size)
+    if counts.numel() != size:
+        raise ValueError(f"count_bins: a bin index is {counts.numel() - 1}, outside 0..{size - 1}")
+    return counts.to(torch.float32)
+
+
+@count_bins.register_fake
+def _(bins, size):
+    return bins.new_empty((size,), dtype=torch.float32)
+
+
+@torch.library.custom_op("lowprec::scale_grad", mutates_args=())
+def scale_grad_op(
+    x: torch.Tensor, scale: torch.Tensor, probe: torch.Tensor | None, stats: str
+) -> torch.Tensor:
+    if stats not in STATS:
+        raise ValueError(f"stats must be one of {STATS}, got {stats!r}")
+    return x.clone()
+
+
+@scale_grad_op.register_fake
+def _(x, scale, probe, stats):
+    return torch.empty_like(x)
+
+
+def _save(ctx, inputs, output):
+    _, scale, _, ctx.stats = inputs
+    ctx.save_for_backward(scale)
+
+
+def _scale_incoming(ctx, grad):
+    (scale,) = ctx.saved_tensors
+    probe_grad = None
+    if ctx.needs_input_grad[2] and ctx.stats != "none":
+        probe_grad = gradient_stats(grad, ctx.stats)
+    return (grad * scale).to(grad.dtype), None, probe_grad, None
+
+
+scale_grad_op.register_autograd(_scale_incoming, setup_context=_save)

@@ -1,0 +1,150 @@
+"""The one driver that runs passes in order and records what each did, and the
+context the passes over one Dynamo graph (and its AOT graphs) share."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch.fx
+
+from lpcompile.config import LowPrecConfig
+
+
+@dataclass
+class Site:
+    """One inserted lowprec node: what it quantizes and with which stream."""
+
+    offset: int
+    role: str
+    layer: str
+    fmt: str
+    rounding: str
+    overflow: str
+    op: str  # "quantize" (forward) or "quantize_grad" (quantizes in the backward)
+
+    def meta(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+@dataclass
+class PassRecord:
+    """What one pass did to one graph."""
+
+    name: str
+    graph: str
+    seconds: float
+    nodes_added: int
+    nodes_removed: int
+    code_before: str
+    code_after: str
+
+
+@dataclass(frozen=True)
+class PredictionInput:
+    """A graph input read afresh at every call: the weight-prediction ``field``
+    (``"buffer"`` or ``"lr"``) of the parameter passed as user input ``index``, from
+    the optimizer that trains it (the backend looks it up at each call)."""
+
+    index: int
+    mode: str
+    delay: int
+    field: str
+
+
+@dataclass
+class CompileContext:
+    """State shared by the passes over one Dynamo graph and its AOT graphs."""
+
+    config: LowPrecConfig
+    graph_id: int  # order of compilation in this process (names in dumps)
+    stream: int  # from the graph's layers: keys its random streams, whatever was compiled before
+    sites: dict[int, Site] = field(default_factory=dict)
+    inputs: dict[str, torch.fx.Node] = field(default_factory=dict)
+    # inputs read afresh at every call for the parameters of that call
+    call_inputs: dict[str, PredictionInput] = field(default_factory=dict)
+    adaptive: Any = None  # passes.dynamo.loss_scale.AdaptiveLayout, when loss scaling is adaptive
+    partition: Any = None  # passes.stages.Partition, when the graph is split into pipeline stages
+    # Inductor's channels-last layout is off for this graph (small CPU convolutions)
+    contiguous_layout: bool = False
+    records: list[PassRecord] = field(default_factory=list)
+    kernels: list[Any] = field(default_factory=list)  # lpcompile.codegen.KernelRecord, one per fused kernel
+
+    def new_offset(self) -> int:
+        """A random-stream offset unique to this graph and site."""
+        return (self.stream << 16) | len(self.sites)
+
+    def add_input(self, gm: torch.fx.GraphModule, name: str, example: torch.Tensor) -> torch.fx.Node:
+        """A graph input of lowprec's own (once per name), after the existing ones.
+
+        The backend passes these after the user's inputs, in the order added.
+        """
+        if name not in self.inputs:
+            placeholders = gm.graph.find_nodes(op="placeholder")
+            with gm.graph.inserting_after(placeholders[-1]):
+                node = gm.graph.placeholder(name)
+            node.meta["example_value"] = example
+            node._dynamo_source = None  # an input of ours, not of user code
+            self.inputs[name] = node
+        return self.inputs[name]
+
+
+GraphPass = Callable[[torch.fx.GraphModule, CompileContext], None]
+# Whether a pass applies to this graph: (graph module, context, graph kind) -> bool
+Condition = Callable[[torch.fx.GraphModule, CompileContext, str], bool]
+
+
+def always(gm: torch.fx.GraphModule, ctx: CompileContext, kind: str) -> bool:
+    return True
+
+
+@dataclass(frozen=True)
+class Pass:
+    """A pass in a phase's ordered list, and when it applies."""
+
+    run: GraphPass
+    when: Condition = always
+
+    @property
+    def __name__(self) -> str:
+        return self.run.__name__
+
+
+def applicable(
+    passes: Sequence[Pass | GraphPass], gm: torch.fx.GraphModule, ctx: CompileContext, kind: str
+) -> list[GraphPass]:
+    """The passes of a list that apply to ``gm`` (a bare function always does)."""
+    items = [p if isinstance(p, Pass) else Pass(p) for p in passes]
+    return [p.run for p in items if p.when(gm, ctx, kind)]
+
+
+def run_passes(
+    gm: torch.fx.GraphModule, passes: Sequence[Pass | GraphPass], ctx: CompileContext, graph: str
+) -> torch.fx.GraphModule:
+    """Run the ``passes`` that apply to ``gm`` in order, recording each one in ``ctx.records``.
+
+    ``graph`` names the graph (``"dynamo"``, ``"joint"``, ``"forward"``, ...; a variant
+    of the Dynamo graph appends its tag): the records and the conditions read it.
+    """
+    for graph_pass in applicable(passes, gm, ctx, graph):
+        before = set(gm.graph.nodes)
+        code_before = gm.code
+        start = time.perf_counter()
+        graph_pass(gm, ctx)
+        gm.graph.lint()
+        gm.recompile()
+        after = set(gm.graph.nodes)
+        ctx.records.append(
+            PassRecord(
+                name=graph_pass.__name__,
+                graph=graph,
+                seconds=time.perf_counter() - start,
+                nodes_added=len(after - before),
+                nodes_removed=len(before - after),
+                code_before=code_before,
+                code_after=gm.code,
+            )
+        )
+    return gm

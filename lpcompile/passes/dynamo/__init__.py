@@ -1,0 +1,37 @@
+"""Passes over the Dynamo graph, in the order they run (:data:`DYNAMO_PASSES`)."""
+
+from __future__ import annotations
+
+import torch.fx
+
+from lpcompile.passes.driver import CompileContext, Pass
+from lpcompile.passes.dynamo.conv import im2col_applies, use_im2col_convs
+from lpcompile.passes.dynamo.loss_scale import insert_loss_scale, loss_scale_applies
+from lpcompile.passes.dynamo.pipeline import insert_predict_weight, remove_pipe_splits, split_stages
+from lpcompile.passes.dynamo.quantize import insert_quantize
+from lpcompile.passes.stages import is_pipe_split
+
+
+def rewrites(gm: torch.fx.GraphModule, ctx: CompileContext, kind: str) -> bool:
+    """A recipe that quantizes, or a pipeline."""
+    return ctx.config.quantizes or ctx.config.pipeline is not None
+
+
+def pipelined(gm: torch.fx.GraphModule, ctx: CompileContext, kind: str) -> bool:
+    return ctx.config.pipeline is not None
+
+
+def has_stage_markers(gm: torch.fx.GraphModule, ctx: CompileContext, kind: str) -> bool:
+    """Under Inductor, which cannot lower ``pipe_split``: a pipeline, or the markers."""
+    inductor = ctx.config.executor == "inductor" and ctx.config.codegen != "triton"
+    return inductor and (ctx.config.pipeline is not None or any(map(is_pipe_split, gm.graph.nodes)))
+
+
+DYNAMO_PASSES = (
+    Pass(insert_loss_scale, loss_scale_applies),
+    Pass(insert_quantize, rewrites),
+    Pass(use_im2col_convs, im2col_applies),
+    Pass(split_stages, pipelined),
+    Pass(insert_predict_weight, pipelined),
+    Pass(remove_pipe_splits, has_stage_markers),
+)

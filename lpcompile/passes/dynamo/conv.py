@@ -1,0 +1,172 @@
+"""Small convolutions as im2col and a matmul, in Inductor's hands (Dynamo graph).
+
+On small images oneDNN's per-call cost dominates a convolution: the digits CNN's
+first convolution (1 channel, 9 taps per output, 8x8 pixels) took ~60 µs forward
+and ~70-90 µs backward for 0.6 M multiply-adds, its second (16 channels, 144 taps)
+~0.1 ms forward and ~0.3 ms backward for 4.7 M. ``im2col_conv2d`` writes such a
+convolution as ATen ops Inductor compiles: the quantized input, padded, is
+stored once channels-last; one strided slice per tap, stacked, makes the im2col
+matrix (output pixels x taps); one matmul with the weight gives the output
+(channels-last, copied to the contiguous layout ATen's convolution returns where
+Inductor does not fuse that away). Autograd turns the matmul into the
+weight-gradient matmul and the slices into sums of shifted windows (an input
+gradient, where one is needed).
+
+Which convolutions: those whose im2col matrix has at most :data:`MAX_IM2COL`
+elements. The digits CNN's two (37 K and 147 K elements) gain; a 32x32 CNN's
+first (885 K, 3 channels) and third (1.2 M, 16x16 input) lose: with either
+rewritten its step took 1.4x the time. Measurements, one-process A/B rounds,
+each variant compiled with its own seed, against a copy of the base (exploratory):
+
+- the digits CNN's FP8 step with ATen's convolutions took 1.00-1.07x the time
+  with only the first rewritten (median 1.03, sixteen rounds); its weight operand
+  made contiguous then gave 0.96-0.98x (twelve rounds): autograd computes the
+  weight gradient in the layout of that operand, and for a transposed view that
+  is out_grad^T @ im2col, a GEMM MKL ran ~4x slower than im2col^T @ out_grad;
+- the second rewritten as well: 0.88-0.99x (fourteen rounds), with the
+  matmuls' bf16 kernel kept off the 2^22-multiply-add GEMMs this makes
+  (``passes/matmul.py``: ``MIN_MACS``), ~1.0x with it on them.
+
+Not ``unfold`` views: their backward is an accumulating ``index_put``, which
+Inductor 2.13 writes for the CPU as atomic adds, slow (the digits CNN's step
+1.16-1.19x the time with the second convolution so rewritten) and, in a 2-D
+tiled loop, wrong: the input gradient of a 1x1 convolution over 8 channels of
+16x16 pixels indexed past its buffer and corrupted the heap (``torch.compile``
+alone reproduces it).
+
+``use_im2col_convs`` rewrites only quantized convolutions (both operands
+come from ``lowprec::quantize``) in Inductor compiles for the CPU
+(``conv="auto"``), so FP32 layers and the eager executor keep ATen's
+convolution. The products of two FP8 values are exact in FP32; only the order
+of the FP32 additions differs from oneDNN's.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.fx
+import torch.nn.functional as F
+from torch.nn.modules.utils import _pair
+
+from lpcompile.passes.driver import CompileContext
+
+CONV2D_TARGETS = (torch.conv2d, F.conv2d)
+CONV2D_PARAMS = ("input", "weight", "bias", "stride", "padding", "dilation", "groups")
+CONV2D_DEFAULTS = {"bias": None, "stride": 1, "padding": 0, "dilation": 1, "groups": 1}
+GEOMETRY = ("stride", "padding", "dilation")
+QUANTIZE = torch.ops.lowprec.quantize.default
+# Largest im2col matrix (output pixels x taps) rewritten; see the module docstring.
+MAX_IM2COL = 1 << 18
+
+
+def _pads(padding: str | int | tuple[int, ...], kernel: tuple[int, int], dilation: tuple[int, int]):
+    """``F.pad``'s (left, right, top, bottom) for conv2d's ``padding``."""
+    if padding == "valid":
+        return (0, 0, 0, 0)
+    if padding == "same":  # stride 1; an odd total puts the extra pixel right/bottom, as ATen does
+        (top, bottom), (left, right) = (
+            (d * (k - 1) // 2, d * (k - 1) - d * (k - 1) // 2) for k, d in zip(kernel, dilation, strict=True)
+        )
+        return (left, right, top, bottom)
+    ph, pw = _pair(padding)
+    return (pw, pw, ph, ph)
+
+
+def _out_size(size: int, pad: int, kernel: int, stride: int, dilation: int) -> int:
+    """Output positions along one axis of ``size`` input positions, ``pad`` of padding in all."""
+    return (size + pad - dilation * (kernel - 1) - 1) // stride + 1
+
+
+def im2col_conv2d(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    stride: int | tuple[int, int] = 1,
+    padding: str | int | tuple[int, int] = 0,
+    dilation: int | tuple[int, int] = 1,
+) -> torch.Tensor:
+    """``F.conv2d`` of a batch ``x`` (one group) as an im2col matrix times the weight."""
+    (sh, sw), (dh, dw) = _pair(stride), _pair(dilation)
+    out_channels, in_channels, kh, kw = weight.shape
+    left, right, top, bottom = _pads(padding, (kh, kw), (dh, dw))
+    # Stored once, channels-last: the gather below would otherwise recompute a
+    # quantize per tap, and a tap's channels are then adjacent.
+    padded = torch.ops.lowprec.realize(F.pad(x, (left, right, top, bottom)).permute(0, 2, 3, 1))
+    n, height, width, _ = padded.shape
+    out_h, out_w = _out_size(height, 0, kh, sh, dh), _out_size(width, 0, kw, sw, dw)
+    # One strided slice per tap, (n, out_h, out_w, c); stacked into rows (n, out_h, out_w)
+    # and columns (kh, kw, c), the order of the weight permuted to channels-last.
+    taps = [
+        padded[:, i * dh : i * dh + sh * (out_h - 1) + 1 : sh, j * dw : j * dw + sw * (out_w - 1) + 1 : sw]
+        for i in range(kh)
+        for j in range(kw)
+    ]
+    im2col = torch.stack(taps, dim=3).reshape(n * out_h * out_w, kh * kw * in_channels)
+    # A contiguous (taps x out_channels) operand: autograd computes the weight gradient in
+    # the layout of this operand, and for a transposed view that is out_grad^T @ im2col,
+    # a GEMM MKL ran 4-5x slower here (16x4096 @ 4096x9: 94 against 20 µs) than im2col^T @ out_grad.
+    out = torch.mm(im2col, weight.permute(0, 2, 3, 1).reshape(out_channels, -1).t().contiguous())
+    if bias is not None:
+        out = out + bias
+    # Contiguous as ATen's result is, so that user code may view it as it would that.
+    return out.view(n, out_h, out_w, out_channels).permute(0, 3, 1, 2).contiguous()
+
+
+def _conv2d_args(node: torch.fx.Node) -> dict[str, object] | None:
+    """A conv2d call's arguments by name, or ``None`` for another call."""
+    if node.op != "call_function" or node.target not in CONV2D_TARGETS:
+        return None
+    args = {**CONV2D_DEFAULTS, **dict(zip(CONV2D_PARAMS, node.args, strict=False)), **node.kwargs}
+    return args if set(args) == set(CONV2D_PARAMS) else None
+
+
+def _rewritable(args: dict[str, object]) -> bool:
+    x, weight = args["input"], args["weight"]
+    if not all(isinstance(v, torch.fx.Node) and v.target is QUANTIZE for v in (x, weight)):
+        return False
+    # insert_quantize gives its nodes the example value of the tensor they quantize
+    example, w = x.meta.get("example_value"), weight.meta.get("example_value")
+    if not isinstance(example, torch.Tensor) or not isinstance(w, torch.Tensor):
+        return False
+    if example.device.type != "cpu" or example.dim() != 4:
+        return False
+    if args["groups"] != 1 or any(isinstance(args[key], torch.fx.Node) for key in GEOMETRY):
+        return False
+    if not all(isinstance(size, int) for size in (*example.shape, *w.shape)):
+        return False  # dynamic shapes: the size limit needs sizes
+    (sh, sw), (dh, dw) = _pair(args["stride"]), _pair(args["dilation"])
+    _, in_channels, kh, kw = w.shape
+    left, right, top, bottom = _pads(args["padding"], (kh, kw), (dh, dw))
+    rows = (
+        example.shape[0]
+        * _out_size(example.shape[2], top + bottom, kh, sh, dh)
+        * _out_size(example.shape[3], left + right, kw, sw, dw)
+    )
+    return rows * in_channels * kh * kw <= MAX_IM2COL
+
+
+def im2col_applies(gm: torch.fx.GraphModule, ctx: CompileContext, kind: str) -> bool:
+    """``conv="auto"`` under Inductor, without pipelining (the pipeline's partitioner
+    finds layers by their conv calls)."""
+    config = ctx.config
+    inductor = config.executor == "inductor" and config.codegen == "inductor"
+    return config.conv == "auto" and inductor and config.pipeline is None
+
+
+def use_im2col_convs(gm: torch.fx.GraphModule, ctx: CompileContext) -> None:
+    """Replace quantized CPU conv2d calls whose im2col matrix has at most
+    :data:`MAX_IM2COL` elements by :func:`im2col_conv2d` (Inductor compiles
+    without pipelining, ``conv="auto"``)."""
+    for node in list(gm.graph.nodes):
+        args = _conv2d_args(node)
+        if args is None or not _rewritable(args):
+            continue
+        with gm.graph.inserting_before(node):
+            call = gm.graph.call_function(
+                im2col_conv2d,
+                (args["input"], args["weight"], args["bias"]),
+                {key: args[key] for key in GEOMETRY},
+            )
+        call.meta = dict(node.meta)
+        node.replace_all_uses_with(call)
+        gm.graph.erase_node(node)

@@ -1,0 +1,546 @@
+"""Loss scaling with the ``torch.amp.GradScaler`` interface.
+
+:class:`LossScaler` multiplies the loss by a scale before ``backward`` so that
+small gradients survive low-precision formats, checks the gradients for
+inf/NaN, unscales them, skips the optimizer step when any is non-finite, and
+updates the scale. Modes (:data:`MODES`):
+
+* ``"static"``: a fixed scale; steps with non-finite gradients are still skipped.
+* ``"dynamic"``: ``GradScaler``'s rule: multiply the scale by ``backoff_factor``
+  (and skip) on overflow, by ``growth_factor`` after ``growth_interval``
+  consecutive clean steps.
+* ``"enhanced"``: Mellempudi et al. 2019: dynamic, but the scale never falls
+  below ``min_scale``; ``min_scale_schedule={iteration: new_min}`` raises the
+  floor during training (FP8's short subnormal range punishes a scale that
+  collapsed after a spurious overflow). ``iteration`` counts ``update()`` calls.
+* ``"adaptive"``: for models compiled with ``loss_scale="adaptive"`` (per-layer
+  scales in the graph, Zhao et al. 2019). The loss itself is not scaled
+  (``init_scale`` defaults to 1); steps with non-finite gradients are skipped
+  and ``update`` halves the scale of each layer whose gradients overflowed,
+  among the models whose parameters the stepped optimizers hold (two models
+  with their own scalers do not back off each other's layers). Until a model's
+  scales have been set from its gradient statistics (the first call, and any
+  refreshes after it that still raise a scale by more than a binade), its steps
+  are skipped as well: their errors were quantized at scales that flush or, with
+  stochastic rounding, blow up the small ones (``calibration_steps`` counts them).
+  ``state_dict`` carries the per-layer scales and telemetry (of every compiled model).
+
+Usage is ``GradScaler``'s::
+
+    scaler = LossScaler("enhanced", min_scale=2.0**10)
+    scaler.scale(loss).backward()
+    scaler.unscale_(opt)            # optional, e.g. before gradient clipping
+    scaler.step(opt)
+    scaler.update()
+
+Optimizers that set ``_step_supports_amp_scaling`` (torch's fused optimizers,
+:class:`lpcompile.runtime.optim.MasterWeightOptimizer`) unscale and skip by themselves:
+``step`` hands them ``optimizer.grad_scale`` and ``optimizer.found_inf``, as
+``GradScaler`` does.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import warnings
+from collections import defaultdict
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any
+
+import torch
+
+from lpcompile.backend.adaptive import AdaptiveScaleState, check_saved_state
+from lpcompile.backend.state import REGISTRY
+from lpcompile.numerics.checks import check_count, check_fp32_scale, is_real
+
+MODES = ("static", "dynamic", "enhanced", "adaptive")
+
+
+@dataclass(frozen=True)
+class LossScaleConfig:
+    """Validated loss-scaling settings; see the module docstring for the modes.
+
+    ``min_scale`` and ``min_scale_schedule`` apply to ``"enhanced"`` only
+    (``min_scale`` defaults to 1.0 there; the scale starts at
+    ``max(init_scale, min_scale_at(0))``). ``growth_factor``,
+    ``backoff_factor`` and ``growth_interval`` are ignored by ``"static"``.
+    """
+
+    mode: str = "dynamic"
+    init_scale: float | None = None  # 2**16, or 1 in "adaptive" mode
+    growth_factor: float = 2.0
+    backoff_factor: float = 0.5
+    growth_interval: int = 2000
+    min_scale: float | None = None
+    min_scale_schedule: Mapping[int, float] | None = None
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"loss scaling mode must be one of {MODES}, got {self.mode!r}")
+        if self.init_scale is None:
+            object.__setattr__(self, "init_scale", 1.0 if self.mode == "adaptive" else 2.0**16)
+        check_fp32_scale("init_scale", self.init_scale)
+        growth = self.growth_factor
+        if not (is_real(growth) and math.isfinite(growth) and growth > 1.0):
+            raise ValueError(f"growth_factor must be a finite number > 1, got {growth!r}")
+        if not (is_real(self.backoff_factor) and 0.0 < self.backoff_factor < 1.0):
+            raise ValueError(f"backoff_factor must be in (0, 1), got {self.backoff_factor!r}")
+        if isinstance(self.growth_interval, bool) or not isinstance(self.growth_interval, int):
+            raise ValueError(f"growth_interval must be an int >= 1, got {self.growth_interval!r}")
+        if self.growth_interval < 1:
+            raise ValueError(f"growth_interval must be an int >= 1, got {self.growth_interval!r}")
+        if self.mode != "enhanced":
+            for name in ("min_scale", "min_scale_schedule"):
+                if getattr(self, name) is not None:
+                    raise ValueError(f"{name} applies to mode='enhanced' only, not {self.mode!r}")
+            return
+        if self.min_scale is None:
+            object.__setattr__(self, "min_scale", 1.0)
+        check_fp32_scale("min_scale", self.min_scale)
+        schedule = dict(sorted((int(k), float(v)) for k, v in (self.min_scale_schedule or {}).items()))
+        floor = self.min_scale
+        for step, value in schedule.items():
+            if step < 0:
+                raise ValueError(f"min_scale_schedule steps must be >= 0, got {step}")
+            check_fp32_scale(f"min_scale_schedule[{step}]", value)
+            if value < floor:
+                raise ValueError(
+                    f"min_scale_schedule must only raise the floor: {value} at step {step} is below {floor}"
+                )
+            floor = value
+        object.__setattr__(self, "min_scale_schedule", schedule or None)
+
+    def min_scale_at(self, iteration: int) -> float | None:
+        """The floor after ``iteration`` updates (``None`` outside ``"enhanced"``)."""
+        if self.mode != "enhanced":
+            return None
+        floor = self.min_scale
+        for step, value in (self.min_scale_schedule or {}).items():
+            if step <= iteration:
+                floor = value
+        return floor
+
+
+# Keys every state dict of a scaler has (GradScaler's included); and the counters
+# only LossScaler's have (0 when missing).
+STATE_KEYS = ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker")
+COUNTERS = ("iteration", "skipped_steps", "calibration_steps")
+
+
+def _check_adaptive_models() -> None:
+    """Mode ``"adaptive"`` scales nothing itself: refuse to step without a model that
+    does, and warn about loaded per-layer states whose layers no compiled model has
+    (a renamed or different model: they will never be used)."""
+    states = REGISTRY.adaptive_states()
+    if not states:
+        raise RuntimeError(
+            "LossScaler('adaptive') found no model compiled with loss_scale='adaptive': the loss "
+            "is not scaled in this mode, so nothing would be. Compile the model with "
+            "options={..., 'loss_scale': 'adaptive'}, or use another mode"
+        )
+    compiled = [list(state.layers) for state in states]
+    stray = [
+        list(saved["layers"]) for saved in REGISTRY.pending_states() if list(saved["layers"]) not in compiled
+    ]
+    if stray:
+        warnings.warn(
+            f"lowprec: the loaded LossScaler state has per-layer scales for layers {stray}, which"
+            f" no compiled model has (compiled: {compiled}); they are not used",
+            stacklevel=3,
+        )
+
+
+def _trained_states(
+    states: list[AdaptiveScaleState], groups: list[dict[str, Any]]
+) -> list[AdaptiveScaleState]:
+    """The adaptive states whose layers the optimizers with these param groups train.
+
+    Optimizers that hold copies of the weights (FP32 masters kept apart) train no
+    state by identity: then every state is theirs, as with one model.
+    """
+    params = {id(p) for group in groups for p in group["params"]}
+    return [state for state in states if state.trained_by(params)] or states
+
+
+class _Stage(Enum):
+    READY = 0
+    UNSCALED = 1
+    STEPPED = 2
+
+
+def _fresh_state() -> dict[str, Any]:
+    return {"stage": _Stage.READY, "found_inf_per_device": {}, "param_groups": []}
+
+
+class LossScaler:
+    """Static, dynamic or enhanced loss scaling with ``GradScaler``'s interface.
+
+    Keyword arguments build a :class:`LossScaleConfig` (validated; bad values
+    raise ``ValueError`` naming the valid ones). With ``enabled=False`` every
+    method is a pass-through, as in ``GradScaler``. The scale is an FP32 tensor
+    on the device of the first tensor given to :meth:`scale`; gradients may be
+    on any devices.
+    """
+
+    def __init__(
+        self,
+        mode: str = "dynamic",
+        *,
+        init_scale: float | None = None,
+        growth_factor: float = 2.0,
+        backoff_factor: float = 0.5,
+        growth_interval: int = 2000,
+        min_scale: float | None = None,
+        min_scale_schedule: Mapping[int, float] | None = None,
+        enabled: bool = True,
+    ) -> None:
+        config = LossScaleConfig(
+            mode, init_scale, growth_factor, backoff_factor, growth_interval, min_scale, min_scale_schedule
+        )
+        self._setup(config, enabled)
+
+    @classmethod
+    def from_config(cls, config: LossScaleConfig, enabled: bool = True) -> LossScaler:
+        """A scaler with the settings of ``config``."""
+        scaler = cls.__new__(cls)
+        scaler._setup(config, enabled)
+        return scaler
+
+    def _setup(self, config: LossScaleConfig, enabled: bool) -> None:
+        self._config = config
+        self._enabled = bool(enabled)
+        self._iteration = 0  # update() calls so far
+        self.skipped_steps = 0  # steps skipped for non-finite gradients, or to calibrate
+        self.calibration_steps = 0  # those skipped while adaptive scales were calibrating
+        self._init_scale = max(config.init_scale, config.min_scale_at(0) or 0.0)
+        self._init_tracker = 0
+        self._scale: torch.Tensor | None = None
+        self._tracker: torch.Tensor | None = None
+        self._per_optimizer: dict[int, dict[str, Any]] = defaultdict(_fresh_state)
+
+    @property
+    def config(self) -> LossScaleConfig:
+        return self._config
+
+    @property
+    def mode(self) -> str:
+        return self._config.mode
+
+    def is_enabled(self) -> bool:
+        return self._enabled
+
+    def _lazy_init(self, device: torch.device) -> torch.Tensor:
+        if self._scale is None:
+            self._scale = torch.full((), self._init_scale, dtype=torch.float32, device=device)
+            self._tracker = torch.full((), self._init_tracker, dtype=torch.int32, device=device)
+        return self._scale
+
+    def _require_scale(self, what: str) -> torch.Tensor:
+        if self._scale is None:
+            raise RuntimeError(f"{what}() called before scale(): no loss was scaled this iteration")
+        return self._scale
+
+    def scale(self, outputs: torch.Tensor | Iterable[Any]) -> Any:
+        """Multiply a tensor (or nested lists/tuples of tensors) by the scale."""
+        if not self._enabled:
+            return outputs
+
+        def apply(value: Any) -> Any:
+            if isinstance(value, torch.Tensor):
+                scale = self._lazy_init(value.device)
+                return value * scale.to(device=value.device, non_blocking=True)
+            if isinstance(value, (list, tuple)):
+                return type(value)(apply(v) for v in value)
+            if isinstance(value, Iterable):
+                return map(apply, value)
+            raise ValueError("outputs must be a Tensor or an iterable of Tensors")
+
+        return apply(outputs)
+
+    def _unscale_grads(
+        self, optimizer: torch.optim.Optimizer, inv_scale: torch.Tensor
+    ) -> dict[torch.device, torch.Tensor]:
+        """Multiply every grad by ``inv_scale`` in place; one found-inf flag per device."""
+        grouped: dict[torch.device, dict[torch.dtype, list[torch.Tensor]]] = defaultdict(
+            lambda: defaultdict(list)
+        )
+        with torch.no_grad():
+            for group in optimizer.param_groups:
+                for param in group["params"]:
+                    if param.grad is None:
+                        continue
+                    grad = param.grad
+                    if grad.is_sparse:
+                        if grad.dtype is torch.float16:  # duplicates could overflow when summed
+                            param.grad = grad = grad.coalesce()
+                        grad = grad._values()
+                    grouped[grad.device][grad.dtype].append(grad)
+            found: dict[torch.device, torch.Tensor] = {}
+            for device, per_dtype in grouped.items():
+                flag = torch.zeros((), dtype=torch.float32, device=device)
+                local_inv = inv_scale.to(device)
+                for grads in per_dtype.values():
+                    torch._amp_foreach_non_finite_check_and_unscale_(grads, flag, local_inv)
+                found[device] = flag
+        return found
+
+    def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
+        """Divide ``optimizer``'s gradients by the scale in place and record inf/NaN.
+
+        Call at most once per optimizer between :meth:`update` calls (a second
+        call raises ``RuntimeError``). 16-bit gradients are unscaled in their
+        own dtype; letting :meth:`step` unscale a
+        :class:`~lpcompile.runtime.optim.MasterWeightOptimizer` unscales in FP32 instead.
+        """
+        if not self._enabled:
+            return
+        scale = self._require_scale("unscale_")
+        state = self._per_optimizer[id(optimizer)]
+        if state["stage"] is _Stage.UNSCALED:
+            raise RuntimeError("unscale_() was already called on this optimizer since the last update()")
+        if state["stage"] is _Stage.STEPPED:
+            raise RuntimeError("unscale_() is being called after step().")
+        inv_scale = scale.double().reciprocal().float()
+        state["found_inf_per_device"] = self._unscale_grads(optimizer, inv_scale)
+        state["param_groups"] = optimizer.param_groups
+        state["stage"] = _Stage.UNSCALED
+
+    def _found_inf(self, state: dict[str, Any], device: torch.device) -> torch.Tensor:
+        flags = [f.to(device) for f in state["found_inf_per_device"].values()]
+        return sum(flags[1:], flags[0]) if flags else torch.zeros((), device=device)
+
+    def _found_inf_bool(self, state: dict[str, Any], device: torch.device) -> bool:
+        """Whether ``state``'s optimizer saw inf/NaN (read once, by ``step``, or here)."""
+        if "found_inf" not in state:
+            state["found_inf"] = bool(self._found_inf(state, device).item())
+        return state["found_inf"]
+
+    def _calibrating(self, state: dict[str, Any]) -> bool:
+        """Whether a backward since :meth:`update`, through an adaptive model this optimizer
+        trains, ran at scales not yet set from statistics (its gradients are not to be
+        stepped on)."""
+        if self.mode != "adaptive":
+            return False
+        states = REGISTRY.adaptive_states()
+        if not any(s.calibrating or s.unsettled for s in states):  # the common case: one pass
+            return False
+        mine = [s for s in _trained_states(states, state["param_groups"]) if s.calibrating or s.unsettled]
+        for s in mine:  # a backward's statistics tell whether the scales it ran at were set
+            s.refresh_pending()
+        return any(s.unsettled for s in mine)
+
+    def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
+        """Unscale (unless :meth:`unscale_` did) and step ``optimizer`` if all grads are finite.
+
+        Returns ``optimizer.step``'s result, or ``None`` for a skipped step
+        (weights and optimizer state untouched). Closures are not supported.
+        """
+        if not self._enabled:
+            return optimizer.step(*args, **kwargs)
+        if "closure" in kwargs:
+            raise RuntimeError("closure use is not supported while loss scaling is enabled")
+        scale = self._require_scale("step")
+        state = self._per_optimizer[id(optimizer)]
+        if state["stage"] is _Stage.STEPPED:
+            raise RuntimeError("step() has already been called since the last update().")
+        if self.mode == "adaptive":
+            _check_adaptive_models()
+        if getattr(optimizer, "_step_supports_amp_scaling", False):
+            # The optimizer unscales and skips by itself (GradScaler's protocol).
+            if state["stage"] is _Stage.READY:
+                state["found_inf_per_device"] = self._unscale_grads(optimizer, torch.ones_like(scale))
+                state["param_groups"] = optimizer.param_groups
+            optimizer.grad_scale = None if state["stage"] is _Stage.UNSCALED else scale
+            optimizer.found_inf = self._found_inf(state, scale.device)
+            state["found_inf"] = bool(optimizer.found_inf.item())
+            calibrating = not state["found_inf"] and self._calibrating(state)
+            if calibrating:
+                optimizer.found_inf = torch.ones_like(optimizer.found_inf)
+            self.calibration_steps += int(calibrating)
+            self.skipped_steps += int(state["found_inf"] or calibrating)
+            try:
+                retval = optimizer.step(*args, **kwargs)
+            finally:
+                del optimizer.grad_scale, optimizer.found_inf
+            state["stage"] = _Stage.STEPPED
+            return retval
+        if state["stage"] is _Stage.READY:
+            self.unscale_(optimizer)
+        if not state["found_inf_per_device"]:
+            raise RuntimeError("step() found no gradients on this optimizer's parameters")
+        retval = None
+        found_inf = self._found_inf_bool(state, scale.device)
+        calibrating = not found_inf and self._calibrating(state)
+        if found_inf or calibrating:
+            self.skipped_steps += 1
+            self.calibration_steps += int(calibrating)
+        else:
+            retval = optimizer.step(*args, **kwargs)
+        state["stage"] = _Stage.STEPPED
+        return retval
+
+    def update(self, new_scale: float | torch.Tensor | None = None) -> None:
+        """End the iteration: adjust the scale by the mode's rule (or set ``new_scale``).
+
+        In ``"enhanced"`` mode the result, ``new_scale`` included, is raised
+        to the current floor (``min_scale``, or the schedule's value).
+        """
+        if not self._enabled:
+            return
+        scale = self._require_scale("update")
+        if new_scale is not None:
+            if isinstance(new_scale, torch.Tensor):
+                if new_scale.numel() != 1 or new_scale.requires_grad:
+                    raise ValueError("new_scale must be a float or a 1-element tensor without grad")
+                scale.copy_(new_scale.reshape(()))
+            else:
+                check_fp32_scale("new_scale", new_scale)
+                scale.fill_(float(new_scale))
+        else:
+            optimizers = list(self._per_optimizer.values())
+            if not any(state["found_inf_per_device"] for state in optimizers):
+                raise RuntimeError("update() found no inf checks: call step() (or unscale_()) first")
+            if self.mode == "adaptive":
+                found_inf = any(self._found_inf_bool(state, scale.device) for state in optimizers)
+                states = REGISTRY.adaptive_states()
+                # without inf/NaN in the step, only states whose in-graph probes counted some
+                if found_inf or any(state.flags.grad is not None for state in states):
+                    groups = [group for state in optimizers for group in state["param_groups"]]
+                    mine = _trained_states(states, groups)
+                    states = [s for s in mine if found_inf or s.flags.grad is not None]
+                else:
+                    states = []
+                hit = [state.back_off(found_inf) for state in states]
+                if found_inf and not any(hit):  # no layer's gradients show it: back off them all
+                    for state in states:
+                        state.back_off(everywhere=True)
+            elif self.mode != "static":
+                flags = [self._found_inf(state, scale.device) for state in optimizers]
+                torch._amp_update_scale_(
+                    scale,
+                    self._tracker,
+                    sum(flags[1:], flags[0]),
+                    self._config.growth_factor,
+                    self._config.backoff_factor,
+                    self._config.growth_interval,
+                )
+        if self.mode == "adaptive":
+            self._settle()
+        self._iteration += 1
+        floor = self._config.min_scale_at(self._iteration)
+        if floor is not None:
+            scale.clamp_(min=floor)
+        self._per_optimizer = defaultdict(_fresh_state)
+
+    def _settle(self) -> None:
+        """End the calibration veto of this iteration's backwards (their gradients are spent):
+        statistics a skipped step left pending are turned into scales now, not held against
+        the next iteration."""
+        states = REGISTRY.adaptive_states()
+        if any(s.unsettled or s.calibrating for s in states):
+            groups = [group for state in self._per_optimizer.values() for group in state["param_groups"]]
+            for s in _trained_states(states, groups):
+                s.refresh_pending()
+                s.unsettled = False
+
+    def get_scale(self) -> float:
+        """The current scale as a Python float (1.0 when disabled)."""
+        if not self._enabled:
+            return 1.0
+        return self._init_scale if self._scale is None else float(self._scale.item())
+
+    def get_min_scale(self) -> float | None:
+        """The current floor of ``"enhanced"`` mode, else ``None``."""
+        return self._config.min_scale_at(self._iteration)
+
+    def _growth_tracker(self) -> int:
+        return self._init_tracker if self._tracker is None else int(self._tracker.item())
+
+    def state_dict(self) -> dict[str, Any]:
+        """The scaler's state (``GradScaler``'s keys plus mode, floor and iteration); ``{}`` if disabled."""
+        if not self._enabled:
+            return {}
+        cfg = self._config
+        return {
+            "scale": self.get_scale(),
+            "growth_factor": cfg.growth_factor,
+            "backoff_factor": cfg.backoff_factor,
+            "growth_interval": cfg.growth_interval,
+            "_growth_tracker": self._growth_tracker(),
+            "mode": cfg.mode,
+            "min_scale": cfg.min_scale,
+            "min_scale_schedule": dict(cfg.min_scale_schedule) if cfg.min_scale_schedule else None,
+            "iteration": self._iteration,
+            "skipped_steps": self.skipped_steps,
+            "calibration_steps": self.calibration_steps,
+            "adaptive": (
+                [state.state_dict() for state in REGISTRY.adaptive_states()]
+                if cfg.mode == "adaptive"
+                else None
+            ),
+        }
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Restore :meth:`state_dict`'s output.
+
+        A ``GradScaler`` state dict also loads, except in ``"adaptive"`` mode (it
+        lacks the per-layer state); keys it lacks keep this scaler's values. The
+        adaptive state loads into the compiled graphs, or, when none is compiled
+        yet (a fresh process), into each graph's state as it compiles. The whole
+        dict is checked before any of it is applied: a bad one raises
+        ``ValueError`` and leaves the scaler as it was.
+        """
+        if not self._enabled:
+            return
+        if not state_dict:
+            raise RuntimeError("the state dict is empty: it was saved from a disabled scaler")
+        missing = [key for key in STATE_KEYS if key not in state_dict]
+        if missing:
+            raise ValueError(f"not a loss scaler state dict: it lacks {missing}, it has {sorted(state_dict)}")
+        mode = state_dict.get("mode", self.mode)
+        if mode != self.mode:
+            raise ValueError(f"state dict is for mode {mode!r}, this scaler's mode is {self.mode!r}")
+        changes = {k: state_dict[k] for k in ("growth_factor", "backoff_factor", "growth_interval")}
+        if self.mode == "enhanced":
+            changes["min_scale"] = state_dict.get("min_scale", self._config.min_scale)
+            changes["min_scale_schedule"] = state_dict.get(
+                "min_scale_schedule", self._config.min_scale_schedule
+            )
+        config = dataclasses.replace(self._config, **changes)  # validates them
+        check_fp32_scale("scale", state_dict["scale"])
+        counts = {key: state_dict.get(key, 0) for key in ("_growth_tracker", *COUNTERS)}
+        for key, value in counts.items():
+            check_count(f"the state dict's {key!r}", value)
+        if self.mode == "adaptive":
+            saved = state_dict.get("adaptive")
+            if not isinstance(saved, list):
+                raise ValueError(
+                    "mode 'adaptive' needs the per-layer state (the 'adaptive' list of LossScaler."
+                    f"state_dict()); this state dict has {saved!r} (a GradScaler's has none)"
+                )
+            states = REGISTRY.adaptive_states()
+            if not states:  # a fresh process: held until their graphs compile
+                for entry in saved:
+                    check_saved_state(entry)
+            elif len(saved) != len(states):
+                raise ValueError(f"state dict has {len(saved)} adaptive graphs, {len(states)} are compiled")
+            pairs = list(zip(states, saved if states else [], strict=True))
+            for state, entry in pairs:
+                state.check_state_dict(entry)
+        self._config = config
+        self._iteration = int(counts["iteration"])
+        self.skipped_steps = int(counts["skipped_steps"])
+        self.calibration_steps = int(counts["calibration_steps"])
+        if self.mode == "adaptive":
+            REGISTRY.defer_states([] if states else list(saved))
+            for state, entry in pairs:
+                state.load_state_dict(entry)
+        floor = self._config.min_scale_at(self._iteration)
+        self._init_scale = max(float(state_dict["scale"]), floor or 0.0)
+        self._init_tracker = int(counts["_growth_tracker"])
+        if self._scale is not None:
+            self._scale.fill_(self._init_scale)
+            self._tracker.fill_(self._init_tracker)

@@ -1,0 +1,61 @@
+"""The loss-scaling experiment's parts: the error-decay model and the table's arithmetic."""
+
+import math
+
+import pytest
+import torch
+
+from examples.experiments import ScalingRun, by_variant, format_runs, mean_accuracy, worst_underflow
+from examples.models import DeepTanhMLP, ScaleBackward
+from examples.train import TrainResult
+
+
+def test_scale_backward_is_the_identity_forward_and_scales_the_error():
+    x = torch.randn(5, 7, requires_grad=True)
+    y = ScaleBackward(2.0**-3)(x)
+    assert torch.equal(y, x)
+    g = torch.randn(5, 7)
+    y.backward(g)
+    assert torch.equal(x.grad, g * 2.0**-3)
+    for bad in (0.0, -1.0, math.inf, math.nan):
+        with pytest.raises(ValueError, match="factor"):
+            ScaleBackward(bad)
+
+
+def test_error_decay_leaves_the_forward_and_shrinks_the_input_gradient_per_layer():
+    torch.manual_seed(0)
+    plain = DeepTanhMLP(depth=6, width=16, gain=2.0)
+    torch.manual_seed(0)
+    decayed = DeepTanhMLP(depth=6, width=16, gain=2.0, error_decay=0.5)
+    assert sum(isinstance(m, ScaleBackward) for m in decayed) == 5  # one per hidden layer
+    x = torch.randn(4, 64, requires_grad=True)
+    grads = []
+    for model in (plain, decayed):
+        out = model(x)
+        out.sum().backward()
+        grads.append((out.detach(), x.grad.clone()))
+        x.grad = None
+    assert torch.equal(grads[0][0], grads[1][0])
+    assert torch.equal(grads[1][1], grads[0][1] * 0.5**5)
+
+
+def _run(name, seed, accuracy, underflow, skipped=0):
+    result = TrainResult(name, accuracy, 0.5, 1e-3, 0.0, skipped)
+    return ScalingRun(name, seed, result, underflow, [1.0] * len(underflow))
+
+
+def test_the_table_takes_means_over_seeds_and_the_worst_underflow():
+    runs = [
+        _run("fp32", 0, 95.0, []),
+        _run("fixed 2^8", 0, 80.0, [math.nan, 0.5]),
+        _run("fp32", 1, 96.0, []),
+        _run("fixed 2^8", 1, 90.0, [0.9, 0.2], skipped=2),
+    ]
+    groups = by_variant(runs)
+    assert list(groups) == ["fp32", "fixed 2^8"]
+    assert mean_accuracy(groups["fp32"]) == 95.5
+    # a layer that got no non-zero error (NaN) counts as all underflowing
+    assert worst_underflow(groups["fixed 2^8"]) == [1.0, 0.5]
+    table = format_runs(runs).splitlines()
+    assert table[2] == "| fp32 | 95.50 | 95.00 96.00 | 0.5000 | 0 0 | - |"
+    assert table[3] == "| fixed 2^8 | 85.00 | 80.00 90.00 | 0.5000 | 0 2 | 1.000 0.500 |"

@@ -1,0 +1,187 @@
+"""``im2col_conv2d`` and ``use_im2col_convs``: small quantized convolutions as im2col + matmul.
+
+The function is checked against ``F.conv2d`` bit for bit on values whose sums
+are exact in any order (multiples of 1/4 below 8: every product and partial sum
+is a multiple of 1/16 far below 2^24). The pass is checked on the graphs
+Inductor gets, run as FX (``inductor_runs_fx``), and once through Inductor itself.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from models import Records, assert_close_through_rounding, inductor_runs_fx, step
+from torch import nn
+
+from lpcompile.passes.dynamo.conv import MAX_IM2COL, im2col_conv2d
+
+# (batch, in_channels, height, width, out_channels, kernel, stride, padding, dilation)
+GEOMETRIES = [
+    (4, 1, 8, 8, 5, 3, 1, 1, 1),
+    (2, 1, 9, 7, 3, 3, 2, 1, 1),
+    (3, 2, 6, 7, 4, (2, 3), (1, 2), (0, 1), (2, 1)),
+    (2, 3, 5, 5, 2, 1, 1, 0, 1),
+    (2, 1, 7, 6, 3, 3, 1, "same", 2),
+    (2, 1, 6, 6, 3, (2, 2), 1, "same", 1),
+    (2, 2, 6, 5, 3, 2, 1, "valid", 1),
+]
+
+
+def quarters(*shape: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(-32, 33, shape, generator=g).float() / 4
+
+
+@pytest.mark.parametrize("with_bias", [True, False])
+@pytest.mark.parametrize("geometry", GEOMETRIES)
+def test_im2col_conv2d_equals_conv2d_and_its_gradients(geometry, with_bias):
+    n, c, h, w, o, kernel, stride, padding, dilation = geometry
+    kh, kw = (kernel, kernel) if isinstance(kernel, int) else kernel
+    x = quarters(n, c, h, w, seed=0).requires_grad_()
+    weight = quarters(o, c, kh, kw, seed=1).requires_grad_()
+    bias = quarters(o, seed=2).requires_grad_() if with_bias else None
+    inputs = (x, weight, bias) if with_bias else (x, weight)
+    results = []
+    for conv in (F.conv2d, im2col_conv2d):
+        y = conv(x, weight, bias, stride=stride, padding=padding, dilation=dilation)
+        error = quarters(*y.shape, seed=3)
+        grads = torch.autograd.grad(y, inputs, error)
+        results.append((y, *grads))
+    names = ("output", "x grad", "weight grad", "bias grad")[: 1 + len(inputs)]
+    for name, got, want in zip(names, results[1], results[0], strict=True):
+        assert got.shape == want.shape and torch.equal(got, want), name
+    assert results[1][0].is_contiguous()  # as ATen's: user code may view it
+
+
+class FirstConv(nn.Module):
+    """A 1-channel 3x3 convolution, a 1x1 one over its 4 channels (its input needs a
+    gradient), a strided 3x3 one over 8 channels, and a linear layer reading the first
+    and the last; the first's output through ``view``, which needs the contiguous
+    layout ATen's convolution returns."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.first = nn.Conv2d(1, 4, 3, padding=1)
+        self.mix = nn.Conv2d(4, 8, 1)
+        self.second = nn.Conv2d(8, 4, 3, stride=2, padding=1)
+        self.head = nn.Linear(4 * 6 * 6 + 4 * 3 * 3, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        a = self.first(x)
+        b = self.second(self.mix(a.relu()).relu()).relu()
+        return self.head(torch.cat([a.view(a.shape[0], -1), b.flatten(1)], 1))
+
+
+def digits_like() -> torch.Tensor:
+    return torch.rand(6, 1, 6, 6, generator=torch.Generator().manual_seed(4)).requires_grad_()
+
+
+def compiled_step(options: dict, x: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor], torch.Tensor]:
+    torch._dynamo.reset()
+    model = FirstConv()
+    compiled = torch.compile(model, backend="lowprec", options={"recipe": "fp8-e5m2-sr", **options})
+    x.grad = None
+    with torch._functorch.config.patch(enable_autograd_cache=False):
+        out, grads = step(model, lambda: compiled(x))
+    return out, grads, x.grad.clone()
+
+
+def rewritten(records: Records) -> int:
+    """How many convolutions the pass rewrote (0 where the options leave it out)."""
+    found = [r for r in records.only().records if r.name == "use_im2col_convs"]
+    if not found:
+        return 0
+    (record,) = found
+    assert record.nodes_removed == record.code_after.count("im2col_conv2d(")
+    return record.nodes_removed
+
+
+@pytest.mark.parametrize(
+    "options,count",
+    [
+        ({}, 3),
+        ({"conv": "aten"}, 0),
+        ({"executor": "eager"}, 0),
+        ({"exclude": ["first"]}, 2),  # kept in FP32: not quantized, not rewritten
+        ({"recipe": "fp32"}, 0),
+    ],
+)
+def test_only_small_quantized_cpu_convolutions_are_rewritten(monkeypatch, options, count):
+    inductor_runs_fx(monkeypatch)
+    records = Records()
+    compiled_step(options, digits_like())
+    if options.get("recipe") == "fp32":  # nothing quantized: the passes do not run at all
+        assert all(r.name != "use_im2col_convs" for r in records.only().records)
+        return
+    assert rewritten(records) == count
+
+
+class TwoSizes(nn.Module):
+    """On 64 images of 32x32: a 3x3 convolution over one channel (an im2col matrix of
+    65536 x 9 elements) and a 1x1 one over its 4 channels (65536 x 4: the limit)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.large = nn.Conv2d(1, 4, 3, padding=1)
+        self.at_limit = nn.Conv2d(4, 4, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.at_limit(self.large(x).relu()).sum((2, 3))
+
+
+def test_convolutions_whose_im2col_exceeds_the_limit_keep_atens(monkeypatch):
+    assert MAX_IM2COL == 64 * 32 * 32 * 4
+    inductor_runs_fx(monkeypatch)
+    records = Records()
+    torch._dynamo.reset()
+    model = TwoSizes()
+    x = torch.rand(64, 1, 32, 32, generator=torch.Generator().manual_seed(4))
+    compiled = torch.compile(model, backend="lowprec", options={"recipe": "fp8-e5m2-sr"})
+    with torch._functorch.config.patch(enable_autograd_cache=False):
+        step(model, lambda: compiled(x))
+    assert rewritten(records) == 1
+    (record,) = [r for r in records.only().records if r.name == "use_im2col_convs"]
+    lines = record.code_after.splitlines()
+    (conv,) = [line for line in lines if "torch.conv2d(" in line]
+    (im2col,) = [line for line in lines if "im2col_conv2d(" in line]
+    assert "large_parameters_bias" in conv and "at_limit_parameters_bias" in im2col
+
+
+def assert_close_steps(got, want) -> None:
+    (out, grads, x_grad), (want_out, want_grads, want_x_grad) = got, want
+    assert_close_through_rounding(out, want_out, "output")
+    assert_close_through_rounding(x_grad, want_x_grad, "input grad")
+    for i, (a, b) in enumerate(zip(grads, want_grads, strict=True)):
+        assert_close_through_rounding(a, b, f"grad of parameter {i}")
+
+
+def test_rewritten_step_matches_atens_convolution_in_the_graphs_inductor_gets(monkeypatch):
+    """The same quantized step with the small convolutions as im2col + mm and as ATen's:
+    FP32 sums in another order, and input gradients through the im2col's backward.
+    The backward graph recomputes the NCHW copies of the matmuls' channels-last
+    outputs; ``realize_transposed_copies`` has them stored once (not the forward's)."""
+    received = inductor_runs_fx(monkeypatch)
+    records = Records()
+    got = compiled_step({}, digits_like())
+    assert rewritten(records) == 3
+
+    def stored_transposes(kind: str) -> int:
+        graph = received[kind].graph
+        realized = graph.find_nodes(op="call_function", target=torch.ops.lowprec.realize.default)
+        return sum(node.args[0].target is torch.ops.aten.clone.default for node in realized)
+
+    assert stored_transposes("forward") == 0 and stored_transposes("backward") >= 1
+    assert_close_steps(got, compiled_step({"conv": "aten"}, digits_like()))
+
+
+def test_rewritten_step_under_inductor_matches_the_eager_executor():
+    """Inductor's own compile (lowprec::realize's lowering, the contiguous output
+    a view needs, the 1x1 convolution's input gradient) against the eager executor,
+    which keeps ATen's convolution."""
+    records = Records()
+    got = compiled_step({}, digits_like())
+    assert rewritten(records) == 3
+    assert_close_steps(got, compiled_step({"executor": "eager"}, digits_like()))
