@@ -31,6 +31,13 @@ def _imports(path: Path) -> list[str]:
     return [name for name in found if name.split(".")[0] in ("lpcompile", "examples")]
 
 
+def _run(code: str) -> list[str]:
+    """What ``code`` prints in a fresh interpreter, split into words."""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return done.stdout.split()
+
+
 def test_imports_run_one_way_between_parts():
     wrong = []
     for path in PACKAGE.rglob("*.py"):
@@ -61,15 +68,16 @@ def test_a_misplaced_import_would_be_found(tmp_path, monkeypatch):
 
 
 def test_import_lpcompile_loads_no_inductor_and_no_extras():
+    """Beyond what ``import torch`` loads (torch.hub takes tqdm where it is installed)."""
     code = (
-        "import sys, lpcompile\n"
-        "heavy = [m for m in ('torch._inductor.lowering', 'torch._inductor.compile_fx', 'sklearn', 'tqdm',"
-        " 'matplotlib', 'torch.distributed.pipelining', 'lpcompile.backend') if m in sys.modules]\n"
-        "print(heavy)\n"
+        "import sys, torch\n"
+        "before = set(sys.modules)\n"
+        "import lpcompile\n"
+        "heavy = ('torch._inductor', 'sklearn', 'tqdm', 'matplotlib', 'torch.distributed.pipelining',"
+        " 'lpcompile.backend', 'examples')\n"
+        "print(sorted(m for m in set(sys.modules) - before if m.startswith(heavy)))\n"
     )
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr[-2000:]
-    assert done.stdout.strip() == "[]"
+    assert _run(code) == ["[]"]
 
 
 def test_public_names_resolve_lazily():
@@ -79,9 +87,7 @@ def test_public_names_resolve_lazily():
         "print(sorted(n for n in lpcompile.__all__ if getattr(lpcompile, n) is None))\n"
         "print('lpcompile.runtime.scaler' in sys.modules)\n"
     )
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr[-2000:]
-    assert done.stdout.split() == ["[]", "True"]
+    assert _run(code) == ["[]", "True"]
 
 
 def test_inductor_gets_lowprec_lowerings_when_it_loads():
@@ -93,8 +99,7 @@ def test_inductor_gets_lowprec_lowerings_when_it_loads():
         "import torch._inductor.compile_fx\n"
         "from torch._inductor.decomposition import decompositions\n"
         "import torch\n"
-        "print('lpcompile.numerics.lowering' in sys.modules, torch.ops.lowprec.quantize.default in decompositions)\n"
+        "print('lpcompile.numerics.lowering' in sys.modules,"
+        " torch.ops.lowprec.quantize.default in decompositions)\n"
     )
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr[-2000:]
-    assert done.stdout.split() == ["True", "True"]
+    assert _run(code) == ["True", "True"]

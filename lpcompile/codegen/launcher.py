@@ -34,8 +34,8 @@ STATS: Counter[str] = Counter()
 _LOADED: dict[tuple[str, str, bool], Any] = {}  # (cache dir, code key, interpreted) -> kernel
 GPU_BLOCK = 1024
 # Elements per program of a kernel with reductions on a GPU: each program ends in atomic adds
-# (a histogram's bins, a count), so fewer, larger programs contend less. Measured on an H200
-# (benchmarks/results/codegen_cuda.md): 4096 beat 1024 and 16384 for both reduction patterns.
+# (a histogram's bins, a count), so fewer, larger programs contend less. 4096 was the best of
+# 1024, 4096 and 16384 for both reduction patterns (benchmarks/results/codegen_cuda.md).
 GPU_REDUCTION_BLOCK = 4096
 MAX_INTERPRETED_BLOCK = 1 << 16
 INT32_MIN = -(1 << 31)
@@ -120,7 +120,7 @@ def load_kernel(spec: KernelSpec) -> Any:
 def _block_size(device: torch.device, numel: int, reduces: bool) -> int:
     if device.type == "cuda":
         return GPU_REDUCTION_BLOCK if reduces else GPU_BLOCK
-    # The interpreter pays ~0.7 ms per program: few large blocks.
+    # The interpreter pays a large fixed cost per program: few large blocks.
     block = 16
     while block < numel and block < MAX_INTERPRETED_BLOCK:
         block *= 2

@@ -13,7 +13,7 @@
   ``fmt``'s grid for the joint-graph passes (``lpcompile.passes.joint.matmul``).
 * ``lowprec::realize(x)``: the identity, whose Inductor lowering stores ``x``
   in a buffer rather than recomputing it wherever it is read
-  (``lpcompile.passes.dynamo.conv``).
+  (``lpcompile.passes.dynamo.conv``, ``lpcompile.passes.aot.layout``).
 
 The reference implementations are plain torch ops on the FP32 bit pattern, in
 32-bit integers. They are the eager kernels, the decompositions Inductor
@@ -148,8 +148,7 @@ def quantize_reference(
         random = torch.ops.lowprec.counter_bits(key, list(x.shape))
     # The sign goes back on as a float op, not as bits: Inductor stores the input of a
     # final int32 -> float32 view in the default (contiguous) layout, so a quantize
-    # feeding a channels-last convolution wrote its bits and transposed them back (its
-    # GroupNorm+ReLU+quantize kernel took 2.3x the fp32 kernel's time in a 32x32 CNN).
+    # feeding a channels-last convolution wrote its bits and transposed them back.
     # With copysign the output is a float node that Inductor lays out for its consumer.
     mag = round_bits(xf.view(torch.int32), target, rounding, overflow, random)
     out = torch.copysign(mag.view(torch.float32), xf)

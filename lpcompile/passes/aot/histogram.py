@@ -3,12 +3,12 @@
 ``gradient_stats`` counts each error's binary exponents with
 ``index_add(zeros(256), 0, bins, ones)``, which Inductor's decompositions turn
 into ``index_put(full(0), [bins], full(1), accumulate=True)`` and lower to a
-loop of atomic adds into 256 shared bins. On CPU the threads contend for them:
-the adaptive-scaling MLP's recording backward took 6 ms more than the plain
-one for its 0.26 M errors (torch.profiler). ``count_histograms_serially`` hands
-the bins to ``lowprec::count_bins`` (``torch.bincount``: one pass, no atomics)
-instead; the counts are the same integers. The Triton codegen keeps the
-``index_add`` form, which it fuses into its kernels.
+loop of atomic adds into 256 shared bins. On CPU the threads contend for them,
+which makes a recording backward much slower than a plain one.
+``count_histograms_serially`` hands the bins to ``lowprec::count_bins``
+(``torch.bincount``: one pass, no atomics) instead; the counts are the same
+integers. The Triton codegen keeps the ``index_add`` form, which it fuses into
+its kernels.
 """
 
 from __future__ import annotations

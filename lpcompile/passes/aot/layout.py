@@ -12,42 +12,33 @@ both read one buffer.
 
 On CPU, Inductor runs every graph with a convolution channels-last (its
 ``layout_optimization``), converting activations in and out around the oneDNN
-calls. For small images the conversions outweigh the gain: the digits CNN's FP8
-training step (8x8 inputs) took 1.02-1.04x the time with it while its second
-convolution still ran on oneDNN (eight one-process A/B rounds, each variant
-compiled with its own seed, exploratory; before its first convolution became a
-matmul: 10% for the digits CNN, 1% for a 16x16 CNN, -1 to +4% for a 32x32 CNN).
-With ``conv="auto"`` both of its convolutions are matmuls now
-(``lpcompile.passes.dynamo.conv``), and this serves the small-image ones left to oneDNN.
+calls. For small images the conversions cost more than the layout gains.
+With ``conv="auto"`` the digits CNN's convolutions are matmuls
+(``lpcompile.passes.dynamo.conv``), so this serves the small-image convolutions
+left to oneDNN (``conv="aten"``, FP32 layers, or above the im2col limit).
 ``prefers_contiguous_layout`` tells the backend to keep the default layout where
 every convolution's input has at most :data:`SMALL_CONV_PIXELS` pixels.
 
 Without that layout one convolution kernel still gains from channels-last: the
 backward that computes the input gradient. oneDNN's backward-data kernel for
 NCHW tensors reorders them into blocked layouts on every call; on NHWC ones it
-runs directly (the digits CNN's second convolution: 0.6-0.75x the time; 0.4-1.03x
-over 20 shapes of at most 16x16 pixels, exploratory). ``use_channels_last_conv_backward``
-hands such a backward channels-last copies of its error and input, which Inductor
-writes from the kernels that produce them (the digits CNN's FP8 training step took
-1.03-1.06x the time without it, in eight one-process A/B rounds as above). The gradients the
-graph returns keep the layout they were traced with: only the clones' and the
-backward's own metadata change, and Inductor lays graph outputs out by theirs.
+runs directly. ``use_channels_last_conv_backward`` hands such a backward
+channels-last copies of its error and input, which Inductor writes from the
+kernels that produce them. The gradients the graph returns keep the layout they
+were traced with: only the clones' and the backward's own metadata change, and
+Inductor lays graph outputs out by theirs.
 
 Inductor inlines a pointwise copy into every loop that reads it. For a copy that
 transposes (a ``clone`` of a ``permute``) that is a strided read in each of those
 loops, and a loop that also reads other tensors in the copy's layout may then be
-vectorised badly. A small convolution written as a matmul (``passes/conv.py``)
+vectorised badly. A small convolution written as a matmul (``passes/dynamo/conv.py``)
 returns the NCHW copy of its channels-last product; the backward graph recomputes
 that copy from the saved product, and GroupNorm's backward reads it in three loops
-next to the NCHW error. Inductor 2.13 vectorised the last of them across the 4
-groups, gathering scalars into vectors: the digits CNN's second GroupNorm backward
-took ~0.2 ms of a 1.6 ms FP8 step, most of it in that loop (``perf``), for 32 K
-elements. ``realize_transposed_copies`` stores such copies once (``lowprec::realize``),
-written by a tiled transpose, in the CPU backward graphs: the digits CNN's FP8 step
-then took 0.87-0.96x the time, 0.73x under round-to-nearest (one-process A/B
-pairs, each variant compiled with its own seed); the MLP and the 32x32 CNN (no such
-copies) 1.00x, a small self-attention block (two copies stored) 0.97x. Forward graphs
-keep Inductor's choice: realizing the forward's copies as well gave 1.0-1.05x.
+next to the NCHW error. Inductor 2.13 vectorised the last of them across the
+groups, gathering scalars into vectors, and that loop dominated GroupNorm's
+backward. ``realize_transposed_copies`` stores such copies once (``lowprec::realize``),
+written by a tiled transpose, in the CPU backward graphs. Forward graphs keep
+Inductor's choice: realizing their copies as well made the step no faster.
 """
 
 from __future__ import annotations
@@ -64,6 +55,9 @@ PERMUTE = torch.ops.aten.permute.default
 CONV_BACKWARD = torch.ops.aten.convolution_backward.default
 CLONE = torch.ops.aten.clone.default
 REALIZE = torch.ops.lowprec.realize.default
+# Largest convolution input (pixels of one image) for which the default layout is kept: up to
+# 16x16 channels-last cost time on this project's benchmark CNNs, at 32x32 it no longer clearly
+# did (docs/design-notes.md).
 SMALL_CONV_PIXELS = 16 * 16
 SPATIAL_DIMS = {target: int(target.__name__[-2]) for target in CONV_TARGETS}  # conv2d -> 2
 

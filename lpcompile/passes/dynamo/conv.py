@@ -1,38 +1,25 @@
 """Small convolutions as im2col and a matmul, in Inductor's hands (Dynamo graph).
 
-On small images oneDNN's per-call cost dominates a convolution: the digits CNN's
-first convolution (1 channel, 9 taps per output, 8x8 pixels) took ~60 µs forward
-and ~70-90 µs backward for 0.6 M multiply-adds, its second (16 channels, 144 taps)
-~0.1 ms forward and ~0.3 ms backward for 4.7 M. ``im2col_conv2d`` writes such a
-convolution as ATen ops Inductor compiles: the quantized input, padded, is
-stored once channels-last; one strided slice per tap, stacked, makes the im2col
-matrix (output pixels x taps); one matmul with the weight gives the output
-(channels-last, copied to the contiguous layout ATen's convolution returns where
-Inductor does not fuse that away). Autograd turns the matmul into the
+On small images oneDNN's fixed per-call cost dominates a convolution's time.
+``im2col_conv2d`` writes such a convolution as ATen ops Inductor compiles: the
+quantized input, padded, is stored once channels-last; one strided slice per tap,
+stacked, makes the im2col matrix (output pixels x taps); one matmul with the weight
+gives the output (channels-last, copied to the contiguous layout ATen's convolution
+returns where Inductor does not fuse that away). Autograd turns the matmul into the
 weight-gradient matmul and the slices into sums of shifted windows (an input
 gradient, where one is needed).
 
 Which convolutions: those whose im2col matrix has at most :data:`MAX_IM2COL`
-elements. The digits CNN's two (37 K and 147 K elements) gain; a 32x32 CNN's
-first (885 K, 3 channels) and third (1.2 M, 16x16 input) lose: with either
-rewritten its step took 1.4x the time. Measurements, one-process A/B rounds,
-each variant compiled with its own seed, against a copy of the base (exploratory):
-
-- the digits CNN's FP8 step with ATen's convolutions took 1.00-1.07x the time
-  with only the first rewritten (median 1.03, sixteen rounds); its weight operand
-  made contiguous then gave 0.96-0.98x (twelve rounds): autograd computes the
-  weight gradient in the layout of that operand, and for a transposed view that
-  is out_grad^T @ im2col, a GEMM MKL ran ~4x slower than im2col^T @ out_grad;
-- the second rewritten as well: 0.88-0.99x (fourteen rounds), with the
-  matmuls' bf16 kernel kept off the 2^22-multiply-add GEMMs this makes
-  (``passes/matmul.py``: ``MIN_MACS``), ~1.0x with it on them.
+elements: larger ones, such as a 32x32 CNN's first and third, run faster on
+oneDNN. The bf16 matmul kernel's ``MIN_MACS`` (``passes/joint/matmul.py``) keeps
+it off the GEMMs of the digits CNN's second convolution, whose short sides make
+the kernel lose to MKL.
 
 Not ``unfold`` views: their backward is an accumulating ``index_put``, which
-Inductor 2.13 writes for the CPU as atomic adds, slow (the digits CNN's step
-1.16-1.19x the time with the second convolution so rewritten) and, in a 2-D
-tiled loop, wrong: the input gradient of a 1x1 convolution over 8 channels of
-16x16 pixels indexed past its buffer and corrupted the heap (``torch.compile``
-alone reproduces it).
+Inductor 2.13 writes for the CPU as atomic adds, slow and, in a 2-D tiled loop,
+wrong: the input gradient of a 1x1 convolution over 8 channels of 16x16 pixels
+indexed past its buffer and corrupted the heap (``torch.compile`` alone
+reproduces it).
 
 ``use_im2col_convs`` rewrites only quantized convolutions (both operands
 come from ``lowprec::quantize``) in Inductor compiles for the CPU
@@ -55,7 +42,8 @@ CONV2D_PARAMS = ("input", "weight", "bias", "stride", "padding", "dilation", "gr
 CONV2D_DEFAULTS = {"bias": None, "stride": 1, "padding": 0, "dilation": 1, "groups": 1}
 GEOMETRY = ("stride", "padding", "dilation")
 QUANTIZE = torch.ops.lowprec.quantize.default
-# Largest im2col matrix (output pixels x taps) rewritten; see the module docstring.
+# Largest im2col matrix (output pixels x taps, in elements) rewritten: set between the digits
+# CNN's convolutions, which gain, and a 32x32 CNN's larger ones, which lose (docs/design-notes.md).
 MAX_IM2COL = 1 << 18
 
 
@@ -104,7 +92,7 @@ def im2col_conv2d(
     im2col = torch.stack(taps, dim=3).reshape(n * out_h * out_w, kh * kw * in_channels)
     # A contiguous (taps x out_channels) operand: autograd computes the weight gradient in
     # the layout of this operand, and for a transposed view that is out_grad^T @ im2col,
-    # a GEMM MKL ran 4-5x slower here (16x4096 @ 4096x9: 94 against 20 µs) than im2col^T @ out_grad.
+    # a GEMM layout MKL runs several times slower than im2col^T @ out_grad.
     out = torch.mm(im2col, weight.permute(0, 2, 3, 1).reshape(out_channels, -1).t().contiguous())
     if bias is not None:
         out = out + bias
@@ -146,11 +134,11 @@ def _rewritable(args: dict[str, object]) -> bool:
 
 
 def im2col_applies(gm: torch.fx.GraphModule, ctx: CompileContext, kind: str) -> bool:
-    """``conv="auto"`` under Inductor, without pipelining (the pipeline's partitioner
-    finds layers by their conv calls)."""
+    """A quantizing recipe with ``conv="auto"`` under Inductor, without pipelining (the
+    pipeline's partitioner finds layers by their conv calls)."""
     config = ctx.config
     inductor = config.executor == "inductor" and config.codegen == "inductor"
-    return config.conv == "auto" and inductor and config.pipeline is None
+    return config.quantizes and config.conv == "auto" and inductor and config.pipeline is None
 
 
 def use_im2col_convs(gm: torch.fx.GraphModule, ctx: CompileContext) -> None:

@@ -3,10 +3,9 @@
 A ReLU's backward needs its mask. Where the ReLU's output feeds a quantize
 rather than the next matmul, nothing else saves a float the mask could be
 recomputed from, so the partitioner saves the mask itself, ``le(x, 0)``: a
-``bool`` tensor, the cheapest to store. Inductor's C++ code (torch 2.13)
-writes ``bool`` tensors through a generic 64-lane mask conversion that costs
-about 5 ns an element on this repository's CPUs: storing the 128x1024 masks of
-the benchmark MLP took ~0.7 ms each, 30x a float store of the same tensor.
+``bool`` tensor, the cheapest to store in bytes. But Inductor's C++ code
+(torch 2.13) writes ``bool`` tensors through a generic 64-lane mask
+conversion, many times slower than a float store of the same tensor.
 ``recompute_bool_masks`` marks such comparisons for recomputation: the
 partitioner then saves their float operand instead (4x the bytes) and the
 backward recomputes the comparison inside the kernel that reads it.

@@ -4,7 +4,7 @@ Every E5M2 or E4M3 value is a bfloat16 value, and the product of two is exact
 in FP32. So a matmul whose two operands were both just quantized to such a
 format can run on AVX512-BF16 instructions (``lowprec::mm_bf16``, ``bmm_bf16``) with FP32
 accumulation and give what an FP32 GEMM gives, up to the order of the FP32
-additions, at about twice the speed on CPUs that have them.
+additions, and faster: each such instruction does twice the multiply-adds of an FP32 FMA.
 
 Inductor's decomposition of an unscaled ``quantize`` ends in a
 ``lowprec::on_grid`` mark naming the format (``lpcompile.numerics.quantize``).
@@ -48,16 +48,13 @@ VALUE_PRESERVING = frozenset(
         aten.unsqueeze.default,
     }
 )
-# Below this many multiply-adds ATen's GEMM wins in a training step. On this repository's
-# 2-core AMD EPYC, one-layer MLP steps with the kernel took 1.04-1.12x the time with FP32
-# GEMMs at 2^21 (64x512x64), 0.94-1.01x at 2^22, 0.95-0.97x at 2^23, 0.86-0.92x at 2^24
-# (one-process A/B rounds); in a loop of bare calls, with warm caches, it broke even at 2^21.
-# Shapes with a short side lose more: the digits CNN's second convolution as im2col makes
-# 1024x32x144 and 144x1024x32 GEMMs (2^22), 1.3x slower on the kernel in bare calls, and
-# its step gained only with them on FP32 GEMMs (passes/conv.py).
+# Below this many multiply-adds (a bmm's batch included) ATen's FP32 GEMM wins in a training
+# step, and GEMMs with a short side, such as the digits CNN's im2col convolutions
+# (passes/dynamo/conv.py), lose more. Set where the kernel stopped losing on this project's
+# benchmark shapes; see docs/design-notes.md.
 MIN_MACS = 1 << 23
 # A bmm also needs this many per matrix: below it the kernel's padding of each
-# matrix to 8x32 blocks loses to ATen's bmm (break-even near 2^16: 32 x 32x64x32).
+# matrix to 8x32 blocks loses to ATen's bmm. Set at twice the measured break-even.
 MIN_MACS_PER_MATRIX = 1 << 17
 
 
