@@ -27,6 +27,7 @@ _EXPORTS = {
     "LowPrecConfig": "lpcompile.config",
     "recipes": "lpcompile.config",
     "stats": "lpcompile.backend.state",
+    "coverage": "lpcompile.backend.state",
     "LossScaler": "lpcompile.runtime.scaler",
     "MasterWeightOptimizer": "lpcompile.runtime.optim",
     "PipelineSGD": "lpcompile.runtime.pipeline",

@@ -38,6 +38,7 @@ CODEGENS = ("inductor", "triton")
 MATMULS = ("auto", "fp32", "bf16")
 WRAPPERS = ("auto", "cpp", "python")
 CONVS = ("auto", "aten")
+ATTENTIONS = ("operands", "full", "off")
 # options key -> AdaptiveScaleConfig field
 ADAPTIVE_KEYS = {
     "loss_scale_rule": "rule",
@@ -208,7 +209,10 @@ class LowPrecConfig:
     Inductor compiles for the CPU run small quantized 2-D convolutions (an im2col
     matrix of at most 2^18 elements) as that matrix, which Inductor writes, and a
     matmul (``lpcompile.passes.dynamo.conv``); ``"aten"`` keeps ATen's convolution
-    everywhere.
+    everywhere. ``attention`` says what becomes of ``scaled_dot_product_attention``:
+    ``"operands"`` rounds Q, K, V and the error entering it and keeps the fused kernel,
+    ``"full"`` writes it as matmul → softmax (FP32) → matmul so the probabilities and
+    their gradient are rounded too, ``"off"`` leaves it in higher precision.
     """
 
     recipe: str = "fp32"
@@ -227,6 +231,7 @@ class LowPrecConfig:
     matmul: str = "auto"
     wrapper: str = "auto"
     conv: str = "auto"
+    attention: str = "operands"
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "pipeline", PipelineConfig.from_option(self.pipeline))
@@ -244,6 +249,8 @@ class LowPrecConfig:
             raise ValueError(f"wrapper must be one of {WRAPPERS}, got {self.wrapper!r}")
         if self.conv not in CONVS:
             raise ValueError(f"conv must be one of {CONVS}, got {self.conv!r}")
+        if self.attention not in ATTENTIONS:
+            raise ValueError(f"attention must be one of {ATTENTIONS}, got {self.attention!r}")
         if self.wrapper != "auto" and (self.executor != "inductor" or self.codegen != "inductor"):
             raise ValueError(
                 f"wrapper={self.wrapper!r} picks Inductor's wrapper code: it needs executor='inductor'"

@@ -13,12 +13,13 @@ from lpcompile.backend.cache import SourceStamp, source_hash
 from lpcompile.backend.compile import lowprec, uses_cpp_wrapper
 from lpcompile.backend.records import CompiledGraph
 from lpcompile.backend.runtime import step_seed
-from lpcompile.backend.state import REGISTRY, stats
+from lpcompile.backend.state import REGISTRY, coverage, stats
 
 __all__ = [
     "REGISTRY",
     "CompiledGraph",
     "SourceStamp",
+    "coverage",
     "lowprec",
     "source_hash",
     "stats",

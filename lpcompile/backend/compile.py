@@ -41,6 +41,11 @@ from lpcompile.passes.graph import is_layer_call, layer_name, parameter_of
 from lpcompile.passes.joint import JOINT_PASSES
 from lpcompile.passes.joint.matmul import uses_bf16_kernel
 
+# Dynamo skips a whole frame that runs nn.LSTM/GRU/RNN unless this is set, so the backend
+# would never see such a model; with it, the recurrent layer is one ATen call that
+# passes.dynamo.recurrent writes out as its cells. Set when the backend is first looked up.
+torch._dynamo.config.allow_rnn = True
+
 # codegen="triton": after the AOT passes, each fusion group becomes one generated Triton kernel.
 CODEGEN_PASSES = (fuse_lowprec_kernels,)
 
@@ -203,8 +208,11 @@ def lowprec(
     if config.matmul == "bf16" and (why := gemm.unavailable()):
         raise ValueError(f"matmul='bf16': lowprec's bf16 matmul kernel cannot run here: {why}")
     ctx = CompileContext(config=config, graph_id=REGISTRY.new_graph_id(), stream=graph_stream(gm))
-    record = CompiledGraph(ctx.graph_id, ctx.stream, config, ctx.sites, ctx.records, fused=ctx.kernels)
+    record = CompiledGraph(
+        ctx.graph_id, ctx.stream, config, ctx.sites, ctx.records, ctx.kept, fused=ctx.kernels
+    )
     REGISTRY.records.append(record)
+    REGISTRY.entry(runtime.model_key(example_inputs, runtime.model_key_input(gm))).graphs.add(ctx.graph_id)
     if applicable(DYNAMO_PASSES, gm, ctx, "dynamo"):
         gm = run_passes(own_copy(gm), DYNAMO_PASSES, ctx, graph="dynamo")
         record.partition = ctx.partition

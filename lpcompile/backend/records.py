@@ -9,7 +9,7 @@ from typing import Any
 import torch.fx
 
 from lpcompile.config import LowPrecConfig
-from lpcompile.passes.driver import PassRecord, Site
+from lpcompile.passes.driver import KeptProduct, PassRecord, Site
 
 
 @dataclass
@@ -21,6 +21,7 @@ class CompiledGraph:
     config: LowPrecConfig
     sites: dict[int, Site]
     records: list[PassRecord]
+    kept: list[KeptProduct] = field(default_factory=list)  # products left in higher precision
     aten_graphs: dict[str, torch.fx.GraphModule] = field(default_factory=dict)
     partition: Any = None  # passes.stages.Partition of a graph split into pipeline stages
     fused: list = field(default_factory=list)  # codegen.KernelRecord of every generated kernel

@@ -48,6 +48,7 @@ class Entry:
     steps: collections.Counter = field(default_factory=collections.Counter)
     adaptive: dict[int, AdaptiveScaleState] = field(default_factory=dict)  # graph id -> state
     optimizer: weakref.ref | None = None  # the optimizer serving this weight's predictions
+    graphs: set[int] = field(default_factory=set)  # ids of the graphs compiled for this model
 
 
 class Registry:
@@ -173,7 +174,39 @@ class Registry:
         return [o for o in self.observers if o.active()]
 
 
+    def model_records(self, model: torch.nn.Module) -> list[Any]:
+        """The kept records of the graphs compiled for ``model`` (any of its parameters
+        named one), in compile order."""
+        wanted = {id(p) for p in model.parameters()}
+        ids = {g for key, entry in list(self._entries.items()) if id(key) in wanted for g in entry.graphs}
+        return [record for record in self.records if record.graph_id in ids]
+
+
 REGISTRY = Registry()
+
+
+@dataclass(frozen=True)
+class LayerCoverage:
+    """What became of one product of a compiled model: its rounded roles, or why not."""
+
+    layer: str
+    graph_id: int
+    quantized: dict[str, str]  # role -> "format rounding overflow", e.g. {"weight": "e5m2 nearest saturate"}
+    kept: str | None = None  # why it stays in higher precision (then ``quantized`` is empty)
+    op: str | None = None
+
+
+def coverage(model: torch.nn.Module) -> list[LayerCoverage]:
+    """Per product of ``model``'s compiled graphs: which roles were rounded, with which
+    format and rounding, or why the product stays in higher precision."""
+    rows = []
+    for record in REGISTRY.model_records(model):
+        roles: dict[str, dict[str, str]] = {}
+        for site in record.sites.values():
+            roles.setdefault(site.layer, {})[site.role] = f"{site.fmt} {site.rounding} {site.overflow}"
+        rows += [LayerCoverage(layer, record.graph_id, quantized) for layer, quantized in roles.items()]
+        rows += [LayerCoverage(k.layer, record.graph_id, {}, k.reason, k.op) for k in record.kept]
+    return rows
 
 
 def stats(model: torch.nn.Module) -> list[LayerTelemetry]:

@@ -29,6 +29,15 @@ class Site:
         return dict(self.__dict__)
 
 
+@dataclass(frozen=True)
+class KeptProduct:
+    """A product the passes left in higher precision, and why."""
+
+    layer: str
+    op: str
+    reason: str
+
+
 @dataclass
 class PassRecord:
     """What one pass did to one graph."""
@@ -62,6 +71,7 @@ class CompileContext:
     graph_id: int  # order of compilation in this process (names in dumps)
     stream: int  # from the graph's layers: keys its random streams, whatever was compiled before
     sites: dict[int, Site] = field(default_factory=dict)
+    kept: list[KeptProduct] = field(default_factory=list)  # products left in higher precision
     inputs: dict[str, torch.fx.Node] = field(default_factory=dict)
     # inputs read afresh at every call for the parameters of that call
     call_inputs: dict[str, PredictionInput] = field(default_factory=dict)
@@ -126,9 +136,13 @@ def run_passes(
     """Run the ``passes`` that apply to ``gm`` in order, recording each one in ``ctx.records``.
 
     ``graph`` names the graph (``"dynamo"``, ``"joint"``, ``"forward"``, ...; a variant
-    of the Dynamo graph appends its tag): the records and the conditions read it.
+    of the Dynamo graph appends its tag): the records and the conditions read it. Each
+    condition is asked just before its pass, on the graph the passes before it left.
     """
-    for graph_pass in applicable(passes, gm, ctx, graph):
+    for item in passes:
+        if not applicable([item], gm, ctx, graph):
+            continue
+        graph_pass = item.run if isinstance(item, Pass) else item
         before = set(gm.graph.nodes)
         code_before = gm.code
         start = time.perf_counter()

@@ -1,14 +1,19 @@
-"""FX helpers the passes and the pipeline share: which node is a layer (a
-matmul or convolution), which parameter it reads, and its name."""
+"""FX helpers the passes and the pipeline share: which node is a layer (a product:
+matmul, convolution, addmm, einsum, attention, ...), which parameter it reads, its
+name; and :func:`inline`, which writes a function over FX proxies into a graph."""
 
 from __future__ import annotations
 
 import operator
 import re
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.fx
 import torch.nn.functional as F
+from torch._subclasses.fake_tensor import FakeTensor
+from torch.fx.node import map_aggregate
 
 import lpcompile.numerics.quantize  # noqa: F401  (defines lowprec::quantize, quantize_grad)
 import lpcompile.numerics.scale_grad  # noqa: F401  (defines lowprec::scale_grad)
@@ -17,37 +22,51 @@ LINEAR_TARGETS = {torch._C._nn.linear, F.linear}
 CONV_TARGETS = {torch.conv1d, torch.conv2d, torch.conv3d, F.conv1d, F.conv2d, F.conv3d}
 CONV_TRANSPOSE_TARGETS = {torch.conv_transpose1d, torch.conv_transpose2d, torch.conv_transpose3d}
 MATMUL_TARGETS = {torch.matmul, torch.linalg.matmul, operator.matmul, torch.mm, torch.bmm}
-MATMUL_METHODS = {"matmul", "mm", "bmm", "__matmul__"}
-# Products the pass leaves in higher precision, with a warning: their operands sit
-# elsewhere than (input, weight), or the products are inside one opaque call.
-UNQUANTIZED_TARGETS = {
-    torch.einsum,
-    torch.addmm,
-    torch.baddbmm,
-    torch.addbmm,
-    torch.addmv,
-    torch.mv,
-    torch.tensordot,
-    torch.dot,
-    torch.vdot,
-    torch.inner,
-    torch.outer,
-    torch.linalg.multi_dot,
-    torch.chain_matmul,
-    F.bilinear,
-    F.scaled_dot_product_attention,
-    F.multi_head_attention_forward,
+WEIGHTED_TARGETS = LINEAR_TARGETS | CONV_TARGETS | CONV_TRANSPOSE_TARGETS  # (input, weight, bias)
+# Every product the quantize pass rounds: target -> the positions of its multiplied operands
+# in ``node.args`` (where insert_quantize puts operands passed by keyword; see OPERAND_NAMES).
+# ``einsum``'s operands are all its arguments after the equation.
+PRODUCT_OPERANDS: dict[object, tuple[int, ...]] = {
+    **{target: (0, 1) for target in WEIGHTED_TARGETS | MATMUL_TARGETS},
+    **{target: (1, 2) for target in (torch.addmm, torch.baddbmm, torch.addbmm, torch.addmv)},
+    **{target: (0, 1) for target in (torch.mv, torch.dot, torch.vdot, torch.inner, torch.outer)},
+    torch.tensordot: (0, 1),
+    F.bilinear: (0, 1, 2),
+    F.scaled_dot_product_attention: (0, 1, 2),  # option `attention`
 }
-UNQUANTIZED_METHODS = {"addmm", "baddbmm", "addbmm", "addmv", "mv", "dot", "vdot", "inner", "outer"}
+PRODUCT_METHODS: dict[str, tuple[int, ...]] = {
+    **{name: (0, 1) for name in ("matmul", "mm", "bmm", "__matmul__", "mv", "dot", "vdot", "inner", "outer")},
+    **{name: (1, 2) for name in ("addmm", "baddbmm", "addbmm", "addmv")},
+}
+# The parameter names of a product's leading positions, to move keyword operands there.
+OPERAND_NAMES: dict[object, tuple[str, ...]] = {
+    **{target: ("input", "weight", "bias") for target in WEIGHTED_TARGETS},
+    **{target: ("input", "mat2") for target in (torch.mm, torch.bmm, "mm", "bmm")},
+    torch.addmm: ("input", "mat1", "mat2"),
+    "addmm": ("input", "mat1", "mat2"),
+    **{target: ("input", "batch1", "batch2") for target in (torch.baddbmm, torch.addbmm)},
+    **{target: ("input", "batch1", "batch2") for target in ("baddbmm", "addbmm")},
+    **{target: ("input", "mat", "vec") for target in (torch.addmv, "addmv")},
+    **{target: ("input", "vec") for target in (torch.mv, "mv")},
+    **{target: ("input", "tensor") for target in (torch.dot, torch.vdot, "dot", "vdot")},
+    **{target: ("input", "vec2") for target in (torch.outer, "outer")},
+    torch.tensordot: ("a", "b", "dims"),
+    F.bilinear: ("input1", "input2", "weight", "bias"),
+    F.scaled_dot_product_attention: ("query", "key", "value"),
+}
+# Products left in higher precision, with a warning: the products are inside one opaque
+# call, or their operands are a list. (Attention has an option of its own: `attention`.)
+UNQUANTIZED_TARGETS = {torch.linalg.multi_dot, torch.chain_matmul}
 # Ops through which a parameter is still "the weight" (x @ self.w.t()).
-VIEW_METHODS = {"t", "transpose", "permute", "view", "reshape", "contiguous", "T", "mT"}
-VIEW_FUNCTIONS = {torch.t, torch.transpose, torch.permute, torch.reshape}
+VIEW_METHODS = {"t", "transpose", "permute", "view", "reshape", "contiguous", "T", "mT", "narrow"}
+VIEW_FUNCTIONS = {torch.t, torch.transpose, torch.permute, torch.reshape, torch.narrow}
 
 # ATen ops that reshape a tensor, or cast an index tensor, without changing its values' order.
 RESHAPES = {torch.ops.aten.view.default, torch.ops.aten.reshape.default, torch.ops.aten._unsafe_view.default}
 INDEX_CASTS = {torch.ops.aten._to_copy.default, torch.ops.prims.convert_element_type.default}
 
 LAYER_NAME = "lowprec_layer_name"  # node.meta key: a layer call's name, once its graph is named
+ATTENTION = "lowprec_attention"  # node.meta key: a product inside attention (option `attention`)
 SCALE_GRAD = torch.ops.lowprec.scale_grad.default
 LOWPREC_OPS = {
     torch.ops.lowprec.quantize.default: "quantize",
@@ -55,25 +74,50 @@ LOWPREC_OPS = {
 }
 
 
+def product_operands(node: torch.fx.Node) -> tuple[int, ...] | None:
+    """The positions in ``node.args`` of the operands ``node`` multiplies, if it is a
+    product the quantize pass rounds (a layer call); else ``None``."""
+    if node.op == "call_method":
+        return PRODUCT_METHODS.get(node.target)
+    if node.op != "call_function":
+        return None
+    if node.target is torch.einsum:  # a product of two or more operands, not a permutation or a sum
+        operands = tuple(range(1, len(node.args)))
+        return operands if len(operands) > 1 else None
+    return PRODUCT_OPERANDS.get(node.target)
+
+
+def is_attention(node: torch.fx.Node) -> bool:
+    """Whether ``node`` is attention's product: SDPA, or one a pass wrote attention with."""
+    return node.target is F.scaled_dot_product_attention or bool(node.meta.get(ATTENTION))
+
+
 def is_layer_call(node: torch.fx.Node) -> bool:
-    """Whether ``node`` is a matmul or convolution the pass quantizes."""
-    if node.op == "call_function":
-        return node.target in LINEAR_TARGETS | CONV_TARGETS | CONV_TRANSPOSE_TARGETS | MATMUL_TARGETS
-    return node.op == "call_method" and node.target in MATMUL_METHODS
+    """Whether ``node`` is a product (matmul, convolution, addmm, einsum, ...) the pass quantizes."""
+    return product_operands(node) is not None
+
+
+def weight_operand(node: torch.fx.Node) -> torch.fx.Node | None:
+    """The product operand of a layer call that reads a parameter (its weight), if any."""
+    for index in product_operands(node) or ():
+        operand = node.args[index] if index < len(node.args) else None
+        if isinstance(operand, torch.fx.Node) and parameter_of(operand) is not None:
+            return operand
+    return None
 
 
 def is_unquantized_product(node: torch.fx.Node) -> bool:
     """Whether ``node`` multiplies tensors in a way the pass does not quantize."""
-    if node.op == "call_function" and node.target is torch.einsum:  # not a permutation or a sum
-        return len(node.all_input_nodes) > 1
-    if node.op == "call_function":
-        return node.target in UNQUANTIZED_TARGETS
-    return node.op == "call_method" and node.target in UNQUANTIZED_METHODS
+    return node.op == "call_function" and node.target in UNQUANTIZED_TARGETS
 
 
 def _fqn(source: str) -> str:
-    """``L['self']._modules['0']._parameters['w']`` -> ``0.w``."""
-    path = re.sub(r"^L\['[^']*'\]", "", source)
+    """``L['self']._modules['0']._parameters['w']`` -> ``0.w``.
+
+    The root module is the frame's ``self``, or, where a decorator wraps ``forward``
+    (``def wrapper(*args, **kwargs)``, as transformers does), ``args[0]``.
+    """
+    path = re.sub(r"^L\['(?:args|kwargs)'\]\[(?:\d+|'[^']*')\]|^L\['[^']*'\]", "", source)
     path = re.sub(r"\._(?:modules|parameters)\['([^']*)'\]", r".\1", path)
     return re.sub(r"\[(\d+)\]", r".\1", path).strip(".")
 
@@ -92,9 +136,8 @@ def layer_name(node: torch.fx.Node) -> str:
     if path and is_layer_call(node):
         _name_module_layers(node.graph)
         return node.meta[LAYER_NAME]
-    if not path and len(node.args) > 1 and isinstance(node.args[1], torch.fx.Node):
-        if parameter_of(node.args[1]) is not None:
-            path = state_name(base_of(node.args[1]))
+    if not path and is_layer_call(node) and (weight := weight_operand(node)) is not None:
+        path = state_name(base_of(weight))
     return path or node.name
 
 
@@ -110,6 +153,7 @@ def _name_module_layers(graph: torch.fx.Graph) -> None:
         if path := _module_path(node):
             calls.setdefault(path, []).append(node)
     for path, nodes in calls.items():
+        nodes = [n for n in nodes if LAYER_NAME not in n.meta]  # named by the pass that made them
         for i, node in enumerate(nodes):
             node.meta[LAYER_NAME] = path if len(nodes) == 1 else f"{path}#{i}"
 
@@ -145,3 +189,56 @@ def parameter_of(node: torch.fx.Node) -> torch.nn.Parameter | None:
     else:
         example = None
     return example if isinstance(example, torch.nn.Parameter) else None
+
+
+def inline(
+    gm: torch.fx.GraphModule, node: torch.fx.Node, fn: Callable[..., Any], args: dict[str, Any]
+) -> Any:
+    """Run ``fn(**args)`` on FX proxies of ``args``' nodes: its torch calls become nodes
+    before ``node``, with ``node``'s module stack and example values. Returns what ``fn``
+    returned, with nodes in place of proxies."""
+    tracer = torch.fx.proxy.GraphAppendingTracer(gm.graph)
+    before = set(gm.graph.nodes)
+    with gm.graph.inserting_before(node):
+        proxies = map_aggregate(
+            args, lambda a: torch.fx.Proxy(a, tracer) if isinstance(a, torch.fx.Node) else a
+        )
+        out = fn(**proxies)
+    out = map_aggregate(out, lambda a: a.node if isinstance(a, torch.fx.Proxy) else a)
+    new = [n for n in gm.graph.nodes if n not in before]
+    values = [a.meta.get("example_value") for a in node.all_input_nodes]
+    # the example values' own mode (the graph's copy may carry another in its context)
+    fake_mode = next((v.fake_mode for v in values if isinstance(v, FakeTensor)), None)
+    for made in new:
+        made.meta["nn_module_stack"] = dict(node.meta.get("nn_module_stack") or {})
+        made.meta["stack_trace"] = node.meta.get("stack_trace")
+        if fake_mode is not None:
+            with fake_mode:
+                made.meta["example_value"] = _example(made)
+    return out
+
+
+def _example(node: torch.fx.Node) -> Any:
+    """``node``'s value on its inputs' example values."""
+    args, kwargs = map_aggregate((node.args, node.kwargs), _example_of)
+    if node.op == "call_method":
+        return getattr(args[0], node.target)(*args[1:], **kwargs)
+    return node.target(*args, **kwargs)
+
+
+def _example_of(value: Any) -> Any:
+    return value.meta.get("example_value") if isinstance(value, torch.fx.Node) else value
+
+
+def replace_with(node: torch.fx.Node, outputs: tuple[Any, ...] | Any) -> None:
+    """Point ``node``'s users at ``outputs`` (a tuple: each ``getitem`` user at its element)."""
+    if not isinstance(outputs, tuple):
+        node.replace_all_uses_with(outputs)
+    else:
+        for user in list(node.users):
+            index = user.args[1] if user.target is operator.getitem else None
+            if index is None or not isinstance(outputs[index], torch.fx.Node):
+                raise RuntimeError(f"lowprec: cannot replace {user.format_node()} of {node.name}")
+            user.replace_all_uses_with(outputs[index])
+            user.graph.erase_node(user)
+    node.graph.erase_node(node)

@@ -56,6 +56,7 @@ from lpcompile.passes.graph import (
     LINEAR_TARGETS,
     is_layer_call,
     layer_name,
+    product_operands,
     state_name,
 )
 
@@ -171,19 +172,19 @@ def node_cost(node: torch.fx.Node) -> Any:
         return 0
     out = _numel(_value(node))
     flops = out
-    if is_layer_call(node):
-        weight = _value(node.args[1]) if len(node.args) > 1 else None
+    if (operands := product_operands(node)) is not None:
+        first, second = (_value(node.args[i]) for i in operands[:2])
+        weight = second
         if isinstance(weight, torch.Tensor) and weight.dim() >= 1:
             elements = out  # products are counted per output element, with these exceptions
             if node.target in CONV_TARGETS:
                 per_element = weight.numel() // weight.shape[0]  # Cin/groups * prod(kernel)
             elif node.target in CONV_TRANSPOSE_TARGETS:  # per input element: Cout/groups * prod(kernel)
-                elements = _numel(_value(node.args[0]))
+                elements = _numel(first)
                 per_element = weight.numel() // weight.shape[0]
             elif node.target in LINEAR_TARGETS:
                 per_element = weight.shape[-1]
-            else:  # matmul: contraction dimension of the first operand
-                first = _value(node.args[0])
+            else:  # matmul and the others: contraction dimension of the first operand
                 per_element = first.shape[-1] if isinstance(first, torch.Tensor) else 1
             flops = 2 * elements * per_element
     param_bytes = 0

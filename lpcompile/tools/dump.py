@@ -549,6 +549,7 @@ def write_graph(session: _Session, entry: _Entry) -> Path:
         "passes_seconds": sum(r.seconds for r in records),
         "graphs": graphs,
         "inserted": inserted,
+        "kept": [dataclasses.asdict(k) for k in getattr(record, "kept", [])],
         "kernels": {
             "count": len(kernels),
             "files": [f"kernels/{_safe(name)}.py" for name in sorted(kernels)],
@@ -886,6 +887,8 @@ def summary(root: Path | str) -> str:
         lines.append(f"  kernels: {kernels}{note}")
         stages = m.get("stages")
         lines.append(f"  stages: {stages['count'] if stages else 'none (no pipeline partition)'}")
+        kept = [f"{k['layer']} ({k['op']}: {k['reason']})" for k in m.get("kept", [])]
+        lines.append("  left in higher precision: " + (", ".join(kept) or "none"))
         lines.append("")
     return "\n".join(lines)
 

@@ -369,9 +369,10 @@ def test_several_layer_calls_of_one_module_are_numbered():
 
 
 def test_unknown_op_is_left_alone():
-    """einsum is not a call the pass knows: it stays in full precision, the linear is quantized."""
+    """multi_dot is not a call the pass knows: it stays in full precision, with a warning
+    naming it; the linear is quantized."""
 
-    class EinsumThenLinear(nn.Module):
+    class MultiDotThenLinear(nn.Module):
         def __init__(self):
             super().__init__()
             torch.manual_seed(0)
@@ -379,51 +380,59 @@ def test_unknown_op_is_left_alone():
             self.out = nn.Linear(6, 2)
 
         def forward(self, x):
-            return self.out(torch.einsum("bi,ij->bj", x, self.mix))
+            return self.out(torch.linalg.multi_dot([x, self.mix, self.mix]))
 
     records = Records()
-    model = EinsumThenLinear()
+    model = MultiDotThenLinear()
     x = mlp_input()
-    with pytest.warns(UserWarning, match=r"lowprec: products left in higher precision: einsum in '.*'\. "):
+    left = r"lowprec: products left in higher precision: linalg_multi_dot in '.*'\. "
+    with pytest.warns(UserWarning, match=left):
         got = step(model, lambda: compile_(model, "fp8-e5m2-sr")(x))
     record = records.only()
     assert {s.layer for s in record.sites.values()} == {"out"} and len(record.sites) == 4
     ref = Ref.for_recipe("fp8-e5m2-sr", step_seed(0, 0), record.stream)
-    expected = step(
-        model, lambda: ref.layer(F.linear, torch.einsum("bi,ij->bj", x, model.mix), *model.out.parameters())
-    )
+    mixed = lambda: torch.linalg.multi_dot([x, model.mix, model.mix])  # noqa: E731
+    expected = step(model, lambda: ref.layer(F.linear, mixed(), *model.out.parameters()))
     assert_same_step(got, expected)
 
 
-class _Attention(nn.Module):
-    """Self-attention through the products the pass does not quantize."""
+class _Chain(nn.Module):
+    """Products the pass does not quantize, in a submodule and in the root."""
 
     def __init__(self):
         super().__init__()
         torch.manual_seed(0)
         self.mix = nn.Parameter(torch.randn(6, 6))
-        self.mha = nn.MultiheadAttention(6, 2, batch_first=True)
+        self.inner = _MultiDot()
 
     def forward(self, x):
-        h = torch.einsum("bti,ij->btj", x, self.mix)
-        return F.scaled_dot_product_attention(h, h, h) + self.mha(x, x, x)[0]
+        return torch.chain_matmul(x[0], self.mix, self.mix) + self.inner(x[0])
+
+
+class _MultiDot(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(6, 6))
+
+    def forward(self, x):
+        return torch.linalg.multi_dot([x, self.w, self.w])
 
 
 def test_products_the_pass_does_not_quantize_warn():
     """They run in higher precision: the warning names each, with its module."""
     x = torch.randn(2, 3, 6)
     with pytest.warns(UserWarning, match="left in higher precision") as caught:
-        compile_(_Attention(), "fp8-e5m2")(x).sum().backward()
+        compile_(_Chain(), "fp8-e5m2")(x).sum().backward()
     (message,) = [str(w.message) for w in caught if "left in higher precision" in str(w.message)]
-    for name in ("einsum in", "scaled_dot_product_attention in", "multi_head_attention_forward in 'mha'"):
+    for name in ("chain_matmul in", "multi_dot in 'inner'"):
         assert name in message, message
     with warnings.catch_warnings():
         warnings.filterwarnings("error", message="lowprec")
-        compile_(_Attention(), "fp32")(x).sum().backward()  # nothing is quantized anyway
+        compile_(_Chain(), "fp32")(x).sum().backward()  # nothing is quantized anyway
     with pytest.warns(UserWarning, match="left in higher precision") as caught:
-        compile_(_Attention(), "fp8-e5m2", exclude=["mha"])(x).sum().backward()
+        compile_(_Chain(), "fp8-e5m2", exclude=["inner"])(x).sum().backward()
     messages = [str(w.message) for w in caught if "lowprec" in str(w.message)]
-    assert len(messages) == 1 and "mha" not in messages[0], messages  # excluded: kept on purpose
+    assert len(messages) == 1 and "inner" not in messages[0], messages  # excluded: kept on purpose
 
 
 class _PermuteThenMatmul(nn.Module):

@@ -481,3 +481,11 @@ def test_the_cli_clears_an_old_dump_before_the_script_runs(tmp_path, monkeypatch
     assert main(["dump", "-o", str(tmp_path / "out"), str(script)]) == 0
     assert not old.exists()
     assert "0 graph(s)" in capsys.readouterr().out
+
+
+def test_summary_says_which_products_stay_in_higher_precision_and_why(dump_to):
+    model = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 3))
+    options = {"recipe": "fp8-e5m2", "executor": "eager", "exclude": ["2"]}
+    torch.compile(model, backend="lowprec", options=options)(torch.randn(2, 6)).sum().backward()
+    dump.flush()
+    assert "left in higher precision: 2 (linear: exclude)" in dump.summary(dump_to)

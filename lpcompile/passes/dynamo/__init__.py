@@ -5,16 +5,33 @@ from __future__ import annotations
 import torch.fx
 
 from lpcompile.passes.driver import CompileContext, Pass
+from lpcompile.passes.dynamo.attention import MHA, SDPA, decompose_attention, decompose_multihead_attention
 from lpcompile.passes.dynamo.conv import im2col_applies, use_im2col_convs
 from lpcompile.passes.dynamo.loss_scale import insert_loss_scale, loss_scale_applies
 from lpcompile.passes.dynamo.pipeline import insert_predict_weight, remove_pipe_splits, split_stages
 from lpcompile.passes.dynamo.quantize import insert_quantize
+from lpcompile.passes.dynamo.recurrent import RECURRENT, decompose_recurrent_layers
 from lpcompile.passes.stages import is_pipe_split
 
 
 def rewrites(gm: torch.fx.GraphModule, ctx: CompileContext, kind: str) -> bool:
     """A recipe that quantizes, or a pipeline."""
     return ctx.config.quantizes or ctx.config.pipeline is not None
+
+
+def has_multihead_attention(gm: torch.fx.GraphModule, ctx: CompileContext, kind: str) -> bool:
+    return rewrites(gm, ctx, kind) and bool(gm.graph.find_nodes(op="call_function", target=MHA))
+
+
+def has_recurrent_layers(gm: torch.fx.GraphModule, ctx: CompileContext, kind: str) -> bool:
+    calls = [n for n in gm.graph.nodes if n.op == "call_function" and n.target in RECURRENT]
+    return rewrites(gm, ctx, kind) and bool(calls)
+
+
+def attention_full(gm: torch.fx.GraphModule, ctx: CompileContext, kind: str) -> bool:
+    """``attention="full"`` in a graph that calls ``scaled_dot_product_attention``."""
+    has_sdpa = bool(gm.graph.find_nodes(op="call_function", target=SDPA))
+    return rewrites(gm, ctx, kind) and ctx.config.attention == "full" and has_sdpa
 
 
 def pipelined(gm: torch.fx.GraphModule, ctx: CompileContext, kind: str) -> bool:
@@ -28,6 +45,9 @@ def has_stage_markers(gm: torch.fx.GraphModule, ctx: CompileContext, kind: str) 
 
 
 DYNAMO_PASSES = (
+    Pass(decompose_multihead_attention, has_multihead_attention),
+    Pass(decompose_attention, attention_full),
+    Pass(decompose_recurrent_layers, has_recurrent_layers),
     Pass(insert_loss_scale, loss_scale_applies),
     Pass(insert_quantize, rewrites),
     Pass(use_im2col_convs, im2col_applies),

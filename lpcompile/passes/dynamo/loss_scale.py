@@ -26,6 +26,7 @@ gradients and branches merge at a common scale with no extra nodes.
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -35,8 +36,18 @@ from lpcompile.config import AdaptiveScaleConfig
 from lpcompile.numerics.compat import optimization_hint
 from lpcompile.numerics.scale_grad import STATS_SIZE
 from lpcompile.passes.driver import CompileContext
-from lpcompile.passes.dynamo.quantize import kept_layers
-from lpcompile.passes.graph import CONV_TRANSPOSE_TARGETS, SCALE_GRAD, base_of, layer_name, parameter_of
+from lpcompile.passes.dynamo.quantize import checkpoint_bodies, kept_layers
+from lpcompile.passes.graph import (
+    CONV_TARGETS,
+    CONV_TRANSPOSE_TARGETS,
+    LINEAR_TARGETS,
+    SCALE_GRAD,
+    base_of,
+    is_layer_call,
+    layer_name,
+    product_operands,
+    weight_operand,
+)
 
 # Names of the graph inputs that insert_loss_scale adds.
 SCALES_INPUT, HIST_INPUT, FLAGS_INPUT = "lowprec_scales", "lowprec_hist", "lowprec_flags"
@@ -79,6 +90,20 @@ def _numel(value) -> float:
     return float(optimization_hint(example.numel())) if example is not None else float("inf")
 
 
+def _out_dim(call: torch.fx.Node, weight: torch.fx.Node | None) -> int:
+    """The dimension of a layer's weight that holds its output features: 0 for linear and
+    conv (out, in, ...), 1 for conv_transpose (in, out/groups, ...), and for a matrix
+    product the weight's last dimension when it is the right operand (x @ W)."""
+    if call.target in CONV_TRANSPOSE_TARGETS:
+        return 1
+    if weight is None or call.target in LINEAR_TARGETS | CONV_TARGETS:
+        return 0
+    operands = [call.args[i] for i in product_operands(call)]
+    example = weight.meta.get("example_value")
+    right = operands.index(weight) == len(operands) - 1
+    return example.dim() - 1 if right and isinstance(example, torch.Tensor) and example.dim() > 1 else 0
+
+
 def loss_scale_applies(gm: torch.fx.GraphModule, ctx: CompileContext, kind: str) -> bool:
     """``loss_scale="adaptive"``, in a graph with a backward (not one compiled under no_grad)."""
     return ctx.config.loss_scale == "adaptive" and torch.is_grad_enabled()
@@ -86,6 +111,15 @@ def loss_scale_applies(gm: torch.fx.GraphModule, ctx: CompileContext, kind: str)
 
 def insert_loss_scale(gm: torch.fx.GraphModule, ctx: CompileContext) -> None:
     """Scale each layer's error by its own power of two; unscale its input gradients."""
+    bodies = [n for body, _ in checkpoint_bodies(gm) for n in body.graph.nodes if is_layer_call(n)]
+    if bodies:
+        warnings.warn(
+            "lowprec: adaptive loss scaling does not enter activation-checkpoint bodies: layers"
+            f" {[layer_name(n) for n in bodies]}"
+            " are quantized with the scale of the error that reaches them (checkpoint fewer layers, or"
+            " use a global LossScaler mode)",
+            stacklevel=1,
+        )
     calls = kept_layers(gm, ctx)
     if not calls:
         return
@@ -103,11 +137,11 @@ def insert_loss_scale(gm: torch.fx.GraphModule, ctx: CompileContext) -> None:
             inverse = gm.graph.call_function(torch.select, (inverses, 0, i))
             hist_i = gm.graph.call_function(torch.select, (hist, 0, i))
             flag_i = gm.graph.call_function(torch.select, (flags, 0, i))
-            inputs = [(index, arg) for index, arg in enumerate(call.args[:3]) if _needs_grad(arg)]
+            inputs = [(index, arg) for index, arg in enumerate(call.args) if _needs_grad(arg)]
             if _needs_grad(call.kwargs.get("bias")):
                 inputs.append(("bias", call.kwargs["bias"]))
-            weight = call.args[1] if isinstance(call.args[1], torch.fx.Node) else None
-            is_weight = weight is not None and parameter_of(weight) is not None
+            weight = weight_operand(call)
+            is_weight = weight is not None
             trained = is_weight and _needs_grad(weight)
             counted = None if trained else min((arg for _, arg in inputs), key=_numel, default=None)
             for where, arg in inputs:
@@ -124,7 +158,7 @@ def insert_loss_scale(gm: torch.fx.GraphModule, ctx: CompileContext) -> None:
             user.replace_input_with(call, scaled)
         layers.append(layer)
         weight_inputs.append(placeholders.index(base_of(weight)) if is_weight else None)
-        out_dims.append(1 if call.target in CONV_TRANSPOSE_TARGETS else 0)  # weight (in, out/groups, ...)
+        out_dims.append(_out_dim(call, weight))
     ctx.adaptive = AdaptiveLayout(
         tuple(layers), tuple(weight_inputs), ctx.config.error.fmt, ctx.config.adaptive, tuple(out_dims)
     )

@@ -27,18 +27,21 @@ import torch
 import torch.fx
 
 from lpcompile.config import QuantSpec, Role
-from lpcompile.passes.driver import CompileContext, Site
+from lpcompile.passes.driver import CompileContext, KeptProduct, Site
 from lpcompile.passes.graph import (
-    CONV_TARGETS,
-    CONV_TRANSPOSE_TARGETS,
-    LINEAR_TARGETS,
+    OPERAND_NAMES,
+    base_of,
+    is_attention,
     is_layer_call,
     is_unquantized_product,
     layer_name,
     parameter_of,
+    product_operands,
 )
 
 SEED_INPUT = "lowprec_seed"
+CHECKPOINT = torch.ops.higher_order.tag_activation_checkpoint
+CHECKPOINT_PARENT = "lowprec_checkpoint_parent"  # GraphModule.meta key of a body: (parent, call)
 
 
 def _insert(
@@ -66,9 +69,7 @@ def _insert(
         op="quantize_grad" if grad else "quantize",
     )
     ctx.sites[site.offset] = site
-    seed = None
-    if spec.rounding == "stochastic":
-        seed = ctx.add_input(gm, SEED_INPUT, torch.zeros((), dtype=torch.int64))
+    seed = _seed(gm, ctx) if spec.rounding == "stochastic" else None
     args = (value, spec.fmt, spec.rounding, spec.overflow, seed, site.offset)
     with gm.graph.inserting_before(before) if before is not None else gm.graph.inserting_after(value):
         if grad:
@@ -81,19 +82,45 @@ def _insert(
     return node
 
 
-def _operand_names(call: torch.fx.Node) -> tuple[str, ...]:
-    """The parameter names of a layer call's leading positions."""
-    if call.target in LINEAR_TARGETS | CONV_TARGETS | CONV_TRANSPOSE_TARGETS:
-        return ("input", "weight", "bias")
-    if call.target in (torch.mm, torch.bmm, "mm", "bmm"):
-        return ("input", "mat2")
-    return ("input", "other")
+def _seed(gm: torch.fx.GraphModule, ctx: CompileContext) -> torch.fx.Node:
+    """The step's seed in ``gm``: the Dynamo graph's input of lowprec's own, or, in an
+    activation-checkpoint body, a body input its checkpoint call passes the seed to (so
+    the recomputation in the backward rounds with the same bits as the forward)."""
+    parent = gm.meta.get(CHECKPOINT_PARENT)
+    if parent is None:
+        return ctx.add_input(gm, SEED_INPUT, torch.zeros((), dtype=torch.int64))
+    if (seed := gm.meta.get(SEED_INPUT)) is not None:
+        return seed
+    parent_gm, call = parent
+    outer = _seed(parent_gm, ctx)
+    with gm.graph.inserting_after(gm.graph.find_nodes(op="placeholder")[-1]):
+        seed = gm.meta[SEED_INPUT] = gm.graph.placeholder(SEED_INPUT)
+    seed.meta["example_value"] = outer.meta.get("example_value")
+    call.args = (*call.args, outer)
+    return seed
+
+
+def checkpoint_bodies(gm: torch.fx.GraphModule) -> list[tuple[torch.fx.GraphModule, torch.fx.Node]]:
+    """The activation-checkpoint bodies ``gm`` calls, with their calls, each marked with its
+    parent and its inputs' parameters (a body reads the parent's parameters as inputs)."""
+    found = []
+    for call in gm.graph.find_nodes(op="call_function", target=CHECKPOINT):
+        body = getattr(gm, call.args[0].target)
+        body.meta[CHECKPOINT_PARENT] = (gm, call)
+        for inner, outer in zip(body.graph.find_nodes(op="placeholder"), call.args[1:], strict=False):
+            if isinstance(outer, torch.fx.Node) and parameter_of(outer) is not None:
+                source = base_of(outer)
+                inner.meta["grapharg"] = source.meta.get("grapharg")
+                if hasattr(source, "_dynamo_source"):
+                    inner._dynamo_source = source._dynamo_source
+        found.append((body, call))
+    return found
 
 
 def _operands_to_args(call: torch.fx.Node) -> None:
     """Move operands passed by keyword (``F.linear(x, weight=w)``) to their positions."""
     args, kwargs = list(call.args), dict(call.kwargs)
-    for name in _operand_names(call)[len(args) :]:
+    for name in OPERAND_NAMES.get(call.target, ("input", "other"))[len(args) :]:
         if name not in kwargs:
             break
         args.append(kwargs.pop(name))
@@ -107,6 +134,8 @@ def kept_layers(gm: torch.fx.GraphModule, ctx: CompileContext) -> list[torch.fx.
     code passed them by keyword.
     """
     calls = [n for n in gm.graph.nodes if is_layer_call(n)]
+    if ctx.config.attention == "off":
+        calls = [n for n in calls if not is_attention(n)]
     for call in calls:
         _operands_to_args(call)
     if ctx.config.keep_first_last:
@@ -134,6 +163,28 @@ def warn_settings_without_effect(gm: torch.fx.GraphModule, ctx: CompileContext) 
         warnings.warn(message, stacklevel=1)
 
 
+def op_name(node: torch.fx.Node) -> str:
+    return str(getattr(node.target, "__name__", node.target))
+
+
+def record_kept_products(gm: torch.fx.GraphModule, ctx: CompileContext, calls: list[torch.fx.Node]) -> None:
+    """Note in ``ctx.kept`` each product of ``gm`` that stays in higher precision, and why."""
+    config = ctx.config
+    quantized = set(calls)
+    for node in gm.graph.nodes:
+        if is_unquantized_product(node):
+            reason = "a product the quantize pass does not know"
+        elif not is_layer_call(node) or node in quantized:
+            continue
+        elif config.attention == "off" and is_attention(node):
+            reason = "attention='off'"
+        elif _excluded(layer_name(node), config.exclude):
+            reason = "exclude"
+        else:
+            reason = "keep_first_last"
+        ctx.kept.append(KeptProduct(layer_name(node), op_name(node), reason))
+
+
 def warn_unquantized_products(gm: torch.fx.GraphModule, ctx: CompileContext) -> None:
     """Warn about the products in a graph that the pass leaves in higher precision (but
     those of layers ``exclude`` keeps there anyway)."""
@@ -142,25 +193,36 @@ def warn_unquantized_products(gm: torch.fx.GraphModule, ctx: CompileContext) -> 
     exclude = ctx.config.exclude
     calls = [n for n in gm.graph.nodes if is_unquantized_product(n) and not _excluded(layer_name(n), exclude)]
     if calls:
-        found = ", ".join(f"{getattr(n.target, '__name__', n.target)} in {layer_name(n)!r}" for n in calls)
+        found = ", ".join(f"{op_name(n)} in {layer_name(n)!r}" for n in calls)
         message = (
             f"lowprec: products left in higher precision: {found}. The quantize pass knows "
-            "linear, conv, conv_transpose, matmul, mm and bmm (attention is quantized when "
-            "written with torch.matmul; see docs/known-limitations.md)"
+            "every product but these (see docs/known-limitations.md)"
         )
         warnings.warn(message, stacklevel=1)
 
 
 def insert_quantize(gm: torch.fx.GraphModule, ctx: CompileContext) -> None:
-    """Quantize the inputs, weight gradients and errors of every matmul/conv (transposed too)."""
-    config = ctx.config
+    """Quantize the operands, weight gradients and errors of every product (linear, conv,
+    conv_transpose, matmul, mm, bmm, addmm, baddbmm, einsum, bilinear, attention, ...),
+    in the graph and in the activation-checkpoint bodies it calls."""
     calls = kept_layers(gm, ctx)  # (first: it moves keyword operands, which name some layers)
     warn_settings_without_effect(gm, ctx)
     warn_unquantized_products(gm, ctx)
+    if ctx.config.quantizes:
+        record_kept_products(gm, ctx, calls)
+    _quantize_calls(gm, ctx, calls)
+    for body, _ in checkpoint_bodies(gm):
+        insert_quantize(body, ctx)
+        body.graph.lint()
+        body.recompile()
+
+
+def _quantize_calls(gm: torch.fx.GraphModule, ctx: CompileContext, calls: list[torch.fx.Node]) -> None:
+    config = ctx.config
     for call in calls:
         layer = layer_name(call)
-        operands = call.args[:2]
-        for index, operand in enumerate(operands):
+        for index in product_operands(call):
+            operand = call.args[index]
             if not isinstance(operand, torch.fx.Node):
                 continue
             weight = parameter_of(operand) is not None

@@ -1,0 +1,92 @@
+"""An independent check of what ran in FP8: every matmul-class ATen call's float operands,
+read by a ``TorchDispatchMode`` inside the compiled graphs and around ``backward()``,
+compared with torch's own E5M2 cast (not with lowprec's records)."""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from lpcompile.backend import lowprec
+
+aten = torch.ops.aten
+# ATen product -> the positions of its multiplied operands (SDPA: q, k, v; its backward
+# also the error entering it)
+PRODUCTS = {
+    aten.mm.default: (0, 1),
+    aten.bmm.default: (0, 1),
+    aten.addmm.default: (1, 2),
+    aten.baddbmm.default: (1, 2),
+    aten.addbmm.default: (1, 2),
+    aten.dot.default: (0, 1),
+    aten.mv.default: (0, 1),
+    aten.convolution.default: (0, 1),
+    aten.convolution_backward.default: (0, 1, 2),
+    aten._scaled_dot_product_flash_attention_for_cpu.default: (0, 1, 2),
+    aten._scaled_dot_product_flash_attention_for_cpu_backward.default: (0, 1, 2, 3),
+}
+
+
+def on_e5m2_grid(t: torch.Tensor) -> bool:
+    """Every value survives torch's round trip through float8_e5m2 (NaN aside)."""
+    t = t.detach()
+    back = t.to(torch.float8_e5m2).to(t.dtype)
+    return bool(((back == t) | torch.isnan(t)).all())
+
+
+class GridCheck(TorchDispatchMode):
+    """Counts the products that ran, by (op, all operands on the E5M2 grid)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.products: Counter = Counter()
+        self.unknown: Counter = Counter()  # other ops whose name says product: a gap in PRODUCTS
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in PRODUCTS:
+            operands = [args[i] for i in PRODUCTS[func] if i < len(args)]
+            floats = [a for a in operands if isinstance(a, torch.Tensor) and a.is_floating_point()]
+            self.products[(func.__name__, all(map(on_e5m2_grid, floats)))] += 1
+        elif any(word in func.__name__ for word in ("mm", "attention", "conv", "einsum", "bilinear")):
+            self.unknown[func.__name__] += 1
+        return func(*args, **kwargs)
+
+    @property
+    def off_grid(self) -> dict[str, int]:
+        return {name: n for (name, ok), n in self.products.items() if not ok}
+
+    @property
+    def count(self) -> int:
+        return sum(self.products.values())
+
+
+def checked_backend(options: dict[str, Any], check: GridCheck) -> Callable:
+    """The lowprec backend (``options``) with ``check`` watching every call of its graphs."""
+
+    def backend(gm, example_inputs):
+        compiled = lowprec(gm, example_inputs, options)
+
+        def run(*args):
+            with check:
+                return compiled(*args)
+
+        return run
+
+    return backend
+
+
+def grid_step(model: torch.nn.Module, inputs: dict[str, Any], options: dict[str, Any]) -> GridCheck:
+    """One compiled forward and backward of ``model`` under ``options``, watched."""
+    check = GridCheck()
+    torch._dynamo.reset()
+    out = torch.compile(model, backend=checked_backend(options, check))(**inputs)
+    out = out.logits if hasattr(out, "logits") else out
+    loss = out.float().square().mean()
+    with check:
+        loss.backward()
+    return check

@@ -1,0 +1,161 @@
+"""Attention (option ``attention``): nn.MultiheadAttention becomes its projections and
+attention, and ``"full"`` writes scaled_dot_product_attention as explicit products.
+
+The rewrites are checked against torch's own functions with every layer excluded
+(nothing rounded: only the rewrite's arithmetic differs), and the rounding with the
+independent grid check of tests/grid.py."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from grid import grid_step
+from models import Records
+from torch import nn
+
+EAGER = {"recipe": "fp8-e5m2-sr", "executor": "eager"}
+UNROUNDED = {**EAGER, "exclude": ["*"]}  # the rewrites run, no layer is rounded
+
+
+def _outputs_and_grads(fn, inputs: list[torch.Tensor]):
+    inputs = [x.detach().clone().requires_grad_(x.is_floating_point()) for x in inputs]
+    out = fn(*inputs)
+    out = out[0] + (0 if out[1] is None else out[1].sum()) if isinstance(out, tuple) else out
+    out.square().sum().backward()
+    return out.detach(), [x.grad for x in inputs if x.grad is not None]
+
+
+def assert_rewrite_matches(fn, inputs: list[torch.Tensor], options: dict, rewrite: str) -> None:
+    torch._dynamo.reset()
+    records = Records()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # exclude=["*"] says it leaves every layer alone
+        got = _outputs_and_grads(torch.compile(fn, backend="lowprec", options=options), inputs)
+    (record,) = [r for r in records.only().records if r.name == rewrite]
+    assert record.nodes_removed >= 1, "the rewrite did not run"
+    want = _outputs_and_grads(fn, inputs)
+    torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-5)
+    for g, w in zip(got[1], want[1], strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-5)
+
+
+def _mha(batch_first: bool = True, **kwargs) -> nn.MultiheadAttention:
+    torch.manual_seed(0)
+    return nn.MultiheadAttention(8, 2, batch_first=batch_first, **kwargs)
+
+
+MASK = torch.triu(torch.ones(5, 5, dtype=torch.bool), 1)  # True: not allowed (MHA's convention)
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        dict(need_weights=False),
+        dict(need_weights=True),
+        dict(need_weights=True, average_attn_weights=False),
+        dict(need_weights=False, attn_mask=MASK),
+        dict(need_weights=False, attn_mask=MASK, is_causal=True),
+        dict(need_weights=True, attn_mask=torch.randn(5, 5)),
+        dict(need_weights=False, key_padding_mask=torch.tensor([[False] * 4 + [True], [False] * 5])),
+        dict(
+            need_weights=True,
+            attn_mask=MASK,
+            key_padding_mask=torch.tensor([[False] * 4 + [True], [False] * 5]),
+        ),
+    ],
+    ids=lambda case: "-".join(f"{k}" for k in case),
+)
+def test_multihead_attention_rewrite_matches_torch(case):
+    mha = _mha()
+    x = torch.randn(2, 5, 8)
+
+    def fn(x):
+        return mha(x, x, x, **case)
+
+    assert_rewrite_matches(fn, [x], UNROUNDED, "decompose_multihead_attention")
+
+
+def test_multihead_attention_unbatched_and_separate_projections():
+    mha = _mha(batch_first=False, kdim=6, vdim=4)
+    q, k, v = torch.randn(5, 8), torch.randn(7, 6), torch.randn(7, 4)
+    assert_rewrite_matches(
+        lambda q, k, v: mha(q, k, v), [q, k, v], UNROUNDED, "decompose_multihead_attention"
+    )
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(),
+        dict(is_causal=True),
+        dict(attn_mask=~MASK),
+        dict(attn_mask=torch.randn(5, 5)),
+        dict(scale=0.3),
+        dict(enable_gqa=True),
+    ],
+    ids=["plain", "causal", "bool-mask", "float-mask", "scale", "gqa"],
+)
+def test_full_attention_matches_sdpa(kwargs):
+    kv_heads = 2 if kwargs.get("enable_gqa") else 4
+    q, k, v = torch.randn(2, 4, 5, 8), torch.randn(2, kv_heads, 5, 8), torch.randn(2, kv_heads, 5, 8)
+
+    def fn(q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, **kwargs)
+
+    assert_rewrite_matches(fn, [q, k, v], {**UNROUNDED, "attention": "full"}, "decompose_attention")
+
+
+class Block(nn.Module):
+    """nn.MultiheadAttention, then SDPA of a projection, as user code writes it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.attn = _mha()
+        self.proj = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y, _ = self.attn(x, x, x, need_weights=False)
+        q = self.proj(y).view(2, 5, 2, 4).transpose(1, 2)
+        return F.scaled_dot_product_attention(q, q, q, is_causal=True)
+
+
+def test_operands_rounds_q_k_v_and_the_error_and_keeps_the_fused_kernel():
+    records = Records()
+    check = grid_step(Block(), {"x": torch.randn(2, 5, 8)}, EAGER)
+    assert check.off_grid == {}, check.products
+    fused = {name for name, _ in check.products if "scaled_dot_product" in name}
+    assert len(fused) == 2, check.products  # forward and backward kernels, on grid operands
+    layers = {s.layer for s in records.only().sites.values()}
+    assert {"attn.in_proj_q", "attn.in_proj_k", "attn.in_proj_v", "attn.attention", "attn.out_proj"} <= layers
+
+
+def test_full_puts_every_gemm_input_on_the_grid():
+    check = grid_step(Block(), {"x": torch.randn(2, 5, 8)}, {**EAGER, "attention": "full"})
+    assert check.off_grid == {} and check.count > 20, check.products
+    assert not any("scaled_dot_product" in name for name, _ in check.products)
+
+
+def test_off_leaves_attention_alone_and_rounds_the_projections():
+    records = Records()
+    check = grid_step(Block(), {"x": torch.randn(2, 5, 8)}, {**EAGER, "attention": "off"})
+    assert any("scaled_dot_product" in name for name in check.off_grid), check.products
+    layers = {s.layer for s in records.only().sites.values()}
+    assert "attn.out_proj" in layers and not any("attention" in layer for layer in layers)
+
+
+def test_unsupported_multihead_attention_warns_by_name():
+    mha = _mha(add_bias_kv=True)
+    x = torch.randn(2, 5, 8)
+    torch._dynamo.reset()
+    with pytest.warns(UserWarning, match="MultiheadAttention .* \\['bias_k', 'bias_v'\\] stays in higher"):
+        torch.compile(lambda x: mha(x, x, x)[0], backend="lowprec", options=EAGER)(x)
+
+
+def test_attention_option_is_validated():
+    from lpcompile import LowPrecConfig
+
+    with pytest.raises(ValueError, match="attention must be one of"):
+        LowPrecConfig.from_options({"recipe": "fp8-e5m2", "attention": "flash"})

@@ -1,0 +1,104 @@
+"""Activation-checkpoint bodies: the quantize pass enters them, and the recomputation in
+the backward rounds exactly as the forward did (stochastic rounding included)."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import pytest
+import torch
+from grid import grid_step
+from models import Records
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.checkpoint import checkpoint
+
+from lpcompile.backend import lowprec
+
+SR_EVERYWHERE = {
+    "recipe": "fp8-e5m2-sr",
+    "executor": "eager",
+    "weight": {"rounding": "stochastic"},
+    "activation": {"rounding": "stochastic"},
+}
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.b(torch.relu(self.a(x)))
+
+
+class Checkpointed(nn.Module):
+    """A residual MLP whose blocks are checkpointed, as memory-bound training does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = nn.ModuleList([Block(), Block()])
+        self.head = nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = checkpoint(block, x, use_reentrant=False)
+        return self.head(x)
+
+
+def test_checkpoint_bodies_are_quantized():
+    records = Records()
+    check = grid_step(
+        Checkpointed(), {"x": torch.randn(4, 8)}, {"recipe": "fp8-e5m2-sr", "executor": "eager"}
+    )
+    assert check.off_grid == {} and check.count >= 14, check.products
+    layers = {s.layer for s in records.only().sites.values()}
+    assert layers == {"blocks.0.a", "blocks.0.b", "blocks.1.a", "blocks.1.b", "head"}
+
+
+class QuantizeCalls(TorchDispatchMode):
+    """Every lowprec::quantize output, by its site's offset, in call order."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.outputs: dict[int, list[torch.Tensor]] = defaultdict(list)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func is torch.ops.lowprec.quantize.default:
+            self.outputs[args[5]].append(out.clone())
+        return out
+
+
+def test_the_recomputation_rounds_as_the_forward_did():
+    calls = QuantizeCalls()
+
+    def backend(gm, example_inputs):
+        compiled = lowprec(gm, example_inputs, SR_EVERYWHERE)
+
+        def run(*args):
+            with calls:
+                return compiled(*args)
+
+        return run
+
+    torch._dynamo.reset()
+    out = torch.compile(Checkpointed(), backend=backend)(torch.randn(4, 8))
+    with calls:
+        out.square().sum().backward()
+    recomputed = {offset: seen for offset, seen in calls.outputs.items() if len(seen) == 2}
+    assert len(recomputed) >= 8, "the bodies' forward quantizes did not run again in the backward"
+    for offset, (forward, again) in recomputed.items():
+        assert torch.equal(forward, again), f"site {offset:#x} rounded differently when recomputed"
+
+
+def test_adaptive_loss_scaling_says_it_does_not_enter_bodies():
+    torch._dynamo.reset()
+    compiled = torch.compile(
+        Checkpointed(), backend="lowprec", options={"recipe": "fp8-e5m2-als", "executor": "eager"}
+    )
+    with pytest.warns(
+        UserWarning, match=r"does not enter activation-checkpoint bodies: layers \['blocks.0.a'"
+    ):
+        compiled(torch.randn(4, 8)).sum().backward()

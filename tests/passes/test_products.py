@@ -1,0 +1,84 @@
+"""Every product, not only linear/conv/matmul: addmm, baddbmm, addbmm, einsum, bilinear,
+mv, dot and the method forms, with roles from the graph (a parameter operand is a weight)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from grid import grid_step
+from models import Records
+from torch import nn
+
+OPTIONS = {"recipe": "fp8-e5m2-sr", "executor": "eager"}
+
+
+class Products(nn.Module):
+    """HF GPT-2's Conv1D (addmm with the weight as mat2), einsum with a weight, baddbmm and
+    addbmm of activations, bilinear, mv and dot, and method calls."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.w = nn.Parameter(torch.randn(8, 8) / 3)
+        self.b = nn.Parameter(torch.zeros(8))
+        self.v = nn.Parameter(torch.randn(8) / 3)
+        self.bilinear = nn.Bilinear(8, 8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.addmm(self.b, x, self.w)
+        h = torch.einsum("bi,ij->bj", h, self.w)
+        a = h.view(4, 1, 8)
+        h = torch.baddbmm(a, a, a.transpose(1, 2) @ a).flatten(1)
+        h = h + torch.addbmm(self.b, a.transpose(1, 2), a).sum(0)
+        h = self.bilinear(h, x).addmm(x, self.w)
+        return h.sum() + torch.mv(h, self.v).sum() + torch.dot(self.v, self.v) + h.mv(self.v).sum()
+
+
+def test_every_product_runs_on_the_grid_forward_and_backward():
+    records = Records()
+    check = grid_step(Products(), {"x": torch.randn(4, 8)}, OPTIONS)
+    assert check.count >= 20, check.products
+    assert check.off_grid == {}, check.products
+    assert not check.unknown, check.unknown
+    roles = {(s.layer, s.role) for s in records.only().sites.values()}
+    # the parameter operands are weights (their gradients rounded too), the rest activations
+    assert {("w", "weight"), ("w", "weight_grad"), ("bilinear", "weight"), ("v", "weight")} <= roles
+
+
+def test_without_the_quantize_pass_the_products_are_off_grid():
+    """The check can fail: the same model with the products left alone."""
+    check = grid_step(Products(), {"x": torch.randn(4, 8)}, {**OPTIONS, "exclude": ["*"]})
+    assert check.off_grid, check.products
+
+
+def test_keyword_operands_and_gpt2_conv1d_layout():
+    """``torch.addmm(bias, x, mat2=w)``: the keyword operand moves to its position."""
+
+    class Conv1D(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.weight = nn.Parameter(torch.randn(8, 16) / 3)
+            self.bias = nn.Parameter(torch.zeros(16))
+
+        def forward(self, x):
+            return torch.addmm(self.bias, x.view(-1, 8), mat2=self.weight).view(*x.shape[:-1], 16)
+
+    records = Records()
+    check = grid_step(Conv1D(), {"x": torch.randn(2, 3, 8)}, OPTIONS)
+    assert check.off_grid == {} and check.count == 2, check.products  # forward, weight gradient
+    assert {s.role for s in records.only().sites.values()} == {"activation", "weight", "weight_grad", "error"}
+
+
+@pytest.mark.parametrize("equation", ["bi,bi->b", "i,i->"])
+def test_einsum_of_one_product_and_a_reduction(equation):
+    """einsum of one operand (a sum or a permutation) is no product; of two it is."""
+    x = (
+        torch.randn(4, 8, requires_grad=True)
+        if equation.startswith("b")
+        else torch.randn(8, requires_grad=True)
+    )
+    single = torch.compile(lambda a: torch.einsum(equation.split(",")[0] + "->", a), backend="lowprec",
+                           options=OPTIONS)  # fmt: skip
+    records = Records()
+    single(x)
+    assert not records.only().sites

@@ -1,0 +1,77 @@
+"""nn.LSTM / GRU / RNN under the lowprec backend: the recurrent call is written out as
+its cells, so the gate products are rounded. The cells are checked against torch's own
+layers with every layer excluded (no rounding), and the rounding with tests/grid.py."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from grid import grid_step
+from models import Records
+from torch import nn
+
+EAGER = {"recipe": "fp8-e5m2-sr", "executor": "eager"}
+
+
+class LanguageModel(nn.Module):
+    def __init__(self, cell: type[nn.Module], **kwargs) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        directions = 2 if kwargs.get("bidirectional") else 1
+        self.embed = nn.Embedding(20, 8)
+        self.rnn = cell(8, 12, **kwargs)
+        self.head = nn.Linear(12 * directions, 20)
+        self.batch_first = kwargs.get("batch_first", False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed(ids if self.batch_first else ids.t())
+        return self.head(self.rnn(x)[0])
+
+
+CASES = [
+    (nn.LSTM, dict(num_layers=2, batch_first=True)),
+    (nn.LSTM, dict(bidirectional=True)),
+    (nn.GRU, dict(batch_first=True, bidirectional=True, num_layers=2)),
+    (nn.GRU, dict(bias=False)),
+    (nn.RNN, dict(batch_first=True)),
+    (nn.RNN, dict(nonlinearity="relu", num_layers=2)),
+]
+
+
+@pytest.mark.parametrize(("cell", "kwargs"), CASES, ids=lambda c: getattr(c, "__name__", str(c)))
+def test_cells_match_torch_forward_and_backward(cell, kwargs):
+    model = LanguageModel(cell, **kwargs)
+    ids = torch.randint(0, 20, (3, 5))
+    want = model(ids)
+    want.square().sum().backward()
+    expected = {name: p.grad.clone() for name, p in model.named_parameters()}
+    model.zero_grad()
+    torch._dynamo.reset()
+    records = Records()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # exclude=["*"]: every layer left alone
+        options = {**EAGER, "exclude": ["*"]}
+        got = torch.compile(model, backend="lowprec", options=options)(ids)
+    assert any(r.name == "decompose_recurrent_layers" and r.nodes_removed for r in records.only().records)
+    got.square().sum().backward()
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, expected[name], rtol=1e-4, atol=1e-5, msg=name)
+
+
+@pytest.mark.parametrize(("cell", "kwargs"), CASES[:3], ids=lambda c: getattr(c, "__name__", str(c)))
+def test_gate_products_run_on_the_grid(cell, kwargs):
+    records = Records()
+    check = grid_step(LanguageModel(cell, **kwargs), {"ids": torch.randint(0, 20, (3, 5))}, EAGER)
+    assert check.off_grid == {} and check.count > 10, check.products
+    layers = {s.layer for s in records.only().sites.values()}
+    assert {"rnn.weight_ih_l0", "rnn.weight_hh_l0#0", "rnn.weight_hh_l0#4", "head"} <= layers
+
+
+def test_a_symbolic_sequence_length_warns_by_name():
+    model = LanguageModel(nn.GRU, batch_first=True)
+    torch._dynamo.reset()
+    with pytest.warns(UserWarning, match="recurrent layer 'rnn' has a symbolic sequence length"):
+        torch.compile(model, backend="lowprec", options=EAGER, dynamic=True)(torch.randint(0, 20, (3, 5)))
