@@ -1,0 +1,112 @@
+"""The model zoo: third-party and torch.nn models as users build them, from tiny
+configs with random weights, each with one batch of inputs. The zoo tests
+(tests/zoo/) and ``benchmarks/bench_zoo.py`` use it; HF models need ``transformers``."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+HF_MODELS = ("gpt2", "bert", "llama", "t5", "vit", "resnet", "mobilenet_v2")
+
+
+def hf_model(name: str) -> tuple[nn.Module, dict]:
+    """An HF ``transformers`` model from a tiny config with random weights, and its inputs."""
+    import transformers as T
+
+    ids = torch.randint(0, 100, (2, 8))
+    images = torch.randn(2, 3, 32, 32)
+    small = dict(vocab_size=100, max_position_embeddings=16)
+    if name == "gpt2":
+        config = T.GPT2Config(
+            vocab_size=100, n_embd=32, n_layer=2, n_head=2, n_positions=16, bos_token_id=0, eos_token_id=0
+        )
+        return T.GPT2LMHeadModel(config), {"input_ids": ids}
+    if name == "bert":
+        layers = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64)
+        config = T.BertConfig(**layers, **small)
+        return T.BertForMaskedLM(config), {"input_ids": ids}
+    if name == "llama":
+        layers = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+        config = T.LlamaConfig(**layers, intermediate_size=64, **small)
+        return T.LlamaForCausalLM(config), {"input_ids": ids}
+    if name == "t5":
+        config = T.T5Config(
+            vocab_size=100, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4, decoder_start_token_id=0
+        )
+        return T.T5ForConditionalGeneration(config), {"input_ids": ids, "decoder_input_ids": ids}
+    if name == "vit":
+        layers = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64)
+        config = T.ViTConfig(image_size=32, patch_size=8, num_labels=10, **layers)
+        return T.ViTForImageClassification(config), {"pixel_values": images}
+    if name == "resnet":
+        config = T.ResNetConfig(embedding_size=8, hidden_sizes=[8, 16], depths=[1, 1], num_labels=10)
+        return T.ResNetForImageClassification(config), {"pixel_values": images}
+    if name == "mobilenet_v2":
+        config = T.MobileNetV2Config(image_size=32, depth_multiplier=0.25, num_labels=10)
+        return T.MobileNetV2ForImageClassification(config), {"pixel_values": images}
+    raise ValueError(name)
+
+
+class EinsumAttention(nn.Module):
+    """Attention written with einsum and baddbmm, as some research code does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv = nn.Linear(16, 48)
+        self.out = nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv(x).chunk(3, -1)
+        bias = torch.zeros(x.shape[0], x.shape[1], x.shape[1])
+        scores = torch.baddbmm(bias, q, k.transpose(1, 2), alpha=0.25)
+        return self.out(torch.einsum("bij,bjd->bid", scores.softmax(-1), v))
+
+
+class RecurrentLM(nn.Module):
+    def __init__(self, cell: type[nn.Module]) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(50, 16)
+        self.rnn = cell(16, 32, num_layers=2, batch_first=True)
+        self.head = nn.Linear(32, 50)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.rnn(self.embed(ids))[0])
+
+
+class CheckpointedMLP(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(
+            nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 16)) for _ in range(3)
+        )
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = x + torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)
+        return self.head(x)
+
+
+TORCH_MODELS: dict[str, Callable[[], tuple[nn.Module, dict]]] = {
+    "transformer_encoder": lambda: (
+        # no dropout: with dropout, torch runs CPU attention as its math decomposition, whose
+        # inner products (probabilities) attention="operands" leaves alone by definition
+        nn.TransformerEncoder(nn.TransformerEncoderLayer(32, 2, 64, dropout=0.0, batch_first=True), 2),
+        {"src": torch.randn(2, 8, 32)},
+    ),
+    "einsum_attention": lambda: (EinsumAttention(), {"x": torch.randn(2, 8, 16)}),
+    "lstm_lm": lambda: (RecurrentLM(nn.LSTM), {"ids": torch.randint(0, 50, (4, 6))}),
+    "gru_lm": lambda: (RecurrentLM(nn.GRU), {"ids": torch.randint(0, 50, (4, 6))}),
+    "checkpointed_mlp": lambda: (CheckpointedMLP(), {"x": torch.randn(8, 16)}),
+}
+
+
+def zoo_model(name: str) -> tuple[nn.Module, dict]:
+    """Any zoo model by name (HF or torch.nn), with its inputs."""
+    return hf_model(name) if name in HF_MODELS else TORCH_MODELS[name]()
+
+
+ZOO: tuple[str, ...] = (*HF_MODELS, *sorted(TORCH_MODELS))

@@ -1,0 +1,56 @@
+"""Third-party model code, built from tiny configs with random weights: one training step
+under ``fp8-e5m2-sr`` with every matmul-class ATen call's float operands checked on the
+E5M2 grid by tests/grid.py (independent of lowprec's records), and layer names that are
+the models' own module names."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from grid import grid_step
+from models import Records
+
+from examples.zoo import HF_MODELS, TORCH_MODELS, hf_model
+
+pytest.importorskip("transformers")
+
+EAGER = {"recipe": "fp8-e5m2-sr", "executor": "eager"}
+
+
+@pytest.mark.parametrize("name", HF_MODELS)
+def test_hf_model_step_runs_every_product_on_the_grid(name):
+    torch.manual_seed(0)
+    model, inputs = hf_model(name)
+    records = Records()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        check = grid_step(model, inputs, {**EAGER, "attention": "full"})
+    assert check.count > 0 and check.off_grid == {}, check.products
+    assert not check.unknown, check.unknown
+    assert not [w for w in caught if "lowprec" in str(w.message)], [str(w.message) for w in caught]
+    modules = {n for n, _ in model.named_modules()}
+    layers = {s.layer.split("#")[0] for r in records.new for s in r.sites.values()}
+    assert layers and layers <= modules, sorted(layers - modules)
+
+
+def test_exclude_matches_hf_module_names():
+    """transformers wraps ``forward`` in decorators; names still start at the model."""
+    torch.manual_seed(0)
+    model, inputs = hf_model("llama")
+    records = Records()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)  # an exclude pattern that matches nothing warns
+        grid_step(model, inputs, {**EAGER, "exclude": ["lm_head"]})
+    layers = {s.layer for r in records.new for s in r.sites.values()}
+    assert "lm_head" not in layers and "model.layers.0.mlp.up_proj" in layers
+
+
+@pytest.mark.parametrize("attention", ["operands", "full"])
+@pytest.mark.parametrize("name", sorted(TORCH_MODELS))
+def test_torch_model_step_runs_every_product_on_the_grid(name, attention):
+    torch.manual_seed(0)
+    model, inputs = TORCH_MODELS[name]()
+    check = grid_step(model, inputs, {**EAGER, "attention": attention})
+    assert check.count > 0 and check.off_grid == {}, check.products
