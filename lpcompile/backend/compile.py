@@ -72,7 +72,7 @@ def own_copy(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
 
     Dynamo keeps using the graph it hands to a backend, so the passes work on a
     copy that keeps what AOT autograd reads from Dynamo's: the module meta, the
-    parameter sources and each placeholder's ``_dynamo_source``.
+    parameter sources and each placeholder's ``_dynamo_source``; subgraphs are copied too.
     """
     graph = copy.deepcopy(gm.graph)
     new = {node.name: node for node in graph.find_nodes(op="placeholder")}
@@ -80,6 +80,9 @@ def own_copy(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
         if hasattr(old, "_dynamo_source"):
             new[old.name]._dynamo_source = old._dynamo_source
     copied = torch.fx.GraphModule(gm, graph)
+    for name, child in gm.named_children():  # subgraphs (checkpoint bodies): passes enter them too
+        if isinstance(child, torch.fx.GraphModule):
+            setattr(copied, name, own_copy(child))
     copied.meta.update(gm.meta)
     if hasattr(gm, "_param_name_to_source"):
         copied._param_name_to_source = gm._param_name_to_source

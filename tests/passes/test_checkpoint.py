@@ -102,3 +102,20 @@ def test_adaptive_loss_scaling_says_it_does_not_enter_bodies():
         UserWarning, match=r"does not enter activation-checkpoint bodies: layers \['blocks.0.a'"
     ):
         compiled(torch.randn(4, 8)).sum().backward()
+
+
+def test_dynamos_own_checkpoint_bodies_are_left_unchanged():
+    """The passes work on a copy: Dynamo keeps using the graph (and bodies) it handed over."""
+    seen = []
+
+    def backend(gm, example_inputs):
+        seen.append(gm)
+        return lowprec(gm, example_inputs, {"recipe": "fp8-e5m2-sr", "executor": "eager"})
+
+    torch._dynamo.reset()
+    torch.compile(Checkpointed(), backend=backend)(torch.randn(4, 8)).sum().backward()
+    (gm,) = seen
+    bodies = [m for m in gm.modules() if m is not gm and isinstance(m, torch.fx.GraphModule)]
+    assert len(bodies) == 2
+    for body in bodies:
+        assert "lowprec" not in body.code, body.code
