@@ -35,6 +35,7 @@ from examples.zoo import zoo_model
 
 name, backend, device, steps = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3], int(sys.argv[4])
 warnings.simplefilter("ignore")
+torch._dynamo.config.allow_rnn = True  # as the lowprec backend sets it: fp32 Inductor compiles RNNs too
 torch.manual_seed(0)
 model, inputs = zoo_model(name)
 model = model.to(device)

@@ -37,9 +37,11 @@ def assert_rewrite_matches(fn, inputs: list[torch.Tensor], options: dict, rewrit
     (record,) = [r for r in records.only().records if r.name == rewrite]
     assert record.nodes_removed >= 1, "the rewrite did not run"
     want = _outputs_and_grads(fn, inputs)
-    torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-5)
+    # FP32 reduction order differs (three in-projection GEMMs against torch's one packed
+    # GEMM): a tolerance relative to each tensor's largest value
+    torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-5 * want[0].abs().max().item())
     for g, w in zip(got[1], want[1], strict=True):
-        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4 * w.abs().max().item())
 
 
 def _mha(batch_first: bool = True, **kwargs) -> nn.MultiheadAttention:
@@ -58,7 +60,7 @@ MASK = torch.triu(torch.ones(5, 5, dtype=torch.bool), 1)  # True: not allowed (M
         dict(need_weights=True, average_attn_weights=False),
         dict(need_weights=False, attn_mask=MASK),
         dict(need_weights=False, attn_mask=MASK, is_causal=True),
-        dict(need_weights=True, attn_mask=torch.randn(5, 5)),
+        dict(need_weights=True, attn_mask=torch.randn(5, 5, generator=torch.Generator().manual_seed(0))),
         dict(need_weights=False, key_padding_mask=torch.tensor([[False] * 4 + [True], [False] * 5])),
         dict(
             need_weights=True,
@@ -92,7 +94,7 @@ def test_multihead_attention_unbatched_and_separate_projections():
         dict(),
         dict(is_causal=True),
         dict(attn_mask=~MASK),
-        dict(attn_mask=torch.randn(5, 5)),
+        dict(attn_mask=torch.randn(5, 5, generator=torch.Generator().manual_seed(1))),
         dict(scale=0.3),
         dict(enable_gqa=True),
     ],

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-import pytest
 import torch
 from grid import grid_step
 from models import Records
@@ -13,6 +12,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import checkpoint
 
+import lpcompile
 from lpcompile.backend import lowprec
 
 SR_EVERYWHERE = {
@@ -93,15 +93,33 @@ def test_the_recomputation_rounds_as_the_forward_did():
         assert torch.equal(forward, again), f"site {offset:#x} rounded differently when recomputed"
 
 
-def test_adaptive_loss_scaling_says_it_does_not_enter_bodies():
-    torch._dynamo.reset()
-    compiled = torch.compile(
-        Checkpointed(), backend="lowprec", options={"recipe": "fp8-e5m2-als", "executor": "eager"}
-    )
-    with pytest.warns(
-        UserWarning, match=r"does not enter activation-checkpoint bodies: layers \['blocks.0.a'"
-    ):
-        compiled(torch.randn(4, 8)).sum().backward()
+class Plain(Checkpointed):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def test_adaptive_loss_scaling_scales_layers_in_bodies_as_without_checkpointing():
+    """Round-to-nearest everywhere, so the bits do not depend on the sites' offsets: three
+    steps of the checkpointed model equal three of the same model without checkpoints."""
+    options = {"recipe": "fp8-e5m2", "loss_scale": "adaptive", "loss_scale_interval": 1, "executor": "eager"}
+    x = torch.randn(4, 8) * 1e-3
+    results = []
+    for cls in (Checkpointed, Plain):
+        model = cls()
+        torch._dynamo.reset()
+        compiled = torch.compile(model, backend="lowprec", options=options)
+        for _ in range(3):
+            model.zero_grad()
+            (compiled(x).square().sum() * 1e-4).backward()
+        grads = [p.grad.clone() for p in model.parameters()]
+        results.append((grads, [(t.layer, t.cumulative) for t in lpcompile.stats(model)]))
+    (grads, stats), (plain_grads, plain_stats) = results
+    assert [layer for layer, _ in stats] == ["blocks.0.a", "blocks.0.b", "blocks.1.a", "blocks.1.b", "head"]
+    assert stats == plain_stats and any(scale > 1 for _, scale in stats), stats
+    for got, want in zip(grads, plain_grads, strict=True):
+        assert torch.equal(got, want)
 
 
 def test_dynamos_own_checkpoint_bodies_are_left_unchanged():

@@ -26,7 +26,6 @@ gradients and branches merge at a common scale with no extra nodes.
 
 from __future__ import annotations
 
-import warnings
 from dataclasses import dataclass
 
 import torch
@@ -36,14 +35,12 @@ from lpcompile.config import AdaptiveScaleConfig
 from lpcompile.numerics.compat import optimization_hint
 from lpcompile.numerics.scale_grad import STATS_SIZE
 from lpcompile.passes.driver import CompileContext
-from lpcompile.passes.dynamo.quantize import checkpoint_bodies, kept_layers
+from lpcompile.passes.dynamo.quantize import graph_input, layers_in_order, outermost
 from lpcompile.passes.graph import (
     CONV_TARGETS,
     CONV_TRANSPOSE_TARGETS,
     LINEAR_TARGETS,
     SCALE_GRAD,
-    base_of,
-    is_layer_call,
     layer_name,
     product_operands,
     weight_operand,
@@ -110,33 +107,33 @@ def loss_scale_applies(gm: torch.fx.GraphModule, ctx: CompileContext, kind: str)
 
 
 def insert_loss_scale(gm: torch.fx.GraphModule, ctx: CompileContext) -> None:
-    """Scale each layer's error by its own power of two; unscale its input gradients."""
-    bodies = [n for body, _ in checkpoint_bodies(gm) for n in body.graph.nodes if is_layer_call(n)]
-    if bodies:
-        warnings.warn(
-            "lowprec: adaptive loss scaling does not enter activation-checkpoint bodies: layers"
-            f" {[layer_name(n) for n in bodies]}"
-            " are quantized with the scale of the error that reaches them (checkpoint fewer layers, or"
-            " use a global LossScaler mode)",
-            stacklevel=1,
-        )
-    calls = kept_layers(gm, ctx)
+    """Scale each layer's error by its own power of two; unscale its input gradients.
+
+    Layers in activation-checkpoint bodies take part in their place in the model (the
+    scales reach the bodies as inputs their calls pass in).
+    """
+    calls = layers_in_order(gm, ctx)
     if not calls:
         return
     count = len(calls)
     placeholders = gm.graph.find_nodes(op="placeholder")
-    scales = ctx.add_input(gm, SCALES_INPUT, torch.ones(count))
-    inverses = ctx.add_input(gm, INVERSES_INPUT, torch.ones(count))
-    hist = ctx.add_input(gm, HIST_INPUT, torch.zeros(count, STATS_SIZE))
-    flags = ctx.add_input(gm, FLAGS_INPUT, torch.zeros(count))
+    examples = {
+        SCALES_INPUT: torch.ones(count),
+        INVERSES_INPUT: torch.ones(count),
+        HIST_INPUT: torch.zeros(count, STATS_SIZE),
+        FLAGS_INPUT: torch.zeros(count),
+    }
+    for name, example in examples.items():  # the Dynamo graph's inputs first, in this order
+        ctx.add_input(gm, name, example)
     layers, weight_inputs, out_dims = [], [], []
-    for i, call in enumerate(calls):
+    for i, (graph, call) in enumerate(calls):
         layer = layer_name(call)
-        with gm.graph.inserting_before(call):
-            scale = gm.graph.call_function(torch.select, (scales, 0, i))
-            inverse = gm.graph.call_function(torch.select, (inverses, 0, i))
-            hist_i = gm.graph.call_function(torch.select, (hist, 0, i))
-            flag_i = gm.graph.call_function(torch.select, (flags, 0, i))
+        scales, inverses, hist, flags = (graph_input(graph, ctx, name, e) for name, e in examples.items())
+        with graph.graph.inserting_before(call):
+            scale = graph.graph.call_function(torch.select, (scales, 0, i))
+            inverse = graph.graph.call_function(torch.select, (inverses, 0, i))
+            hist_i = graph.graph.call_function(torch.select, (hist, 0, i))
+            flag_i = graph.graph.call_function(torch.select, (flags, 0, i))
             inputs = [(index, arg) for index, arg in enumerate(call.args) if _needs_grad(arg)]
             if _needs_grad(call.kwargs.get("bias")):
                 inputs.append(("bias", call.kwargs["bias"]))
@@ -146,19 +143,22 @@ def insert_loss_scale(gm: torch.fx.GraphModule, ctx: CompileContext) -> None:
             counted = None if trained else min((arg for _, arg in inputs), key=_numel, default=None)
             for where, arg in inputs:
                 probe, stats = (flag_i, "nonfinite") if arg is counted else (None, "none")
-                unscaled = _scale_grad(gm, arg, inverse, probe, stats, layer)
+                unscaled = _scale_grad(graph, arg, inverse, probe, stats, layer)
                 if where == "bias":
                     call.update_kwarg("bias", unscaled)
                 else:
                     call.update_arg(where, unscaled)
         users = list(call.users)
-        with gm.graph.inserting_after(call):
-            scaled = _scale_grad(gm, call, scale, hist_i, "histogram", layer)
+        with graph.graph.inserting_after(call):
+            scaled = _scale_grad(graph, call, scale, hist_i, "histogram", layer)
         for user in users:
             user.replace_input_with(call, scaled)
         layers.append(layer)
-        weight_inputs.append(placeholders.index(base_of(weight)) if is_weight else None)
+        weight_inputs.append(placeholders.index(outermost(graph, weight)) if is_weight else None)
         out_dims.append(_out_dim(call, weight))
+    for body in {id(g): g for g, _ in calls if g is not gm}.values():
+        body.graph.lint()
+        body.recompile()
     ctx.adaptive = AdaptiveLayout(
         tuple(layers), tuple(weight_inputs), ctx.config.error.fmt, ctx.config.adaptive, tuple(out_dims)
     )

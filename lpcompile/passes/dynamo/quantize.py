@@ -42,6 +42,7 @@ from lpcompile.passes.graph import (
 SEED_INPUT = "lowprec_seed"
 CHECKPOINT = torch.ops.higher_order.tag_activation_checkpoint
 CHECKPOINT_PARENT = "lowprec_checkpoint_parent"  # GraphModule.meta key of a body: (parent, call)
+BODY_INPUTS = "lowprec_body_inputs"  # GraphModule.meta key of a body: {name: its input of lowprec's own}
 
 
 def _insert(
@@ -69,7 +70,11 @@ def _insert(
         op="quantize_grad" if grad else "quantize",
     )
     ctx.sites[site.offset] = site
-    seed = _seed(gm, ctx) if spec.rounding == "stochastic" else None
+    seed = (
+        graph_input(gm, ctx, SEED_INPUT, torch.zeros((), dtype=torch.int64))
+        if spec.rounding == "stochastic"
+        else None
+    )
     args = (value, spec.fmt, spec.rounding, spec.overflow, seed, site.offset)
     with gm.graph.inserting_before(before) if before is not None else gm.graph.inserting_after(value):
         if grad:
@@ -82,22 +87,52 @@ def _insert(
     return node
 
 
-def _seed(gm: torch.fx.GraphModule, ctx: CompileContext) -> torch.fx.Node:
-    """The step's seed in ``gm``: the Dynamo graph's input of lowprec's own, or, in an
-    activation-checkpoint body, a body input its checkpoint call passes the seed to (so
-    the recomputation in the backward rounds with the same bits as the forward)."""
+def graph_input(
+    gm: torch.fx.GraphModule, ctx: CompileContext, name: str, example: torch.Tensor
+) -> torch.fx.Node:
+    """Lowprec's own input ``name`` (the step's seed, the adaptive scales) in ``gm``: the
+    Dynamo graph's (``ctx.add_input``), or, in an activation-checkpoint body, a body input
+    its checkpoint call passes it to (so the recomputation in the backward reads the same
+    seed, and rounds with the same bits, as the forward)."""
     parent = gm.meta.get(CHECKPOINT_PARENT)
     if parent is None:
-        return ctx.add_input(gm, SEED_INPUT, torch.zeros((), dtype=torch.int64))
-    if (seed := gm.meta.get(SEED_INPUT)) is not None:
-        return seed
-    parent_gm, call = parent
-    outer = _seed(parent_gm, ctx)
-    with gm.graph.inserting_after(gm.graph.find_nodes(op="placeholder")[-1]):
-        seed = gm.meta[SEED_INPUT] = gm.graph.placeholder(SEED_INPUT)
-    seed.meta["example_value"] = outer.meta.get("example_value")
-    call.args = (*call.args, outer)
-    return seed
+        return ctx.add_input(gm, name, example)
+    inputs = gm.meta.setdefault(BODY_INPUTS, {})
+    if name not in inputs:
+        parent_gm, call = parent
+        outer = graph_input(parent_gm, ctx, name, example)
+        with gm.graph.inserting_after(gm.graph.find_nodes(op="placeholder")[-1]):
+            inputs[name] = gm.graph.placeholder(name)
+        inputs[name].meta["example_value"] = outer.meta.get("example_value")
+        call.args = (*call.args, outer)
+    return inputs[name]
+
+
+def outermost(gm: torch.fx.GraphModule, node: torch.fx.Node) -> torch.fx.Node:
+    """The node of the Dynamo graph that ``node`` of ``gm`` (a checkpoint body, or the
+    graph itself) reads, through bodies' inputs and views."""
+    node = base_of(node)
+    while node.op == "placeholder" and (parent := gm.meta.get(CHECKPOINT_PARENT)) is not None:
+        index = gm.graph.find_nodes(op="placeholder").index(node)
+        gm, call = parent
+        node = base_of(call.args[1 + index])
+    return node
+
+
+def layers_in_order(
+    gm: torch.fx.GraphModule, ctx: CompileContext
+) -> list[tuple[torch.fx.GraphModule, torch.fx.Node]]:
+    """The layer calls to quantize (:func:`kept_layers`) of ``gm`` and of the checkpoint
+    bodies it calls, each with its graph, in the order they run."""
+    kept = set(kept_layers(gm, ctx))
+    bodies = {call: body for body, call in checkpoint_bodies(gm)}
+    found = []
+    for node in gm.graph.nodes:
+        if node in kept:
+            found.append((gm, node))
+        elif node in bodies:
+            found += layers_in_order(bodies[node], ctx)
+    return found
 
 
 def checkpoint_bodies(gm: torch.fx.GraphModule) -> list[tuple[torch.fx.GraphModule, torch.fx.Node]]:
