@@ -65,8 +65,9 @@ class GridCheck(TorchDispatchMode):
         return sum(self.products.values())
 
 
-def checked_backend(options: dict[str, Any], check: GridCheck) -> Callable:
-    """The lowprec backend (``options``) with ``check`` watching every call of its graphs."""
+def watched_backend(options: dict[str, Any], check: TorchDispatchMode) -> Callable:
+    """The lowprec backend (``options``) with the mode ``check`` watching every call of its
+    graphs (Dynamo runs no compiled code under a mode entered outside)."""
 
     def backend(gm, example_inputs):
         compiled = lowprec(gm, example_inputs, options)
@@ -84,7 +85,7 @@ def grid_step(model: torch.nn.Module, inputs: dict[str, Any], options: dict[str,
     """One compiled forward and backward of ``model`` under ``options``, watched."""
     check = GridCheck()
     torch._dynamo.reset()
-    out = torch.compile(model, backend=checked_backend(options, check))(**inputs)
+    out = torch.compile(model, backend=watched_backend(options, check))(**inputs)
     out = out.logits if hasattr(out, "logits") else out
     loss = out.float().square().mean()
     with check:

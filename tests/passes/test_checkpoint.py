@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections import defaultdict
 
 import torch
-from grid import grid_step
+from grid import grid_step, watched_backend
 from models import Records
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -73,18 +73,8 @@ class QuantizeCalls(TorchDispatchMode):
 
 def test_the_recomputation_rounds_as_the_forward_did():
     calls = QuantizeCalls()
-
-    def backend(gm, example_inputs):
-        compiled = lowprec(gm, example_inputs, SR_EVERYWHERE)
-
-        def run(*args):
-            with calls:
-                return compiled(*args)
-
-        return run
-
     torch._dynamo.reset()
-    out = torch.compile(Checkpointed(), backend=backend)(torch.randn(4, 8))
+    out = torch.compile(Checkpointed(), backend=watched_backend(SR_EVERYWHERE, calls))(torch.randn(4, 8))
     with calls:
         out.square().sum().backward()
     recomputed = {offset: seen for offset, seen in calls.outputs.items() if len(seen) == 2}

@@ -82,3 +82,24 @@ def test_einsum_of_one_product_and_a_reduction(equation):
     records = Records()
     single(x)
     assert not records.only().sites
+
+
+def test_adaptive_scaling_reads_conv1d_output_features_from_the_weights_last_dimension():
+    """GPT-2's Conv1D weight is (in, out): the approx_range rule needs its output dimension."""
+    from lpcompile.backend import REGISTRY
+
+    class Conv1D(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.weight = nn.Parameter(torch.randn(8, 16) / 3)
+            self.bias = nn.Parameter(torch.zeros(16))
+
+        def forward(self, x):
+            return torch.addmm(self.bias, x, self.weight) @ self.weight.t()
+
+    model = Conv1D()
+    torch._dynamo.reset()
+    options = {"recipe": "fp8-e5m2-als", "executor": "eager"}
+    torch.compile(model, backend="lowprec", options=options)(torch.randn(4, 8)).sum().backward()
+    (state,) = REGISTRY.adaptive_states(model)
+    assert state.out_dims == (1, 0)  # addmm(x, W): W's last dim; x' @ W.t(): W's first

@@ -12,7 +12,8 @@ import torch
 from grid import grid_step
 from models import Records
 
-from examples.zoo import HF_MODELS, TORCH_MODELS, hf_model
+import lpcompile
+from examples.zoo import HF_MODELS, TORCH_MODELS, hf_model, zoo_model
 
 pytest.importorskip("transformers")
 
@@ -54,3 +55,14 @@ def test_torch_model_step_runs_every_product_on_the_grid(name, attention):
     model, inputs = TORCH_MODELS[name]()
     check = grid_step(model, inputs, {**EAGER, "attention": attention})
     assert check.count > 0 and check.off_grid == {}, check.products
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama", "lstm_lm", "checkpointed_mlp"])
+def test_adaptive_loss_scaling_step_on_the_grid(name):
+    """Per-layer scaling wraps every product's operands: Conv1D's addmm, attention, cells."""
+    torch.manual_seed(0)
+    model, inputs = zoo_model(name)
+    check = grid_step(model, inputs, {"recipe": "fp8-e5m2-als", "executor": "eager", "attention": "full"})
+    assert check.count > 0 and check.off_grid == {}, check.products
+    layers = [t.layer for t in lpcompile.stats(model)]
+    assert len(layers) >= 4 and len(set(layers)) == len(layers), layers

@@ -41,6 +41,7 @@ from lpcompile.passes.graph import (
     CONV_TRANSPOSE_TARGETS,
     LINEAR_TARGETS,
     SCALE_GRAD,
+    base_of,
     layer_name,
     product_operands,
     weight_operand,
@@ -88,17 +89,28 @@ def _numel(value) -> float:
 
 
 def _out_dim(call: torch.fx.Node, weight: torch.fx.Node | None) -> int:
-    """The dimension of a layer's weight that holds its output features: 0 for linear and
-    conv (out, in, ...), 1 for conv_transpose (in, out/groups, ...), and for a matrix
-    product the weight's last dimension when it is the right operand (x @ W)."""
+    """The dimension of a layer's weight parameter that holds its output features: 0 for
+    linear and conv (out, in, ...), 1 for conv_transpose (in, out/groups, ...); for a
+    matrix product of a 2-D parameter, its columns when it is the right operand (x @ W)
+    and its rows when the left, swapped when the product reads it transposed."""
     if call.target in CONV_TRANSPOSE_TARGETS:
         return 1
     if weight is None or call.target in LINEAR_TARGETS | CONV_TARGETS:
         return 0
     operands = [call.args[i] for i in product_operands(call)]
-    example = weight.meta.get("example_value")
     right = operands.index(weight) == len(operands) - 1
-    return example.dim() - 1 if right and isinstance(example, torch.Tensor) and example.dim() > 1 else 0
+    return int(right != _transposes(weight))
+
+
+def _transposes(node: torch.fx.Node) -> bool:
+    """Whether ``node`` reads its parameter transposed (an odd number of ``t``/``transpose``)."""
+    flipped = False
+    while node is not base_of(node):
+        name = node.args[1] if node.target is getattr else node.target  # w.T is getattr(w, "T")
+        if name in ("t", "T", "mT", "transpose", torch.t, torch.transpose):
+            flipped = not flipped
+        node = node.args[0]
+    return flipped
 
 
 def loss_scale_applies(gm: torch.fx.GraphModule, ctx: CompileContext, kind: str) -> bool:
@@ -139,6 +151,7 @@ def insert_loss_scale(gm: torch.fx.GraphModule, ctx: CompileContext) -> None:
                 inputs.append(("bias", call.kwargs["bias"]))
             weight = weight_operand(call)
             is_weight = weight is not None
+            out_dims.append(_out_dim(call, weight))  # before the operands are wrapped below
             trained = is_weight and _needs_grad(weight)
             counted = None if trained else min((arg for _, arg in inputs), key=_numel, default=None)
             for where, arg in inputs:
@@ -155,7 +168,6 @@ def insert_loss_scale(gm: torch.fx.GraphModule, ctx: CompileContext) -> None:
             user.replace_input_with(call, scaled)
         layers.append(layer)
         weight_inputs.append(placeholders.index(outermost(graph, weight)) if is_weight else None)
-        out_dims.append(_out_dim(call, weight))
     for body in {id(g): g for g, _ in calls if g is not gm}.values():
         body.graph.lint()
         body.recompile()
