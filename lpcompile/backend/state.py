@@ -10,7 +10,6 @@ newest :data:`MAX_RECORDS`) and the compile observers (``lowprec dump``).
 from __future__ import annotations
 
 import collections
-import itertools
 import weakref
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -62,7 +61,6 @@ class Registry:
         self.no_model = torch.empty(0)
         self._deferred: list[dict[str, Any]] = []  # saved adaptive states awaiting their graphs
         self.records: collections.deque = collections.deque(maxlen=MAX_RECORDS)
-        self._graph_ids = itertools.count()
         self.graph_count = 0  # graphs compiled by this process
         self.observers: list[CompileObserver] = []
 
@@ -158,8 +156,9 @@ class Registry:
 
     # ------------------------------------------------------------------ records and observers
     def new_graph_id(self) -> int:
+        """The next graph's id: graphs are numbered 0, 1, ... in compile order."""
         self.graph_count += 1
-        return next(self._graph_ids)
+        return self.graph_count - 1
 
     def records_since(self, count: int) -> list[Any]:
         """The records of the graphs compiled after the first ``count`` (those still kept)."""
