@@ -301,7 +301,16 @@ def quantize(
         if not -(2**63) <= seed < 2**63:
             raise ValueError(f"seed must be a 64-bit int, in [-2**63, 2**63), got {seed}")
         seed = int(seed)
-    if scale is not None and not isinstance(scale, torch.Tensor):
+    if rounding == "stochastic" and isinstance(seed, torch.Tensor):
+        if seed.dim() != 0 or seed.is_floating_point() or seed.is_complex() or seed.dtype == torch.bool:
+            got = f"{seed.dtype} {tuple(seed.shape)}"
+            raise TypeError(f"a seed tensor must be a 0-dim integer tensor, got {got}")
+    if isinstance(scale, torch.Tensor):
+        if not scale.is_floating_point():
+            raise TypeError(f"a scale tensor must be a float tensor, got {scale.dtype}")
+        if not bool((torch.isfinite(scale) & (scale > 0)).all()):
+            raise ValueError(f"scale must be finite and > 0 everywhere, got {scale}")
+    elif scale is not None:
         if not is_real(scale):
             raise TypeError(f"scale must be a number or a tensor, got {type(scale).__name__}")
         check_fp32_scale("scale", scale)

@@ -438,3 +438,21 @@ def test_scale(same_bits):
     tiny = torch.tensor([2.0**-20, 3 * 2.0**-22])
     assert quantize(tiny, "e5m2").tolist() == [0.0, 0.0]
     assert quantize(tiny, "e5m2", scale=2.0**8).tolist() == tiny.tolist()
+
+
+@pytest.mark.parametrize("scale", [0.0, -1.0, float("nan"), float("inf")])
+def test_a_scale_tensor_is_checked_as_strictly_as_a_number(scale):
+    """A zero or NaN scale tensor used to return all NaN; the number was refused."""
+    x = torch.randn(8)
+    with pytest.raises(ValueError, match="scale must be"):
+        quantize(x, "e5m2", scale=scale)
+    with pytest.raises(ValueError, match="scale must be finite and > 0"):
+        quantize(x, "e5m2", scale=torch.tensor(scale))
+
+
+def test_integer_scale_tensors_and_float_seed_tensors_are_refused():
+    x = torch.randn(8)
+    with pytest.raises(TypeError, match="a scale tensor must be a float tensor"):
+        quantize(x, "e5m2", scale=torch.tensor(2))
+    with pytest.raises(TypeError, match="a seed tensor must be a 0-dim integer tensor, got torch.float32"):
+        quantize(x, "e5m2", "stochastic", seed=torch.tensor(3.7))  # used to be truncated to 3
