@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import math
 import re
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -314,6 +315,13 @@ def partition_graph(gm: torch.fx.GraphModule, stages: int | str | None = None) -
             )
         source = "pipe_split"
     elif stages is None or stages == 1:
+        if stages is None:
+            warnings.warn(
+                "lowprec: stages=None and the model has no pipe_split() markers: the pipeline has one"
+                " stage, so nothing is pipelined. Mark stage boundaries with lpcompile.pipe_split(), or"
+                " pass stages=S (a balanced partition) or stages='layer'",
+                stacklevel=2,
+            )
         source = "pipe_split" if stages is None else "balanced"
     else:
         source = _insert_boundaries(gm, stages)

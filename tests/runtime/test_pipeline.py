@@ -567,3 +567,9 @@ def test_static_loss_scale_is_undone_before_the_update():
     scaled = chain_trainer([0.9, -0.7, 1.1], 7, loss_scale=1024.0)
     assert scaled.losses == plain.losses  # the loss is reported unscaled
     assert weights(scaled) == weights(plain)  # power-of-two scaling is exact
+
+
+def test_a_model_without_markers_and_no_stage_count_warns_that_nothing_is_pipelined():
+    with pytest.warns(UserWarning, match="no pipe_split\\(\\) markers: the pipeline has one stage"):
+        trainer = PipelinedTrainer(MLP(4, 8, 3), torch.randn(1, 4), lr=0.1)
+    assert trainer.num_stages == 1
