@@ -37,6 +37,8 @@ from lpcompile.numerics.checks import check_count
 TELEMETRY_FORMAT = "lowprec-telemetry/1"
 STEP_FIELDS = ("loss", "step_time", "loss_scale", "skipped")
 LAYER_FIELDS = ("scale", "underflow", "overflow")
+FLAG_FIELDS = ("skipped",)  # series of flags: bools are numbers there, and only there
+FINITE_FIELDS = ("step_time",)  # series that are measurements: no NaN or inf
 
 
 def _slug(name: str) -> str:
@@ -136,18 +138,21 @@ def load_runs(root: str | os.PathLike) -> list[dict[str, Any]]:
     return runs
 
 
-def _numbers(values: Any, nulls: bool = True) -> bool:
-    """A list of numbers a float holds (bools count: ``skipped`` holds flags), or nulls."""
+def _numbers(values: Any, nulls: bool = True, flags: bool = False, finite: bool = False) -> bool:
+    """A list of numbers a float holds, or nulls; bools only where ``flags`` (``skipped``
+    holds flags, a loss never does), and only finite values where ``finite``."""
     if not isinstance(values, list):
         return False
     for v in values:
         if v is None and nulls:
             continue
-        if not isinstance(v, int | float):
+        if not isinstance(v, int | float) or (isinstance(v, bool) and not flags):
             return False
         try:
-            float(v)
+            value = float(v)
         except OverflowError:  # an int beyond float's range
+            return False
+        if finite and not math.isfinite(value):
             return False
     return True
 
@@ -170,8 +175,10 @@ def _check_run(data: dict[str, Any], path: Path) -> None:
         if "step" in lists and not _numbers(lists["step"], nulls=False):
             raise ValueError(f"{path}: {where}['step'] must be a list of numbers")
         for key in fields:  # the series the report reads; others are the writer's own
-            if key in lists and not _numbers(lists[key]):
-                raise ValueError(f"{path}: {where}[{key!r}] must be a list of numbers (or null)")
+            flags, finite = key in FLAG_FIELDS, key in FINITE_FIELDS
+            if key in lists and not _numbers(lists[key], flags=flags, finite=finite):
+                what = "finite numbers" if finite else "numbers" if not flags else "numbers or flags"
+                raise ValueError(f"{path}: {where}[{key!r}] must be a list of {what} (or null)")
         steps = len(lists.get("step", []))
         if longer := [key for key in fields if len(lists.get(key, [])) > steps]:
             raise ValueError(f"{path}: {where} has {longer} longer than its 'step' list ({steps})")

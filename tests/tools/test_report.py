@@ -175,6 +175,10 @@ def test_report_shows_the_runs_final_loss_and_reads_partial_files(recorded, tmp_
         ({"layers": {"fc": {"scale": [2.0]}}}, "layers['fc'] has no 'step' list"),
         ({"layers": {"fc": {"step": [None], "scale": [2.0]}}}, "layers['fc']['step'] must be a list of"),
         ({"steps": {"step": [0], "loss": [10**400]}}, "steps['loss'] must be a list of numbers"),
+        ({"steps": {"step": [0, 1], "loss": [True, False]}}, "steps['loss'] must be a list of numbers"),
+        ({"steps": {"step": [0], "step_time": [float("nan")]}}, "steps['step_time'] must be a list of finite"),
+        ({"steps": {"step": [0], "step_time": [float("inf")]}}, "steps['step_time'] must be a list of finite"),
+        ({"steps": {"step": [True]}}, "steps['step'] must be a list of numbers"),
         ({"name": 5}, "'name' must be a string and 'result' a dict"),
         ({"result": [1]}, "'name' must be a string and 'result' a dict"),
     ],
@@ -187,6 +191,15 @@ def test_a_malformed_telemetry_file_is_skipped_by_name(tmp_path, sections, compl
     good.write(tmp_path / "good.json")
     with pytest.warns(UserWarning, match=re.escape(f"{bad}: {complaint}") + ".*; file skipped"):
         assert [run["name"] for run in load_runs(tmp_path)] == ["good"]
+
+
+def test_flags_and_a_diverged_loss_are_read(tmp_path):
+    """``skipped`` holds flags and a loss may be NaN (training diverged): both are kept."""
+    path = tmp_path / "run.json"
+    data = {"format": TELEMETRY_FORMAT, "name": "r", "layers": {}, "result": {}}
+    steps = {"step": [0, 1], "loss": [1.0, float("nan")], "skipped": [False, True]}
+    path.write_text(json.dumps({**data, "steps": steps}))
+    assert [run["name"] for run in load_runs(tmp_path)] == ["r"]
 
 
 def test_unreadable_files_and_paths_are_named(tmp_path, capsys):
