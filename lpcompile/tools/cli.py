@@ -14,6 +14,7 @@ DEFAULT_DUMP_DIR = "lowprec_dump"
 def _dump(args: argparse.Namespace) -> int:
     import os
     import runpy
+    import tempfile
 
     from lpcompile.tools import dump
 
@@ -30,6 +31,13 @@ def _dump(args: argparse.Namespace) -> int:
     script = Path(args.script)
     if not script.is_file():
         print(f"lowprec dump: no script {script}", file=sys.stderr)
+        return 2
+    try:  # before the script runs: a dump that cannot be written is an error, not "0 graph(s)"
+        root.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=root):
+            pass
+    except OSError as error:
+        print(f"lowprec dump: cannot write the dump folder {root}: {error}", file=sys.stderr)
         return 2
     saved = sys.argv, list(sys.path), os.environ.get(dump.ENV)
     os.environ[dump.ENV] = str(root)

@@ -404,7 +404,8 @@ def _write_safely(session: _Session, entry: _Entry) -> None:
         write_graph(session, entry)
         write_index(session.root)
     except Exception as error:  # a debugging aid must not stop training
-        warnings.warn(f"lowprec dump: writing {entry.folder} failed: {error!r}", RuntimeWarning, stacklevel=2)
+        where = session.root / entry.folder
+        warnings.warn(f"lowprec dump: writing {where} failed: {error!r}", RuntimeWarning, stacklevel=2)
 
 
 # ----------------------------------------------------------------------------- writing

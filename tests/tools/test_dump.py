@@ -489,3 +489,27 @@ def test_summary_says_which_products_stay_in_higher_precision_and_why(dump_to):
     torch.compile(model, backend="lowprec", options=options)(torch.randn(2, 6)).sum().backward()
     dump.flush()
     assert "left in higher precision: 2 (linear: exclude)" in dump.summary(dump_to)
+
+
+@pytest.mark.parametrize("where", ["a-file", "a-file/sub"])
+def test_the_cli_refuses_a_dump_folder_it_cannot_write(tmp_path, capsys, where):
+    """``-o FILE`` (or a folder under a file) used to run the script and exit 0 with
+    "0 graph(s)"; now nothing runs, the exit is 2 and the message names the path."""
+    (tmp_path / "a-file").write_text("not a folder")
+    script = tmp_path / "script.py"
+    script.write_text("raise SystemExit('the script ran')\n")
+    assert main(["dump", "-o", str(tmp_path / where), str(script)]) == 2
+    err = capsys.readouterr().err
+    assert f"cannot write the dump folder {tmp_path / where}" in err and "the script ran" not in err
+
+
+def test_a_failed_write_names_the_folder(dump_to, monkeypatch):
+    def fail(*args):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(dump, "write_graph", fail)
+    model = nn.Linear(2, 2)
+    with pytest.warns(RuntimeWarning, match=f"writing {dump_to}/Linear_0 failed: OSError"):
+        torch.compile(model, backend="lowprec", options={"recipe": "fp8-e5m2", "executor": "eager"})(
+            torch.randn(1, 2)
+        )
