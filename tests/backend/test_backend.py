@@ -975,3 +975,20 @@ def test_channels_last_conv_backward_under_inductor_keeps_gradient_layouts():
     for got, want in zip(results["inductor"][1], results["eager"][1], strict=True):
         assert got.stride() == want.stride()
         assert_close_through_rounding(got, want, f"gradient of shape {tuple(got.shape)}")
+
+
+@pytest.mark.parametrize(
+    ("model_dtype", "input_dtype", "message"),
+    [
+        (torch.float64, torch.float64, r"layer '0' \(linear\) computes in torch.float64; lowprec quantizes"),
+        (torch.float32, torch.float16, r"layer '0' \(linear\) multiplies torch.float16 by torch.float32"),
+    ],
+)
+def test_dtypes_lowprec_cannot_compile_are_refused_by_layer(model_dtype, input_dtype, message, capfd):
+    """A float64 model's error came after pages of fake-tensor logging; an FP16 input into
+    an FP32 model failed inside Inductor with an empty AssertionError."""
+    model = mlp().to(model_dtype)
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match=message):
+        compile_(model, "fp8-e5m2-sr", executor="inductor")(mlp_input().to(input_dtype))
+    assert "fake_tensor" not in capfd.readouterr().err

@@ -27,6 +27,7 @@ import torch
 import torch.fx
 
 from lpcompile.config import QuantSpec, Role
+from lpcompile.numerics.quantize import FLOAT_DTYPES
 from lpcompile.passes.driver import CompileContext, KeptProduct, Site
 from lpcompile.passes.graph import (
     OPERAND_NAMES,
@@ -252,9 +253,30 @@ def insert_quantize(gm: torch.fx.GraphModule, ctx: CompileContext) -> None:
         body.recompile()
 
 
+def check_operand_dtypes(call: torch.fx.Node) -> None:
+    """Refuse, naming the layer, a product of operands in a dtype lowprec does not quantize
+    (float64) or of two dtypes (eager torch refuses those too; compiled, they fail deep
+    inside Inductor)."""
+    values = [call.args[i].meta.get("example_value") for i in product_operands(call)]
+    dtypes = [v.dtype for v in values if isinstance(v, torch.Tensor) and v.is_floating_point()]
+    for dtype in dtypes:
+        if dtype not in FLOAT_DTYPES:
+            raise TypeError(
+                f"lowprec: layer {layer_name(call)!r} ({op_name(call)}) computes in {dtype}; lowprec"
+                " quantizes float32, float16 and bfloat16 models (convert it with model.float())"
+            )
+    if len(set(dtypes)) > 1:
+        mixed = " by ".join(map(str, dtypes))
+        raise TypeError(
+            f"lowprec: layer {layer_name(call)!r} ({op_name(call)}) multiplies {mixed}: its operands"
+            " must have one dtype, as in eager torch (cast the input to the model's dtype)"
+        )
+
+
 def _quantize_calls(gm: torch.fx.GraphModule, ctx: CompileContext, calls: list[torch.fx.Node]) -> None:
     config = ctx.config
     for call in calls:
+        check_operand_dtypes(call)
         layer = layer_name(call)
         for index in product_operands(call):
             operand = call.args[index]
