@@ -8,6 +8,8 @@ an FP32 GEMM, in another order. Where every partial sum is exact, it must equal
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 import torch
 from models import Records, Ref, inductor_runs_fx, mlp_ref, step
@@ -334,3 +336,24 @@ def test_quantize_decomposes_to_a_grid_mark_only_in_lowprec_compiles():
         assert marks(None) == ["e4m3"]
         assert marks(torch.tensor(8.0)) == []  # scaled: the values are grid / scale
     assert marks(None) == []
+
+
+def test_a_damaged_cached_kernel_is_rebuilt(tmp_path, monkeypatch):
+    """A zero-byte .so in the cache (a crash mid-write) was loaded forever: matmul="auto"
+    fell back to FP32 GEMMs silently. Now it is rebuilt once; if that fails, it warns."""
+    if not torch.cpu._is_avx512_bf16_supported() or not shutil.which("gcc"):
+        pytest.skip("the kernel needs AVX512-BF16 and GCC")
+    monkeypatch.setattr(cpu_gemm, "_cache_dir", lambda: tmp_path)
+    monkeypatch.setenv("CC", "gcc")  # the compiler command is part of the file's name
+    cpu_gemm._library.cache_clear()
+    try:
+        built = cpu_gemm._build(["gcc"])
+        built.write_bytes(b"")  # damaged
+        assert cpu_gemm.unavailable() is None  # rebuilt and loaded
+        assert built.stat().st_size > 0
+        cpu_gemm._library.cache_clear()
+        monkeypatch.setattr(cpu_gemm, "FLAGS", (*cpu_gemm.FLAGS, "-no-such-flag"))  # the build fails
+        with pytest.warns(UserWarning, match="bf16 matmul kernel is off"):
+            assert cpu_gemm.unavailable() is not None
+    finally:
+        cpu_gemm._library.cache_clear()

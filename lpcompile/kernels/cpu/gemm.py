@@ -22,6 +22,7 @@ import shlex
 import shutil
 import subprocess
 import tempfile
+import warnings
 from pathlib import Path
 
 import torch
@@ -36,12 +37,13 @@ def _cache_dir() -> Path:
     return Path(cache_dir()) / "lowprec"
 
 
-def _build(cc: list[str]) -> Path:
-    """The shared library for this source, flags and compiler; compiled if not cached."""
+def _build(cc: list[str], rebuild: bool = False) -> Path:
+    """The shared library for this source, flags and compiler; compiled if not cached (or
+    ``rebuild``: a cached file that did not load)."""
     source = SOURCE.read_bytes()
     key = hashlib.sha256(source + " ".join((*cc, *FLAGS)).encode()).hexdigest()[:16]
     path = _cache_dir() / f"mm_bf16-{key}.so"
-    if not path.exists():
+    if rebuild or not path.exists():
         path.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
             built = Path(tmp) / path.name
@@ -59,17 +61,27 @@ def _library() -> ctypes.CDLL | str:
         return "this CPU has no AVX512-BF16 instructions"
     cc = shlex.split(os.environ.get("CC", "")) or ([gcc] if (gcc := shutil.which("gcc")) else [])
     if not cc:
-        return "no GCC found (set CC)"
+        return _off("no GCC found (set CC)")
     try:
-        lib = ctypes.CDLL(str(_build(cc)))
+        try:
+            lib = ctypes.CDLL(str(_build(cc)))
+        except OSError:  # a damaged cached file (e.g. empty after a crash): build it once more
+            lib = ctypes.CDLL(str(_build(cc, rebuild=True)))
     except subprocess.CalledProcessError as err:
-        return f"{shlex.join(cc)} could not build {SOURCE.name}: {err.stderr.decode(errors='replace')[-500:]}"
+        stderr = err.stderr.decode(errors="replace")[-500:]
+        return _off(f"{shlex.join(cc)} could not build {SOURCE.name}: {stderr}")
     except OSError as err:
-        return f"could not build or load {SOURCE.name}: {err}"
+        return _off(f"could not build or load {SOURCE.name} (in {_cache_dir()}): {err}")
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     lib.lp_bmm_bf16.argtypes = [ptr, i64, i64, i64, ptr, i64, i64, i64, ptr, i64, i64, i64, i64, ctypes.c_int]
     lib.lp_bmm_bf16.restype = ctypes.c_int
     return lib
+
+
+def _off(why: str) -> str:
+    """Say once (``_library`` is cached) that a machine that could run the kernel does not."""
+    warnings.warn(f"lowprec: the bf16 matmul kernel is off, matmuls run as FP32 GEMMs: {why}", stacklevel=3)
+    return why
 
 
 def unavailable() -> str | None:
