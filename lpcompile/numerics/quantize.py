@@ -316,4 +316,34 @@ def quantize(
         check_fp32_scale("scale", scale)
     seed_t = _as_tensor(seed, torch.int64, x.device) if rounding == "stochastic" else None
     scale_t = _as_tensor(scale, torch.float32, x.device)
+    if _runs_compiled(x, rounding, scale_t):
+        check_args(x, name, rounding, overflow)
+        flat = x.reshape(-1)  # the elements in row-major order, as the reference indexes them
+        return _compiled_kernel(name, overflow)(flat, offset, scale_t).view(x.shape)
     return torch.ops.lowprec.quantize(x, name, rounding, overflow, seed_t, offset, scale_t)
+
+
+# From this many elements the direct API rounds to nearest with one fused kernel that
+# Inductor compiles from the reference ops (the same integer code, so the same bits): the
+# reference run op by op moves every intermediate through memory (about 0.1 of copy
+# bandwidth, and peak memory several times the input's). The first call per format
+# compiles (seconds). Stochastic rounding stays op by op: compiled for sizes Dynamo makes
+# symbolic, its random-bit hash does not build (Inductor's C++ applies integer ops to floats).
+COMPILED_NUMEL = 1 << 20
+
+
+def _runs_compiled(x: torch.Tensor, rounding: str, scale: torch.Tensor | None) -> bool:
+    large = x.numel() >= COMPILED_NUMEL and x.device.type == "cpu"
+    plain = rounding == "nearest" and (scale is None or scale.dim() == 0)
+    return large and plain and not torch.compiler.is_compiling()
+
+
+@functools.cache
+def _compiled_kernel(fmt: str, overflow: str):
+    """Round-to-nearest ``lowprec::quantize`` over a 1-D tensor of any length, compiled."""
+    import lpcompile.numerics.lowering  # noqa: F401  (Inductor fuses the operator)
+
+    def kernel(flat, offset, scale):
+        return torch.ops.lowprec.quantize(flat, fmt, "nearest", overflow, None, offset, scale)
+
+    return torch.compile(kernel, dynamic=True, fullgraph=True)

@@ -456,3 +456,26 @@ def test_integer_scale_tensors_and_float_seed_tensors_are_refused():
         quantize(x, "e5m2", scale=torch.tensor(2))
     with pytest.raises(TypeError, match="a seed tensor must be a 0-dim integer tensor, got torch.float32"):
         quantize(x, "e5m2", "stochastic", seed=torch.tensor(3.7))  # used to be truncated to 3
+
+
+def test_large_inputs_run_one_compiled_kernel_with_the_same_bits(monkeypatch):
+    """From COMPILED_NUMEL elements the direct API rounds to nearest in a kernel Inductor
+    compiles from the reference ops: the bits are the reference's, strided input too."""
+    from lpcompile.numerics import quantize as ops
+
+    used = []
+    compiled = ops._compiled_kernel
+
+    def spy(fmt, overflow):
+        used.append(fmt)
+        return compiled(fmt, overflow)
+
+    monkeypatch.setattr(ops, "_compiled_kernel", spy)
+    x = torch.randn(1024, ops.COMPILED_NUMEL // 1024, generator=torch.Generator().manual_seed(0)) * 100
+    for value in (x, x.t()):
+        got = quantize(value, "e5m2")
+        assert torch.equal(got.view(torch.int32), ops.quantize_reference(value, "e5m2").view(torch.int32))
+    assert used == ["e5m2", "e5m2"]
+    quantize(x[:2], "e5m2")  # small: the operator, op by op
+    quantize(x, "e5m2", "stochastic", seed=1)  # stochastic: op by op (see COMPILED_NUMEL)
+    assert used == ["e5m2", "e5m2"]
