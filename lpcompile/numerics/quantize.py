@@ -346,4 +346,8 @@ def _compiled_kernel(fmt: str, overflow: str):
     def kernel(flat, offset, scale):
         return torch.ops.lowprec.quantize(flat, fmt, "nearest", overflow, None, offset, scale)
 
+    # A code object of its own: Dynamo counts recompiles (dtypes, scale or not) per code
+    # object, and every format would otherwise count against the same limit of 8.
+    kernel.__code__ = kernel.__code__.replace(co_name=f"quantize_{fmt}_{overflow}")
+
     return torch.compile(kernel, dynamic=True, fullgraph=True)
