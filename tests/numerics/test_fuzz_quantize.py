@@ -32,7 +32,7 @@ def _grid(fmt: FloatFormat) -> torch.Tensor:
 
 def _neighbours(x: torch.Tensor, grid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The grid values just below and just above |x| (equal where |x| is on the grid)."""
-    mag = x.abs().double().clamp(max=grid[-1])
+    mag = x.abs().double().clamp(max=grid[-1]).contiguous()  # searchsorted wants contiguous values
     hi = grid[torch.searchsorted(grid, mag, right=False).clamp(max=len(grid) - 1)]
     lo = grid[(torch.searchsorted(grid, mag, right=True) - 1).clamp(min=0)]
     return lo, hi
