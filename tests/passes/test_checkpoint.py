@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 
+import pytest
 import torch
 from grid import grid_step, watched_backend
 from models import Records
@@ -127,3 +128,23 @@ def test_dynamos_own_checkpoint_bodies_are_left_unchanged():
     assert len(bodies) == 2
     for body in bodies:
         assert "lowprec" not in body.code, body.code
+
+
+def test_products_in_other_higher_order_subgraphs_warn_by_name():
+    """torch.cond's branches are subgraphs the pass does not enter: never silently FP32."""
+
+    class Branches(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+        def forward(self, x):
+            return torch.cond(x.sum() > 0, lambda x: self.a(x), lambda x: self.b(x), (x,))
+
+    model = Branches()
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="lowprec", options={"recipe": "fp8-e5m2", "executor": "eager"})
+    with pytest.warns(UserWarning, match=r"subgraphs stay in higher precision: linear in 'a', linear in 'b'"):
+        compiled(torch.randn(2, 4))
+    kept = {row.layer: row.kept for row in lpcompile.coverage(model)}
+    assert kept == {"a": "in a higher-order op's subgraph", "b": "in a higher-order op's subgraph"}

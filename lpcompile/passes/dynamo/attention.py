@@ -166,7 +166,7 @@ def decompose_multihead_attention(gm: torch.fx.GraphModule, ctx: CompileContext)
             continue
         query = node.args[0] if node.args else node.kwargs["query"]
         example = query.meta["example_value"]
-        for name in UNSUPPORTED_MHA + ("add_zero_attn", "bias_k", "embed_dim_to_check"):
+        for name in (*UNSUPPORTED_MHA, "add_zero_attn", "embed_dim_to_check"):
             args.pop(name, None)
         names = (
             f"{path}.in_proj_q",

@@ -251,6 +251,30 @@ def insert_quantize(gm: torch.fx.GraphModule, ctx: CompileContext) -> None:
         insert_quantize(body, ctx)
         body.graph.lint()
         body.recompile()
+    warn_unentered_subgraphs(gm, ctx)
+
+
+def warn_unentered_subgraphs(gm: torch.fx.GraphModule, ctx: CompileContext) -> None:
+    """Warn about products inside subgraphs of higher-order ops the pass does not enter
+    (all but activation checkpointing: ``torch.cond``, ``wrap``, ...): they run unrounded."""
+    if not ctx.config.quantizes:
+        return
+    missed = []
+    for node in gm.graph.find_nodes(op="get_attr"):
+        sub = getattr(gm, node.target, None)
+        if not isinstance(sub, torch.fx.GraphModule) or any(u.target is CHECKPOINT for u in node.users):
+            continue
+        for inner in sub.graph.nodes:
+            if is_layer_call(inner):
+                layer, op = layer_name(inner), op_name(inner)
+                missed.append(f"{op} in {layer!r}")
+                ctx.kept.append(KeptProduct(layer, op, "in a higher-order op's subgraph"))
+    if missed:
+        warnings.warn(
+            "lowprec: products inside higher-order-op subgraphs stay in higher precision:"
+            f" {', '.join(missed)} (the quantize pass enters only activation-checkpoint bodies)",
+            stacklevel=1,
+        )
 
 
 def check_operand_dtypes(call: torch.fx.Node) -> None:
