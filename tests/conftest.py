@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 from devices import TEST_DEVICE
@@ -10,6 +12,16 @@ from devices import TEST_DEVICE
 def pytest_configure(config: pytest.Config) -> None:
     if TEST_DEVICE.type == "cuda" and not torch.cuda.is_available():
         raise pytest.UsageError("LOWPREC_TEST_DEVICE=cuda, but torch sees no CUDA device")
+
+
+@pytest.fixture(autouse=True)
+def _forget_loaded_streams():
+    """Loaded random-stream state (or the warning a checkpoint without it leaves for the next
+    stochastically rounded call) belongs to the test that loaded it."""
+    yield
+    state = sys.modules.get("lpcompile.backend.state")
+    if state is not None:
+        state.REGISTRY.load_streams_state([])
 
 
 _INT_OF = {

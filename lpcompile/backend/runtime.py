@@ -54,7 +54,7 @@ def wrap(
         return compile_variant(inputs)
     config, layout = ctx.config, ctx.adaptive
     model_input = model_key_input(gm)
-    counter = (ctx.stream, config, torch.is_grad_enabled())
+    counter = (ctx.stream, repr(config), torch.is_grad_enabled())
 
     def extras(adaptive: dict[str, Any], args: Sequence[Any], step: int | None) -> list[torch.Tensor]:
         values = dict(adaptive)

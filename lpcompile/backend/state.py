@@ -5,20 +5,29 @@ parameter, and a stand-in tensor (a pipeline's weight slot) is registered as an
 alias of the parameter it stands for, so its state is the model's. An entry dies
 with its parameter. The registry also holds the compiled-graph records (the
 newest :data:`MAX_RECORDS`) and the compile observers (``lowprec dump``).
+
+What decides bits travels in checkpoints: :meth:`Registry.streams_state` (the
+call counts that seed stochastic rounding) and the adaptive states go into the
+state dicts of ``LossScaler``, ``MasterWeightOptimizer`` and ``PipelinedTrainer``.
+Saved counts name their model by a digest of its first parameter's values, which
+a resumed model has again once its weights are loaded.
 """
 
 from __future__ import annotations
 
 import collections
+import hashlib
+import numbers
+import warnings
 import weakref
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
-from lpcompile.backend.adaptive import AdaptiveScaleState, LayerTelemetry
+from lpcompile.backend.adaptive import AdaptiveScaleState, LayerTelemetry, check_saved_state
 from lpcompile.passes.driver import PredictionInput
 from lpcompile.passes.dynamo.loss_scale import AdaptiveLayout
 
@@ -39,11 +48,49 @@ class CompileObserver(Protocol):
         """Inductor is about to compile ``gm``, an AOT graph of ``record`` after the passes."""
 
 
+# What a call count is kept under: (the graph's random stream, ``repr`` of its
+# LowPrecConfig, grad mode). Plain values, so that it saves and loads.
+StepCounter = tuple[int, str, bool]
+
+
+def fingerprint(param: torch.Tensor) -> str:
+    """A digest of ``param``'s values: what names a model in saved stream state."""
+    data = param.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
+    return hashlib.sha256(data.numpy().tobytes()).hexdigest()
+
+
+def check_streams_state(saved: Any) -> None:
+    """Raise ``ValueError`` unless ``saved`` is a :meth:`Registry.streams_state`."""
+    if not isinstance(saved, list):
+        raise ValueError(f"the saved random-stream state must be a list, got {type(saved).__name__}")
+    for model in saved:
+        if not (isinstance(model, dict) and isinstance(model.get("model"), str)):
+            raise ValueError(f"a saved random-stream entry needs a 'model' digest, got {model!r}")
+        if not isinstance(model.get("steps"), list):
+            raise ValueError(f"a saved random-stream entry needs a list of 'steps', got {model!r}")
+        for row in model["steps"]:
+            ok = isinstance(row, (list, tuple)) and len(row) == 4
+            if ok:
+                stream, config, grad, count = row
+                ok = (
+                    isinstance(stream, numbers.Integral)
+                    and isinstance(config, str)
+                    and isinstance(grad, bool)
+                    and isinstance(count, numbers.Integral)
+                    and not isinstance(count, bool)
+                    and count >= 0
+                )
+            if not ok:
+                raise ValueError(
+                    f"a saved call count must be [stream, config, grad mode, count >= 0], got {row!r}"
+                )
+
+
 @dataclass
 class Entry:
     """What lowprec keeps for one parameter; the model-wide fields live on its first."""
 
-    # call counts behind the seeds, per (random stream, settings, grad mode)
+    # call counts behind the seeds, per (random stream, settings, grad mode): see StepCounter
     steps: collections.Counter = field(default_factory=collections.Counter)
     adaptive: dict[int, AdaptiveScaleState] = field(default_factory=dict)  # graph id -> state
     optimizer: weakref.ref | None = None  # the optimizer serving this weight's predictions
@@ -60,6 +107,9 @@ class Registry:
         # stream and settings in the process
         self.no_model = torch.empty(0)
         self._deferred: list[dict[str, Any]] = []  # saved adaptive states awaiting their graphs
+        self._saved_steps: dict[str, dict[StepCounter, int]] = {}  # digest -> saved counts not yet taken
+        self._looked_up = WeakIdKeyDictionary()  # models matched against _saved_steps since the load
+        self._restart_warning = False  # a checkpoint without stream state was loaded
         self.records: collections.deque = collections.deque(maxlen=MAX_RECORDS)
         self.graph_count = 0  # graphs compiled by this process
         self.observers: list[CompileObserver] = []
@@ -81,11 +131,69 @@ class Registry:
         return entry
 
     # ------------------------------------------------------------------ seeds
-    def next_step(self, key: torch.Tensor, counter: tuple) -> int:
+    def next_step(self, key: torch.Tensor, counter: StepCounter) -> int:
         """The call number of this call of ``key``'s graphs with this (stream, settings, grad mode)."""
+        if self._restart_warning:
+            self._restart_warning = False
+            warnings.warn(
+                "lowprec: the loaded checkpoint has no random-stream state (saved before lowprec kept "
+                "it, or by another scaler): stochastic rounding restarts its streams at call 0, so "
+                "the run does not continue bit for bit",
+                stacklevel=3,
+            )
+        if self._saved_steps:
+            self._resume_steps(key)
         steps = self.entry(key).steps
         steps[counter] += 1
         return steps[counter] - 1
+
+    def streams_state(self) -> list[dict[str, Any]]:
+        """The call counts of every model alive, each named by :func:`fingerprint` of its key
+        parameter (so a fresh process finds them once the model's weights are loaded)."""
+        return [
+            {
+                "model": fingerprint(key),
+                "steps": [[*counter, count] for counter, count in entry.steps.items()],
+            }
+            for key, entry in list(self._entries.items())
+            if entry.steps
+        ]
+
+    def load_streams_state(self, saved: list[dict[str, Any]] | None) -> None:
+        """Restore :meth:`streams_state`: at once for a model alive whose weights match, else
+        at its first call. ``None`` (a checkpoint saved without it) warns, at the first call
+        that rounds stochastically, that the streams restart."""
+        if saved is None:
+            self._saved_steps, self._restart_warning = {}, True
+            return
+        check_streams_state(saved)
+        self._saved_steps = {
+            model["model"]: {(int(s), c, g): int(n) for s, c, g, n in model["steps"]} for model in saved
+        }
+        self._looked_up = WeakIdKeyDictionary()
+        self._restart_warning = False
+        for key in list(self._entries.keys()):
+            if self._saved_steps:
+                self._resume_steps(key, warn=False)
+
+    def _resume_steps(self, key: torch.Tensor, warn: bool = True) -> None:
+        """Give ``key``'s model the saved call counts its weights match (looked up once),
+        or warn that its streams restart."""
+        key = self.key(key)
+        if key in self._looked_up:
+            return
+        saved = self._saved_steps.pop(fingerprint(key), None)
+        if saved is not None:
+            self.entry(key).steps = collections.Counter(saved)
+        if saved is not None or warn:
+            self._looked_up[key] = True
+        if saved is None and warn:
+            warnings.warn(
+                f"lowprec: the loaded random-stream state names no model with these weights (a model "
+                f"with a {tuple(key.shape)} first parameter): its stochastic-rounding streams restart "
+                "at call 0. Load the model's weights saved with that state before running it",
+                stacklevel=4,
+            )
 
     # ------------------------------------------------------------------ adaptive loss scaling
     def adaptive_state(
@@ -125,6 +233,30 @@ class Registry:
             if graph_id is None or graph == graph_id
         ]
         return [state for _, state in sorted(found, key=lambda pair: pair[0])]
+
+    def adaptive_loader(
+        self, saved: list[dict[str, Any]], model: torch.nn.Module | None = None
+    ) -> Callable[[], None]:
+        """Check saved adaptive states (of every model, or of ``model``) whole, raising
+        ``ValueError`` if any does not fit, and return what loads them: into the compiled
+        graphs' states, or, when none is compiled yet (a fresh process), into each graph's
+        state as it compiles."""
+        states = self.adaptive_states(model)
+        if not states:
+            for entry in saved:
+                check_saved_state(entry)
+        elif len(saved) != len(states):
+            raise ValueError(f"state dict has {len(saved)} adaptive graphs, {len(states)} are compiled")
+        pairs = list(zip(states, saved if states else [], strict=True))
+        for state, entry in pairs:
+            state.check_state_dict(entry)
+
+        def load() -> None:
+            self.defer_states([] if states else list(saved))
+            for state, entry in pairs:
+                state.load_state_dict(entry)
+
+        return load
 
     def defer_states(self, saved: list[dict[str, Any]]) -> None:
         """Hold saved states until the graphs they belong to compile (replacing any held)."""
@@ -171,7 +303,6 @@ class Registry:
 
     def active_observers(self) -> list[CompileObserver]:
         return [o for o in self.observers if o.active()]
-
 
     def model_records(self, model: torch.nn.Module) -> list[Any]:
         """The kept records of the graphs compiled for ``model`` (any of its parameters

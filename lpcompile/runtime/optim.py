@@ -6,7 +6,10 @@ BF16 tensors and are the only stored copy of the weights. At each ``step`` the
 wrapper makes FP32 copies of the weights and gradients, lets the wrapped
 optimizer update them in FP32 (its state, e.g. momentum, stays FP32), and
 rounds the results back into the 16-bit parameters with
-:func:`lpcompile.quantize`, to nearest even or stochastically.
+:func:`lpcompile.quantize`, to nearest even or stochastically. Its state dict
+also carries the stream call counts of the compiled models (see
+:meth:`lpcompile.backend.state.Registry.streams_state`), so that model and
+optimizer state dicts resume a stochastically rounded run bit for bit.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from typing import Any
 
 import torch
 
+from lpcompile.backend.state import REGISTRY, check_streams_state
 from lpcompile.numerics.checks import check_count
 from lpcompile.numerics.quantize import OVERFLOWS, ROUNDINGS, quantize
 
@@ -235,7 +239,8 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
         return self._steps
 
     def state_dict(self) -> dict[str, Any]:
-        """The wrapped optimizer's state dict, the step count and the rounding settings."""
+        """The wrapped optimizer's state dict, the step count, the rounding settings and the
+        compiled models' stream call counts."""
         self._sync_hyperparameters()
         return {
             "optimizer": self.optimizer.state_dict(),
@@ -244,6 +249,7 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
             "rounding": self.rounding,
             "seed": self.seed,
             "overflow": self.overflow,
+            "streams": REGISTRY.streams_state(),
         }
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
@@ -264,6 +270,9 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
         _check_seed(state_dict["seed"])
         steps = state_dict["steps"]
         check_count("the checkpoint's steps", steps)
+        streams = state_dict.get("streams")  # absent from checkpoints saved before it was kept
+        if streams is not None:
+            check_streams_state(streams)
         self._materialize()
         try:
             self.optimizer.load_state_dict(state_dict["optimizer"])
@@ -273,3 +282,4 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
             group.update({k: v for k, v in inner.items() if k not in ("params", "param_names")})
         self.seed = state_dict["seed"]
         self._steps = int(steps)
+        REGISTRY.load_streams_state(streams)

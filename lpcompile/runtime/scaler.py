@@ -25,6 +25,11 @@ updates the scale. Modes (:data:`MODES`):
   stochastic rounding, blow up the small ones (``calibration_steps`` counts them).
   ``state_dict`` carries the per-layer scales and telemetry (of every compiled model).
 
+``state_dict`` also carries the call counts that seed stochastic rounding in every
+compiled model (``"streams"``), so that model, optimizer and scaler state dicts
+resume a run bit for bit; a state dict without them (a ``GradScaler``'s) warns, at
+the first stochastically rounded call, that the streams restart.
+
 Usage is ``GradScaler``'s::
 
     scaler = LossScaler("enhanced", min_scale=2.0**10)
@@ -52,8 +57,8 @@ from typing import Any
 
 import torch
 
-from lpcompile.backend.adaptive import AdaptiveScaleState, check_saved_state
-from lpcompile.backend.state import REGISTRY
+from lpcompile.backend.adaptive import AdaptiveScaleState
+from lpcompile.backend.state import REGISTRY, check_streams_state
 from lpcompile.numerics.checks import check_count, check_fp32_scale, is_real
 
 MODES = ("static", "dynamic", "enhanced", "adaptive")
@@ -460,7 +465,8 @@ class LossScaler:
         return self._init_tracker if self._tracker is None else int(self._tracker.item())
 
     def state_dict(self) -> dict[str, Any]:
-        """The scaler's state (``GradScaler``'s keys plus mode, floor and iteration); ``{}`` if disabled."""
+        """The scaler's state (``GradScaler``'s keys plus mode, floor and iteration) and the
+        compiled models' adaptive scales and stream call counts; ``{}`` if disabled."""
         if not self._enabled:
             return {}
         cfg = self._config
@@ -481,6 +487,7 @@ class LossScaler:
                 if cfg.mode == "adaptive"
                 else None
             ),
+            "streams": REGISTRY.streams_state(),
         }
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
@@ -514,6 +521,10 @@ class LossScaler:
         counts = {key: state_dict.get(key, 0) for key in ("_growth_tracker", *COUNTERS)}
         for key, value in counts.items():
             check_count(f"the state dict's {key!r}", value)
+        streams = state_dict.get("streams")
+        if streams is not None:
+            check_streams_state(streams)
+        load_adaptive = None
         if self.mode == "adaptive":
             saved = state_dict.get("adaptive")
             if not isinstance(saved, list):
@@ -521,23 +532,14 @@ class LossScaler:
                     "mode 'adaptive' needs the per-layer state (the 'adaptive' list of LossScaler."
                     f"state_dict()); this state dict has {saved!r} (a GradScaler's has none)"
                 )
-            states = REGISTRY.adaptive_states()
-            if not states:  # a fresh process: held until their graphs compile
-                for entry in saved:
-                    check_saved_state(entry)
-            elif len(saved) != len(states):
-                raise ValueError(f"state dict has {len(saved)} adaptive graphs, {len(states)} are compiled")
-            pairs = list(zip(states, saved if states else [], strict=True))
-            for state, entry in pairs:
-                state.check_state_dict(entry)
+            load_adaptive = REGISTRY.adaptive_loader(saved)
         self._config = config
         self._iteration = int(counts["iteration"])
         self.skipped_steps = int(counts["skipped_steps"])
         self.calibration_steps = int(counts["calibration_steps"])
-        if self.mode == "adaptive":
-            REGISTRY.defer_states([] if states else list(saved))
-            for state, entry in pairs:
-                state.load_state_dict(entry)
+        REGISTRY.load_streams_state(streams)
+        if load_adaptive is not None:
+            load_adaptive()
         floor = self._config.min_scale_at(self._iteration)
         self._init_scale = max(float(state_dict["scale"]), floor or 0.0)
         self._init_tracker = int(counts["_growth_tracker"])

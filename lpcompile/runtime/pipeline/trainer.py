@@ -33,6 +33,11 @@ partitioned by :func:`lpcompile.passes.stages.partition_graph`; each is
 run eagerly as an FX GraphModule or, with ``compile=options``, compiled with
 ``torch.compile(backend="lowprec", options=options)`` (FP8 recipes etc.).
 
+Checkpoints: after :meth:`PipelinedTrainer.drain`, the model's ``state_dict()``
+and :meth:`PipelinedTrainer.state_dict` (the optimizer's state, the step and
+sample counts, and the stages' stream call counts and adaptive scales) resume the
+run bit for bit in a new trainer.
+
 Not done: running the stages as ``torch.distributed`` ranks; dynamic loss
 scaling (a static ``loss_scale`` is supported); BatchNorm (refused).
 """
@@ -49,7 +54,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lpcompile.backend.state import REGISTRY
+from lpcompile.backend.state import REGISTRY, check_streams_state
 from lpcompile.config import LowPrecConfig
 from lpcompile.numerics.checks import check_count, check_positive
 from lpcompile.passes.stages import (
@@ -374,6 +379,46 @@ class PipelinedTrainer:
         """Run steps without new samples until every sample's backward is done."""
         while self._pending():
             self.step()
+
+    def state_dict(self) -> dict[str, Any]:
+        """What resumes this trainer bit for bit, with the model's own ``state_dict()``: the
+        optimizer's state, the step and sample counts, the stream call counts and adaptive
+        scales of the stage graphs. Only a drained pipeline (:meth:`drain`) has one."""
+        self._check_drained("save")
+        return {
+            "optimizer": self.optimizer.state_dict(),
+            "steps": self.steps,
+            "samples": self.samples,
+            "streams": REGISTRY.streams_state(),
+            "adaptive": [state.state_dict() for state in REGISTRY.adaptive_states(self.model)],
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` (load the model's weights first). Checked whole: a bad
+        one raises ``ValueError`` and changes nothing."""
+        self._check_drained("load")
+        missing = [
+            key for key in ("optimizer", "steps", "samples", "streams", "adaptive") if key not in state_dict
+        ]
+        if missing:
+            raise ValueError(
+                f"not a PipelinedTrainer state dict: it lacks {missing}, it has {sorted(state_dict)}"
+            )
+        for key in ("steps", "samples"):
+            check_count(f"the state dict's {key!r}", state_dict[key])
+        check_streams_state(state_dict["streams"])
+        load_adaptive = REGISTRY.adaptive_loader(state_dict["adaptive"], self.model)
+        self.optimizer.load_state_dict(state_dict["optimizer"])
+        self.steps, self.samples = int(state_dict["steps"]), int(state_dict["samples"])
+        REGISTRY.load_streams_state(state_dict["streams"])
+        load_adaptive()
+
+    def _check_drained(self, what: str) -> None:
+        if self._pending():
+            raise RuntimeError(
+                f"cannot {what} the trainer's state while samples are in the pipeline: "
+                "call drain() first (their activations and errors are not part of the state)"
+            )
 
     def fit(
         self,

@@ -1,0 +1,121 @@
+"""Resuming from an ordinary checkpoint (``torch.save`` of the model's, optimizer's and
+scaler's state dicts) in a fresh process continues the run bit for bit, for every
+recipe; a checkpoint without lowprec's stream state warns that the streams restart."""
+
+from __future__ import annotations
+
+import copy
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from lpcompile import LossScaler, PipelinedTrainer
+
+SCRIPT = Path(__file__).with_name("resume_run.py")
+ROOT = SCRIPT.parents[2]
+
+
+def _run(case: str, folder: Path, phase: str) -> str:
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    done = subprocess.run(
+        [sys.executable, "-W", "always::UserWarning", str(SCRIPT), case, str(folder), phase],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stderr
+
+
+def _same_bits(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> list[str]:
+    """The names of the tensors whose bits differ."""
+    return [name for name in a if not torch.equal(a[name].view(torch.uint8), b[name].view(torch.uint8))]
+
+
+@pytest.mark.parametrize("case", ["nearest", "stochastic", "adaptive", "master", "pipeline"])
+def test_a_fresh_process_resumes_bit_for_bit(case, tmp_path):
+    _run(case, tmp_path, "full")
+    stderr = _run(case, tmp_path, "rest")
+    assert "restart" not in stderr, stderr[-2000:]
+    full, rest = torch.load(tmp_path / "full.pt"), torch.load(tmp_path / "rest.pt")
+    assert _same_bits(full, rest) == []
+
+
+def test_a_checkpoint_without_stream_state_warns_that_the_streams_restart(tmp_path):
+    _run("stochastic", tmp_path, "full")
+    stderr = _run("stochastic", tmp_path, "rest-old")
+    assert stderr.count("restarts its streams at call 0") == 1, stderr[-2000:]
+    full, old = torch.load(tmp_path / "full.pt"), torch.load(tmp_path / "rest-old.pt")
+    assert _same_bits(full, old), "the restarted streams should round differently"
+
+
+def _sr_model() -> tuple[torch.nn.Module, torch.nn.Module]:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 4))
+    return model, torch.compile(
+        model, backend="lowprec", options={"recipe": "fp8-e5m2-sr", "executor": "eager"}
+    )
+
+
+def _grads(model: torch.nn.Module, run: torch.nn.Module, x: torch.Tensor) -> list[torch.Tensor]:
+    """The weight gradients of one call (the recipe rounds them stochastically)."""
+    model.zero_grad()
+    run(x).square().sum().backward()
+    return [p.grad.clone() for p in model.parameters()]
+
+
+def test_stream_state_loads_into_a_model_alive_with_the_saved_weights():
+    """Loaded after the model already ran (the live-model path): its next call rounds as
+    the saved model's next call does, which a restarted stream would not."""
+    x = torch.randn(4, 8)
+    model, run = _sr_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for _ in range(3):
+        _grads(model, run, x)
+        opt.step()
+    saved = LossScaler().state_dict()
+    weights = copy.deepcopy(model.state_dict())
+    expected = _grads(model, run, x)
+    opt.step()  # the saved model moves on: only the new one has the saved weights
+    other, other_run = _sr_model()
+    other.load_state_dict(weights)
+    restarted = _grads(other, other_run, x)
+    LossScaler().load_state_dict(saved)
+    assert not all(map(torch.equal, restarted, expected))
+    assert all(map(torch.equal, _grads(other, other_run, x), expected))
+
+
+@pytest.mark.parametrize(
+    ("streams", "match"),
+    [
+        ("counts", "must be a list"),
+        ([{"steps": []}], "'model' digest"),
+        ([{"model": "ab", "steps": [[1, "cfg", True, -1]]}], r"count >= 0\], got \[1, 'cfg', True, -1\]"),
+        ([{"model": "ab", "steps": [[1, "cfg", 1, 2]]}], "grad mode"),
+    ],
+)
+def test_bad_stream_state_is_refused_before_anything_loads(streams, match):
+    scaler = LossScaler(init_scale=8.0)
+    saved = {**LossScaler(init_scale=16.0).state_dict(), "streams": streams}
+    with pytest.raises(ValueError, match=match):
+        scaler.load_state_dict(saved)
+    assert scaler.get_scale() == 8.0
+
+
+def test_the_trainer_saves_and_loads_only_a_drained_pipeline():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2))
+    trainer = PipelinedTrainer(model, torch.randn(1, 4), stages=2, lr=0.1)
+    trainer.step(torch.randn(1, 4), torch.tensor([1]))
+    with pytest.raises(RuntimeError, match=r"cannot save .* samples are in the pipeline: call drain\(\)"):
+        trainer.state_dict()
+    trainer.drain()
+    state = trainer.state_dict()
+    with pytest.raises(ValueError, match=r"not a PipelinedTrainer state dict: it lacks \['samples'\]"):
+        trainer.load_state_dict({k: v for k, v in state.items() if k != "samples"})
+    assert state["steps"] == 3 and state["samples"] == 1
