@@ -290,6 +290,7 @@ class _Entry:
 class _Session:
     root: Path
     run: Path  # root/<start>-<host>-<pid>, created with its first graph
+    pid: int  # the process that writes it: a forked child starts a session of its own
     entries: list[_Entry] = field(default_factory=list)
     inductor: dict[int, dict[str, GraphView]] = field(default_factory=dict)  # id(record) -> graphs
 
@@ -319,7 +320,7 @@ def _current() -> _Session | None:
     root = dump_dir()
     if root is None:
         return None
-    if _session is None or _session.root != root.absolute():
+    if _session is None or _session.root != root.absolute() or _session.pid != os.getpid():
         start_session()
     return _session
 
@@ -334,7 +335,7 @@ def start_session() -> Path | None:
         return None
     flush()
     root = root.absolute()
-    _session = _Session(root, root / _run_name())
+    _session = _Session(root, root / _run_name(), os.getpid())
     if not _atexit_registered:
         atexit.register(_flush_at_exit)
         _atexit_registered = True
@@ -385,7 +386,7 @@ def observe() -> None:
 def flush() -> None:
     """Write again the graph folders whose graphs changed (e.g. a backward appeared)."""
     session = _session
-    if session is None:
+    if session is None or session.pid != os.getpid():  # a forked child's parent writes its own
         return
     for entry in session.entries:
         if entry.written != _signature(session, entry):

@@ -541,6 +541,20 @@ def test_a_failed_write_names_the_folder(dump_to, monkeypatch):
         )
 
 
+def test_a_forked_child_dumps_into_a_run_folder_of_its_own(dump_to, monkeypatch):
+    """A child forked after its parent started dumping inherits the parent's session:
+    it wrote its graphs into the parent's run folder, under the parent's folder names."""
+    options = {"recipe": "fp8-e5m2", "executor": "eager"}
+    torch.compile(nn.Linear(2, 2), backend="lowprec", options=options)(torch.randn(1, 2))
+    monkeypatch.setattr(dump._session, "pid", -1)  # what a forked child sees: its parent's session
+    parent = dump_files(dump_to)
+    torch.compile(nn.Linear(3, 3), backend="lowprec", options=options)(torch.randn(1, 3))
+    dump.flush()
+    assert dump_files(dump_to) == parent
+    [child] = [run for run in dump.runs(dump_to.parent) if run != dump_to]
+    assert child.name.endswith(f"-{os.getpid()}") and (child / "Linear_0" / "manifest.json").is_file()
+
+
 def test_the_root_index_keeps_a_run_that_appears_while_it_is_written(tmp_path, monkeypatch):
     """Another process's run that appears after this writer listed the folder (and whose own
     page this writer then overwrites) is on the page in the end."""
