@@ -23,10 +23,15 @@ def _dump(args: argparse.Namespace) -> int:
         if not args.summary:
             print("lowprec dump: give a SCRIPT to run, or --summary for an existing dump", file=sys.stderr)
             return 2
-        if not root.is_dir() or not dump.load_manifests(root):
+        if dump.load_manifests(root):  # DIR is a run folder
+            print(dump.summary(root), end="")
+            return 0
+        found = dump.runs(root)
+        if not found:
             print(f"lowprec dump: no lowprec dump in {root}", file=sys.stderr)
             return 2
-        print(dump.summary(root), end="")
+        print(f"{found[-1]}  (the newest of {len(found)} run(s) in {root})")
+        print(dump.summary(found[-1]), end="")
         return 0
     script = Path(args.script)
     if not script.is_file():
@@ -41,7 +46,7 @@ def _dump(args: argparse.Namespace) -> int:
         return 2
     saved = sys.argv, list(sys.path), os.environ.get(dump.ENV)
     os.environ[dump.ENV] = str(root)
-    dump.start_session()
+    run = dump.start_session()
     sys.argv = [str(script), *args.args]
     sys.path.insert(0, str(script.resolve().parent))
     code = 0
@@ -58,10 +63,13 @@ def _dump(args: argparse.Namespace) -> int:
             os.environ.pop(dump.ENV, None)
         else:
             os.environ[dump.ENV] = saved[2]
-    graphs = len(dump.load_manifests(root))
-    print(f"lowprec dump: {graphs} graph(s) in {root}" + (f"; open {root / 'index.html'}" if graphs else ""))
-    if args.summary:
-        print(dump.summary(root), end="")
+    graphs = len(dump.load_manifests(run))
+    if graphs:
+        print(f"lowprec dump: {graphs} graph(s) in {run}; open {run / 'index.html'}")
+    else:
+        print(f"lowprec dump: 0 graph(s); nothing written to {root}")
+    if args.summary and graphs:
+        print(dump.summary(run), end="")
     return code
 
 
@@ -89,8 +97,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         "dump",
         help="run a script with LOWPREC_DUMP set; show a dump's summary",
         description="Run SCRIPT (with its ARGS) with LOWPREC_DUMP=DIR: every graph the lowprec backend "
-        "compiles is written to DIR/<model>_<n>/, with DIR/index.html. With --summary, print per graph the "
-        "lowprec nodes by kind and layer, kernels and stages (of DIR alone when no SCRIPT is given).",
+        "compiles is written to DIR/<run>/<model>_<n>/, where <run> (<start>-<host>-<pid>) is this run's "
+        "own folder, with <run>/index.html, and DIR/index.html lists the runs; earlier runs stay. With "
+        "--summary, print per graph the lowprec nodes by kind and layer, kernels and stages: of this run, "
+        "or, when no SCRIPT is given, of DIR's newest run (or of DIR itself, a run folder).",
     )
     dump.add_argument(
         "-o", "--output", metavar="DIR", help=f"dump folder (default $LOWPREC_DUMP, else {DEFAULT_DUMP_DIR})"

@@ -3,19 +3,31 @@
 With the environment variable set (or through ``lowprec dump SCRIPT.py``),
 :class:`DumpObserver` watches the backend compile each Dynamo graph (a compile
 observer in the registry; importing this module adds it), and writes
-``DIR/<model>_<n>/`` for it (``n`` counts the graphs this process dumped, in
-compile order; ``<model>`` is the root module's class, or ``graph``)::
+``DIR/<run>/<model>_<n>/`` for it. ``<run>`` is the session's run folder,
+``<start>-<host>-<pid>`` (``<start>`` the UTC time, ``YYYYmmddTHHMMSS.ffffffZ``), so
+runs sort by start time and processes sharing ``DIR`` never write into one folder;
+``n`` counts the graphs the session dumped, in compile order; ``<model>`` is the
+root module's class, or ``graph``::
 
     DIR/
-      index.html                 tables of graphs and passes, one SVG per graph
-      Sequential_0/
-        manifest.json            passes, timing, every lowprec node, kernels, stages
-        dynamo/00_captured.py    the Dynamo graph as captured
-        dynamo/01_<pass>.py      the graph after each pass, in order
-        dynamo/01_<pass>.diff    what that pass changed (unified diff)
-        dynamo/graph.dot|.svg    the graph after all passes (text where dot is missing)
-        forward/ backward/ inference/   the same for the AOT autograd graphs
-        kernels/                 the generated Triton kernels (codegen="triton"), else a README
+      index.html                 the runs, oldest first, with links to their graphs
+      <start>-<host>-<pid>/
+        index.html               tables of graphs and passes, one SVG per graph
+        Sequential_0/
+          manifest.json          passes, timing, every lowprec node, kernels, stages
+          dynamo/00_captured.py  the Dynamo graph as captured
+          dynamo/01_<pass>.py    the graph after each pass, in order
+          dynamo/01_<pass>.diff  what that pass changed (unified diff)
+          dynamo/graph.dot|.svg  the graph after all passes (text where dot is missing)
+          forward/ backward/ inference/   the same for the AOT autograd graphs
+          kernels/               the generated Triton kernels (codegen="triton"), else a README
+
+Nothing in ``DIR`` is ever removed: earlier runs stay. A graph folder is written
+in a hidden folder beside it and renamed into place, and an ``index.html`` is
+written to a hidden file and renamed over the old one, so a reader sees whole
+files. The root ``index.html`` is written again from the folder listing by each
+writer, until the listing stays as written (:func:`write_root_index`): concurrent
+writers lose no run.
 
 Every ``.py`` holds ``GraphModule.code`` inside a ``GraphModule`` class: it
 compiles, and ``GraphModule().forward(*inputs)`` runs it with the inputs that
@@ -43,10 +55,12 @@ import json
 import os
 import re
 import shutil
+import socket
 import subprocess
 import warnings
 from collections import Counter
 from dataclasses import dataclass, field
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
@@ -275,6 +289,8 @@ class _Entry:
 @dataclass
 class _Session:
     root: Path
+    run: Path  # root/<start>-<host>-<pid>, created with its first graph
+    pid: int  # the process that writes it: a forked child starts a session of its own
     entries: list[_Entry] = field(default_factory=list)
     inductor: dict[int, dict[str, GraphView]] = field(default_factory=dict)  # id(record) -> graphs
 
@@ -301,41 +317,35 @@ def dump_dir() -> Path | None:
 
 def _current() -> _Session | None:
     """This process's dump session for the folder ``LOWPREC_DUMP`` names now."""
+    root = dump_dir()
+    if root is None:
+        return None
+    if _session is None or _session.root != root.absolute() or _session.pid != os.getpid():
+        start_session()
+    return _session
+
+
+def start_session() -> Path | None:
+    """Start a new dump session: the graphs compiled from now on go to a new run folder
+    under ``LOWPREC_DUMP``, which is returned (``None`` when dumping is off). The folder
+    is created with its first graph: a session that compiles nothing writes nothing."""
     global _session, _atexit_registered
     root = dump_dir()
     if root is None:
         return None
+    flush()
     root = root.absolute()
-    if _session is None or _session.root != root:
-        if _session is not None:
-            flush()
-        _session = _Session(root)
-        _clean(root)
-        if not _atexit_registered:
-            atexit.register(_flush_at_exit)
-            _atexit_registered = True
-    return _session
+    _session = _Session(root, root / _run_name(), os.getpid())
+    if not _atexit_registered:
+        atexit.register(_flush_at_exit)
+        _atexit_registered = True
+    return _session.run
 
 
-def start_session() -> None:
-    """Start this process's dump session now (clearing the previous dump in the folder
-    ``LOWPREC_DUMP`` names), not at the first compile: a run that compiles nothing
-    then leaves no earlier run's graphs behind."""
-    _current()
-
-
-def _clean(root: Path) -> None:
-    """Remove the graph folders an earlier run dumped here (nothing else)."""
-    if not root.is_dir():
-        return
-    for child in root.iterdir():
-        manifest = child / "manifest.json"
-        if child.is_dir() and manifest.is_file():
-            with contextlib.suppress(ValueError, OSError):
-                if json.loads(manifest.read_text()).get("format") == FORMAT:
-                    shutil.rmtree(child)
-    with contextlib.suppress(FileNotFoundError):
-        (root / "index.html").unlink()
+def _run_name() -> str:
+    """``<start>-<host>-<pid>``: unique among live processes, and in start order by name."""
+    start = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%S.%fZ")
+    return f"{start}-{_safe(socket.gethostname()) or 'host'}-{os.getpid()}"
 
 
 class DumpObserver:
@@ -376,7 +386,7 @@ def observe() -> None:
 def flush() -> None:
     """Write again the graph folders whose graphs changed (e.g. a backward appeared)."""
     session = _session
-    if session is None:
+    if session is None or session.pid != os.getpid():  # a forked child's parent writes its own
         return
     for entry in session.entries:
         if entry.written != _signature(session, entry):
@@ -402,9 +412,10 @@ def _signature(session: _Session, entry: _Entry) -> tuple:
 def _write_safely(session: _Session, entry: _Entry) -> None:
     try:
         write_graph(session, entry)
-        write_index(session.root)
+        write_index(session.run)
+        write_root_index(session.root)
     except Exception as error:  # a debugging aid must not stop training
-        where = session.root / entry.folder
+        where = session.run / entry.folder
         warnings.warn(f"lowprec dump: writing {where} failed: {error!r}", RuntimeWarning, stacklevel=2)
 
 
@@ -459,16 +470,16 @@ def _config(record: Any) -> Any:
 
 
 def write_graph(session: _Session, entry: _Entry) -> Path:
-    """Write ``entry``'s folder from scratch; return it."""
+    """Write ``entry``'s folder from scratch, in a hidden folder renamed into place; return it."""
     record = entry.record
     signature = _signature(session, entry)
     views = _views(session, entry)
     _link_inputs(views)
     records = list(getattr(record, "records", []))
     kinds = sorted(set(views) | {r.graph for r in records}, key=_graph_order)
-    folder = session.root / entry.folder
-    if folder.exists():
-        shutil.rmtree(folder)
+    final = session.run / entry.folder
+    folder = session.run / f".{entry.folder}.new"
+    shutil.rmtree(folder, ignore_errors=True)  # left by a write that failed
     folder.mkdir(parents=True)
 
     graphs: dict[str, Any] = {}
@@ -559,8 +570,16 @@ def write_graph(session: _Session, entry: _Entry) -> Path:
         "stages": stages,
     }
     (folder / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
+    if final.exists():  # between the two renames readers see no folder, never half of one
+        old = final.with_name(f".{entry.folder}.old")
+        shutil.rmtree(old, ignore_errors=True)
+        final.rename(old)
+        folder.rename(final)
+        shutil.rmtree(old)
+    else:
+        folder.rename(final)
     entry.written = signature
-    return folder
+    return final
 
 
 def _stages(views: dict[str, GraphView]) -> dict[str, Any] | None:
@@ -681,20 +700,37 @@ def _render(view: GraphView, folder: Path, prefix: str) -> dict[str, Any]:
 # ----------------------------------------------------------------------------- index and summary
 
 
-def load_manifests(root: Path | str) -> list[dict[str, Any]]:
-    """The manifests of the graph folders under ``root``, in dump order."""
+def _folders(folder: Path) -> list[Path]:
+    """The folders in ``folder``, but the hidden ones (graph folders being written or removed)."""
+    if not folder.is_dir():
+        return []
+    return [p for p in folder.iterdir() if not p.name.startswith(".") and p.is_dir()]
+
+
+def _graph_folders(folder: Path) -> list[Path]:
+    return [p for p in _folders(folder) if (p / "manifest.json").is_file()]
+
+
+def runs(root: Path | str) -> list[Path]:
+    """The run folders in ``root`` (those holding graph folders), oldest first."""
+    return sorted((p for p in _folders(Path(root)) if _graph_folders(p)), key=lambda p: p.name)
+
+
+def load_manifests(folder: Path | str) -> list[dict[str, Any]]:
+    """The manifests of the graph folders in ``folder`` (a run folder), in dump order."""
     found = []
-    for path in Path(root).glob("*/manifest.json"):
+    for graph in _graph_folders(Path(folder)):
         with contextlib.suppress(ValueError, OSError):
-            manifest = json.loads(path.read_text())
+            manifest = json.loads((graph / "manifest.json").read_text())
             if manifest.get("format") == FORMAT:
                 found.append(manifest)
+    return sorted(found, key=lambda m: _dump_order(m["name"]))
 
-    def order(m: dict[str, Any]) -> tuple[int, str]:
-        number = m["name"].rsplit("_", 1)[-1]
-        return (int(number) if number.isdigit() else 1 << 30, m["name"])
 
-    return sorted(found, key=order)
+def _dump_order(name: str) -> tuple[int, str]:
+    """``<model>_<n>`` by ``n``: compile order."""
+    number = name.rsplit("_", 1)[-1]
+    return (int(number) if number.isdigit() else 1 << 30, name)
 
 
 def _inserted_counts(manifest: dict[str, Any], graph: str = "dynamo") -> dict[str, Counter]:
@@ -744,8 +780,15 @@ def _link(root: Path, folder: str, rel: str | None) -> str:
     return f'<a href="{html.escape(folder)}/{html.escape(rel)}">{name}</a>'
 
 
+def _write_whole(path: Path, text: str) -> None:
+    """Write ``path`` through a hidden file renamed over it: readers see the old file or the new."""
+    part = path.with_name(f".{path.name}.{os.getpid()}")
+    part.write_text(text)
+    os.replace(part, path)
+
+
 def write_index(root: Path | str) -> Path:
-    """Write ``root/index.html``: every dumped graph, its passes and its pictures."""
+    """Write ``root/index.html`` for a run folder: every dumped graph, its passes and its pictures."""
     root = Path(root)
     manifests = load_manifests(root)
     parts = [
@@ -754,7 +797,7 @@ def write_index(root: Path | str) -> Path:
         f"<style>{CSS}</style></head><body>",
         "<h1>lowprec dump</h1>",
         f"<p>{len(manifests)} compiled graph(s) · torch {html.escape(torch.__version__)} · "
-        "written by <code>lpcompile.tools.dump</code></p>",
+        'written by <code>lpcompile.tools.dump</code> · <a href="../index.html">all runs</a></p>',
         '<h2>Graphs</h2><table id="graphs"><tr><th>graph</th><th>model</th><th>id</th><th>recipe</th>'
         "<th>executor</th><th>passes</th><th>lowprec nodes (dynamo graph)</th><th>kernels</th>"
         "<th>stages</th></tr>",
@@ -841,8 +884,48 @@ def write_index(root: Path | str) -> Path:
     parts.append(f'<p id="render-check"></p><script>{RENDER_CHECK}</script></body></html>')
     path = root / "index.html"
     root.mkdir(parents=True, exist_ok=True)
-    path.write_text("\n".join(parts) + "\n")
+    _write_whole(path, "\n".join(parts) + "\n")
     return path
+
+
+def _root_page(root: Path) -> str:
+    rows = []
+    for run in runs(root):
+        page = f"{html.escape(run.name)}/index.html"
+        graphs = sorted((html.escape(g.name) for g in _graph_folders(run)), key=_dump_order)
+        links = ", ".join(f'<a href="{page}#{g}">{g}</a>' for g in graphs)
+        run_link = f'<a href="{page}">{html.escape(run.name)}</a>'
+        rows.append(f"<tr><td>{run_link}</td>{_cell(len(graphs), True)}<td>{links}</td></tr>")
+    return "\n".join(
+        [
+            "<!doctype html>",
+            '<html lang="en"><head><meta charset="utf-8"><title>lowprec dump runs</title>',
+            f"<style>{CSS}</style></head><body>",
+            "<h1>lowprec dump runs</h1>",
+            f"<p>{len(rows)} run(s), named &lt;start (UTC)&gt;-&lt;host&gt;-&lt;pid&gt;, oldest first</p>",
+            '<table id="runs"><tr><th>run</th><th>graphs</th><th></th></tr>',
+            *rows,
+            "</table></body></html>",
+            "",
+        ]
+    )
+
+
+def write_root_index(root: Path | str) -> Path:
+    """Write ``root/index.html``: the runs in ``root`` and their graphs.
+
+    Written from the folder listing, then written again until the listing stays as
+    written: a writer that changes the listing always writes the page afterwards, so
+    the last page written shows every run, however many processes write at once."""
+    root = Path(root)
+    path = root / "index.html"
+    page = _root_page(root)
+    while True:
+        _write_whole(path, page)
+        again = _root_page(root)
+        if again == page:
+            return path
+        page = again
 
 
 def summary(root: Path | str) -> str:

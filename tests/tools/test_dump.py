@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
 import textwrap
+import time
 import types
 import warnings
 from pathlib import Path
@@ -58,9 +60,16 @@ def tiny_mlp() -> nn.Sequential:
     return nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 3))
 
 
+def only_run(root: Path) -> Path:
+    """The one run folder in the dump folder ``root``."""
+    found = dump.runs(root)
+    assert len(found) == 1, found
+    return found[0]
+
+
 @pytest.fixture(scope="module")
 def golden_run(tmp_path_factory) -> tuple[Path, dict]:
-    """``LOWPREC_DUMP=DIR python script.py`` in a fresh process: the dump folder and what the run saw."""
+    """``LOWPREC_DUMP=DIR python script.py`` in a fresh process: its run folder and what the run saw."""
     work = tmp_path_factory.mktemp("golden")
     script = work / "script.py"
     script.write_text(SCRIPT)
@@ -74,9 +83,10 @@ def golden_run(tmp_path_factory) -> tuple[Path, dict]:
         timeout=300,
     )
     assert done.returncode == 0, done.stderr[-3000:]
+    run = only_run(work / "dump")
     if UPDATE:
-        update_golden(work / "dump")
-    return work / "dump", torch.load(work / "expected.pt")
+        update_golden(run)
+    return run, torch.load(work / "expected.pt")
 
 
 def dump_files(root: Path) -> list[str]:
@@ -129,6 +139,17 @@ def update_golden(root: Path) -> None:
 def test_file_list_matches_golden(golden_run):
     root, _ = golden_run
     assert dump_files(root) == expected_files()
+    assert sorted(p.name for p in root.parent.iterdir()) == sorted(["index.html", root.name])
+
+
+def test_the_run_folder_is_named_after_the_start_time_host_and_pid(golden_run):
+    root, _ = golden_run
+    start, rest = root.name.split("-", 1)
+    host, pid = rest.rsplit("-", 1)
+    assert re.fullmatch(r"\d{8}T\d{6}\.\d{6}Z", start) and host and pid.isdigit(), root.name
+    index = (root.parent / "index.html").read_text()
+    assert f'<a href="{root.name}/index.html">{root.name}</a>' in index
+    assert f'<a href="{root.name}/index.html#Sequential_0">Sequential_0</a>' in index
 
 
 def test_manifest_matches_golden(golden_run):
@@ -213,12 +234,15 @@ def test_graph_after_all_passes_reproduces_the_compiled_output(golden_run, graph
 def test_summary_lists_nodes_by_kind_and_layer(golden_run, capsys):
     root, _ = golden_run
     assert main(["dump", "--summary", "-o", str(root)]) == 0
+    assert capsys.readouterr().out == dump.summary(root)
+    assert main(["dump", "--summary", "-o", str(root.parent)]) == 0  # the dump folder: its newest run
     out = capsys.readouterr().out
     lines = out.splitlines()
-    assert lines[0].startswith("Sequential_0") and "fp8-e5m2-sr" in lines[0]
-    header = lines[1].split()
+    assert lines[0] == f"{root}  (the newest of 1 run(s) in {root.parent})"
+    assert lines[1].startswith("Sequential_0") and "fp8-e5m2-sr" in lines[1]
+    header = lines[2].split()
     assert header[:3] == ["layer", "quantize", "sr"] and header[-1] == "total"
-    rows = {line.split()[0]: line.split()[1:] for line in lines[2:5]}
+    rows = {line.split()[0]: line.split()[1:] for line in lines[3:6]}
     assert rows["0"][:2] == ["2", "2"] and rows["2"][:2] == ["2", "2"] and rows["total"][-1] == "8"
     assert "kernels: 0" in out and "stages: none" in out
 
@@ -308,10 +332,10 @@ def test_screenshot_shows_the_coloured_graph(rendered_dump, tmp_path):
 
 @pytest.fixture
 def dump_to(tmp_path, monkeypatch):
-    """Dump into ``tmp_path/dump`` from this process; a fresh Dynamo."""
+    """Dump into ``tmp_path/dump`` from this process; the run folder, and a fresh Dynamo."""
     monkeypatch.setenv(dump.ENV, str(tmp_path / "dump"))
     torch._dynamo.reset()
-    yield tmp_path / "dump"
+    yield dump.start_session()
     dump.flush()
     torch._dynamo.reset()
 
@@ -377,7 +401,7 @@ def test_a_function_graph_is_named_graph_and_the_cli_runs_scripts(tmp_path, monk
     assert code == 3
     assert os.environ.get(dump.ENV) is None  # restored
     assert "1 graph(s)" in capsys.readouterr().out
-    manifest = json.loads((tmp_path / "out" / "graph_0" / "manifest.json").read_text())
+    manifest = json.loads((only_run(tmp_path / "out") / "graph_0" / "manifest.json").read_text())
     assert manifest["model"] == "graph"
     assert {n["layer"] for n in manifest["inserted"] if n["graph"] == "dynamo"} == {"matmul"}
 
@@ -471,16 +495,18 @@ def test_a_custom_modules_dump_is_not_named_after_a_submodule(tmp_path, monkeypa
     assert seen == ["model", "Sequential"]
 
 
-def test_the_cli_clears_an_old_dump_before_the_script_runs(tmp_path, monkeypatch, capsys):
+def test_the_cli_keeps_earlier_runs(tmp_path, monkeypatch, capsys):
+    """Earlier runs were removed at the start of a dump, whichever process was still writing
+    them. A run that compiles nothing writes nothing."""
     monkeypatch.delenv(dump.ENV, raising=False)
-    old = tmp_path / "out" / "Sequential_0"
+    old = tmp_path / "out" / "20000101T000000.000000Z-elsewhere-1" / "Sequential_0"
     old.mkdir(parents=True)
     (old / "manifest.json").write_text(json.dumps({"format": dump.FORMAT, "model": "Sequential"}))
     script = tmp_path / "noop.py"
     script.write_text("print('compiles nothing')\n")
     assert main(["dump", "-o", str(tmp_path / "out"), str(script)]) == 0
-    assert not old.exists()
     assert "0 graph(s)" in capsys.readouterr().out
+    assert dump.runs(tmp_path / "out") == [old.parent] and (old / "manifest.json").is_file()
 
 
 def test_summary_says_which_products_stay_in_higher_precision_and_why(dump_to):
@@ -513,3 +539,114 @@ def test_a_failed_write_names_the_folder(dump_to, monkeypatch):
         torch.compile(model, backend="lowprec", options={"recipe": "fp8-e5m2", "executor": "eager"})(
             torch.randn(1, 2)
         )
+
+
+def test_a_forked_child_dumps_into_a_run_folder_of_its_own(dump_to, monkeypatch):
+    """A child forked after its parent started dumping inherits the parent's session:
+    it wrote its graphs into the parent's run folder, under the parent's folder names."""
+    options = {"recipe": "fp8-e5m2", "executor": "eager"}
+    torch.compile(nn.Linear(2, 2), backend="lowprec", options=options)(torch.randn(1, 2))
+    monkeypatch.setattr(dump._session, "pid", -1)  # what a forked child sees: its parent's session
+    parent = dump_files(dump_to)
+    torch.compile(nn.Linear(3, 3), backend="lowprec", options=options)(torch.randn(1, 3))
+    dump.flush()
+    assert dump_files(dump_to) == parent
+    [child] = [run for run in dump.runs(dump_to.parent) if run != dump_to]
+    assert child.name.endswith(f"-{os.getpid()}") and (child / "Linear_0" / "manifest.json").is_file()
+
+
+def test_the_root_index_keeps_a_run_that_appears_while_it_is_written(tmp_path, monkeypatch):
+    """Another process's run that appears after this writer listed the folder (and whose own
+    page this writer then overwrites) is on the page in the end."""
+
+    def add_run(name: str) -> None:
+        (tmp_path / name / "graph_0").mkdir(parents=True)
+        (tmp_path / name / "graph_0" / "manifest.json").write_text("{}")
+
+    add_run("a")
+    write = dump._write_whole
+
+    def racing(path: Path, text: str) -> None:
+        write(path, text)
+        if not (tmp_path / "b").exists():
+            add_run("b")
+
+    monkeypatch.setattr(dump, "_write_whole", racing)
+    index = dump.write_root_index(tmp_path).read_text()
+    assert '<a href="a/index.html">a</a>' in index and '<a href="b/index.html">b</a>' in index
+
+
+# ----------------------------------------------------------------------------- concurrent writers
+
+WRITER = textwrap.dedent(
+    """
+    import os
+    import sys
+    import time
+    from pathlib import Path
+
+    import torch
+    from torch import nn
+
+    import lpcompile.backend  # imported before the start signal: the writers compile at the same time
+
+    width, ready, go = int(sys.argv[1]), Path(sys.argv[2]), Path(sys.argv[3])
+    ready.touch()
+    deadline = time.monotonic() + 120
+    while not go.exists():
+        if time.monotonic() > deadline:
+            sys.exit("no start signal")
+        time.sleep(0.01)
+    for depth in (1, 2, 3):  # three Dynamo graphs, each with a forward and a backward
+        model = nn.Sequential(*[nn.Linear(width, width) for _ in range(depth)])
+        options = {"recipe": "fp8-e5m2", "executor": "eager"}
+        torch.compile(model, backend="lowprec", options=options)(torch.randn(3, width)).sum().backward()
+    print(os.getpid())
+    """
+)
+
+
+def test_two_processes_dumping_into_one_folder_keep_all_their_graphs_apart(tmp_path):
+    """Two processes sharing ``LOWPREC_DUMP`` lost one process's graphs (each new dump
+    removed the folder's graph folders) and mixed their files in one graph folder."""
+    script = tmp_path / "writer.py"
+    script.write_text(WRITER)
+    root, go = tmp_path / "dump", tmp_path / "go"
+    env = {**os.environ, dump.ENV: str(root)}
+    writers = {}
+    for width in (5, 7):  # each writer's layers have their own width
+        command = [sys.executable, str(script), str(width), str(tmp_path / f"ready{width}"), str(go)]
+        writers[width] = subprocess.Popen(command, env=env, cwd=tmp_path, stdout=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 300  # to import torch and lpcompile
+        for width, writer in writers.items():
+            while not (tmp_path / f"ready{width}").exists():
+                assert writer.poll() is None, f"writer {width} exited early"
+                assert time.monotonic() < deadline, f"writer {width} did not start"
+                time.sleep(0.1)
+        go.touch()
+        pids = {}
+        for width, writer in writers.items():
+            out, _ = writer.communicate(timeout=300)
+            assert writer.returncode == 0, f"writer {width} failed"
+            pids[width] = int(out.split()[-1])
+    finally:
+        for writer in writers.values():
+            if writer.poll() is None:
+                writer.kill()
+                writer.wait(timeout=30)
+
+    found: dict[int, list[Path]] = {5: [], 7: []}
+    for path in root.rglob("manifest.json"):
+        inputs = json.loads(path.read_text())["graphs"]["dynamo"]["inputs"]
+        widths = {d for spec in inputs for d in spec["shape"] or []} & {5, 7}
+        assert len(widths) == 1, f"{path.parent} holds graphs of both writers"
+        found[widths.pop()].append(path.parent)
+    assert {width: len(folders) for width, folders in found.items()} == {5: 3, 7: 3}, "graphs lost"
+    for width, folders in found.items():
+        runs = {folder.parent for folder in folders}
+        assert len(runs) == 1 and runs != {root}, f"writer {width}'s graphs are not in one run folder: {runs}"
+        assert str(pids[width]) in runs.pop().name.split("-"), "the run folder does not name the process"
+    assert {f.parent for f in found[5]}.isdisjoint(f.parent for f in found[7])
+    index = (root / "index.html").read_text()
+    assert all(f'href="{folders[0].parent.name}/index.html"' in index for folders in found.values())
