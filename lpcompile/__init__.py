@@ -28,6 +28,7 @@ _EXPORTS = {
     "recipes": "lpcompile.config",
     "stats": "lpcompile.backend.state",
     "coverage": "lpcompile.backend.state",
+    "saturation": "lpcompile.backend.state",
     "LossScaler": "lpcompile.runtime.scaler",
     "MasterWeightOptimizer": "lpcompile.runtime.optim",
     "PipelineSGD": "lpcompile.runtime.pipeline",

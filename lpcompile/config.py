@@ -39,6 +39,7 @@ MATMULS = ("auto", "fp32", "bf16")
 WRAPPERS = ("auto", "cpp", "python")
 CONVS = ("auto", "aten")
 ATTENTIONS = ("operands", "full", "off")
+SATURATIONS = ("off", "count", "raise")
 # options key -> AdaptiveScaleConfig field
 ADAPTIVE_KEYS = {
     "loss_scale_rule": "rule",
@@ -213,6 +214,11 @@ class LowPrecConfig:
     ``"operands"`` rounds Q, K, V and the error entering it and keeps the fused kernel,
     ``"full"`` writes it as matmul → softmax (FP32) → matmul so the probabilities and
     their gradient are rounded too, ``"off"`` leaves it in higher precision.
+    ``saturation="count"`` counts, per forward quantize node (weights and activations),
+    the inputs beyond the format's largest finite value (they saturate, or become inf
+    with ``overflow="inf"``) and the infinite or NaN ones (``lpcompile.saturation(model)``);
+    ``"raise"`` also raises ``FloatingPointError`` naming the layer at a call whose
+    quantized inputs held inf or NaN; ``"off"`` adds nothing.
     """
 
     recipe: str = "fp32"
@@ -232,6 +238,7 @@ class LowPrecConfig:
     wrapper: str = "auto"
     conv: str = "auto"
     attention: str = "operands"
+    saturation: str = "off"
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "pipeline", PipelineConfig.from_option(self.pipeline))
@@ -251,6 +258,13 @@ class LowPrecConfig:
             raise ValueError(f"conv must be one of {CONVS}, got {self.conv!r}")
         if self.attention not in ATTENTIONS:
             raise ValueError(f"attention must be one of {ATTENTIONS}, got {self.attention!r}")
+        if self.saturation not in SATURATIONS:
+            raise ValueError(f"saturation must be one of {SATURATIONS}, got {self.saturation!r}")
+        if self.saturation != "off" and self.pipeline is not None:
+            raise ValueError(
+                f"saturation={self.saturation!r} adds an output to the graph, which pipeline= splits into"
+                " stages: count in the stages instead (PipelinedTrainer(compile={..., 'saturation': ...}))"
+            )
         if self.wrapper != "auto" and (self.executor != "inductor" or self.codegen != "inductor"):
             raise ValueError(
                 f"wrapper={self.wrapper!r} picks Inductor's wrapper code: it needs executor='inductor'"

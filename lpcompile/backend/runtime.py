@@ -19,7 +19,7 @@ import torch.fx
 
 from lpcompile.backend.adaptive import AdaptiveScaleState
 from lpcompile.backend.state import REGISTRY
-from lpcompile.passes.driver import CompileContext
+from lpcompile.passes.driver import CompileContext, Site
 from lpcompile.passes.dynamo.quantize import SEED_INPUT
 from lpcompile.passes.graph import parameter_of
 
@@ -49,11 +49,45 @@ def wrap(
     gm: torch.fx.GraphModule, inputs: list, ctx: CompileContext, compile_variant: Callable[..., Callable]
 ) -> Callable:
     """Compile ``gm`` (through ``compile_variant(inputs, tag)``) and return what Dynamo
-    calls: the compiled graph with lowprec's inputs appended at every call."""
+    calls: the compiled graph with lowprec's inputs appended at every call, and its
+    saturation counts (option ``saturation``) taken off its outputs."""
+    model_input = model_key_input(gm)
+    run = _with_inputs(inputs, ctx, compile_variant, model_input)
+    if not ctx.counted:
+        return run
+    sites, strict = ctx.counted, ctx.config.saturation == "raise"
+
+    def counted(*args: Any) -> Any:
+        *outputs, counts = run(*args)
+        REGISTRY.count_saturation(model_key(args, model_input), ctx.graph_id, sites, counts)
+        if strict and bool(counts[:, 1].any()):
+            raise FloatingPointError(nonfinite_message(sites, counts))
+        return outputs
+
+    return counted
+
+
+def nonfinite_message(sites: Sequence[Site], counts: torch.Tensor) -> str:
+    """What a call whose quantize inputs held inf or NaN says (``saturation="raise"``)."""
+    found = [
+        f"{site.layer} ({site.role} to {site.fmt}: {n} value(s))"
+        for site, n in zip(sites, counts[:, 1].tolist(), strict=True)
+        if n
+    ]
+    return (
+        f"lowprec: inf or NaN entered the quantize of {', '.join(found)}. Quantizing "
+        "saturates infinities to the format's largest value and keeps NaN, so the output need not "
+        "show it; the option saturation='raise' stops here (saturation='count' only counts)"
+    )
+
+
+def _with_inputs(
+    inputs: list, ctx: CompileContext, compile_variant: Callable[..., Callable], model_input: int | None
+) -> Callable:
+    """The compiled graph, called with lowprec's own inputs appended."""
     if not ctx.inputs:
         return compile_variant(inputs)
     config, layout = ctx.config, ctx.adaptive
-    model_input = model_key_input(gm)
     counter = (ctx.stream, repr(config), torch.is_grad_enabled())
 
     def extras(adaptive: dict[str, Any], args: Sequence[Any], step: int | None) -> list[torch.Tensor]:

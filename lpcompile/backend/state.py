@@ -28,7 +28,7 @@ import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
 from lpcompile.backend.adaptive import AdaptiveScaleState, LayerTelemetry, check_saved_state
-from lpcompile.passes.driver import PredictionInput
+from lpcompile.passes.driver import PredictionInput, Site
 from lpcompile.passes.dynamo.loss_scale import AdaptiveLayout
 
 # Compiled-graph records kept (the newest): each holds graphs and pass records.
@@ -95,6 +95,8 @@ class Entry:
     adaptive: dict[int, AdaptiveScaleState] = field(default_factory=dict)  # graph id -> state
     optimizer: weakref.ref | None = None  # the optimizer serving this weight's predictions
     graphs: set[int] = field(default_factory=set)  # ids of the graphs compiled for this model
+    # graph id -> (its counted sites, per site [saturated, non-finite] summed over its calls, calls)
+    saturation: dict[int, tuple[list[Site], torch.Tensor, int]] = field(default_factory=dict)
 
 
 class Registry:
@@ -286,6 +288,20 @@ class Registry:
             return torch.zeros((), dtype=torch.float32, device=param.device)
         return torch.zeros_like(param) if spec.mode == "lwp_v" else param.detach()
 
+    # ------------------------------------------------------------------ saturation
+    def count_saturation(
+        self, key: torch.Tensor, graph_id: int, sites: list[Site], counts: torch.Tensor
+    ) -> None:
+        """Add one call's saturation ``counts`` (per site: saturated, non-finite) of graph
+        ``graph_id`` to ``key``'s model's totals (on the device: no synchronisation)."""
+        totals = self.entry(key).saturation
+        found = totals.get(graph_id)
+        if found is None:
+            totals[graph_id] = (sites, counts.clone(), 1)
+        else:
+            found[1].add_(counts)
+            totals[graph_id] = (sites, found[1], found[2] + 1)
+
     # ------------------------------------------------------------------ records and observers
     def new_graph_id(self) -> int:
         """The next graph's id: graphs are numbered 0, 1, ... in compile order."""
@@ -307,9 +323,13 @@ class Registry:
     def model_records(self, model: torch.nn.Module) -> list[Any]:
         """The kept records of the graphs compiled for ``model`` (any of its parameters
         named one), in compile order."""
-        wanted = {id(p) for p in model.parameters()}
-        ids = {g for key, entry in list(self._entries.items()) if id(key) in wanted for g in entry.graphs}
+        ids = {g for entry in self.model_entries(model) for g in entry.graphs}
         return [record for record in self.records if record.graph_id in ids]
+
+    def model_entries(self, model: torch.nn.Module) -> list[Entry]:
+        """The entries of ``model``'s parameters that name a model (or a pipeline stage)."""
+        wanted = {id(p) for p in model.parameters()}
+        return [entry for key, entry in list(self._entries.items()) if id(key) in wanted]
 
 
 REGISTRY = Registry()
@@ -336,6 +356,31 @@ def coverage(model: torch.nn.Module) -> list[LayerCoverage]:
             roles.setdefault(site.layer, {})[site.role] = f"{site.fmt} {site.rounding} {site.overflow}"
         rows += [LayerCoverage(layer, record.graph_id, quantized) for layer, quantized in roles.items()]
         rows += [LayerCoverage(k.layer, record.graph_id, {}, k.reason, k.op) for k in record.kept]
+    return rows
+
+
+@dataclass(frozen=True)
+class SaturationCount:
+    """How many inputs of one forward quantize node lay beyond its format's range."""
+
+    layer: str
+    role: str
+    fmt: str
+    graph_id: int
+    calls: int  # calls of the graph counted
+    saturated: int  # inputs beyond the largest finite value, infinities included
+    nonfinite: int  # inputs that were inf or NaN
+
+
+def saturation(model: torch.nn.Module) -> list[SaturationCount]:
+    """Per forward quantize node of ``model``'s graphs compiled with the option
+    ``saturation="count"`` (or ``"raise"``): its inputs that saturated or were not
+    finite, summed over the calls so far (reading them synchronises the device)."""
+    rows = []
+    for entry in REGISTRY.model_entries(model):
+        for graph_id, (sites, counts, calls) in sorted(entry.saturation.items(), key=lambda item: item[0]):
+            for site, (big, bad) in zip(sites, counts.tolist(), strict=True):
+                rows.append(SaturationCount(site.layer, site.role, site.fmt, graph_id, calls, big, bad))
     return rows
 
 

@@ -72,6 +72,8 @@ class CompileContext:
     stream: int  # from the graph's layers: keys its random streams, whatever was compiled before
     sites: dict[int, Site] = field(default_factory=dict)
     kept: list[KeptProduct] = field(default_factory=list)  # products left in higher precision
+    # the sites whose saturation the graph's last output counts (option saturation)
+    counted: list[Site] = field(default_factory=list)
     inputs: dict[str, torch.fx.Node] = field(default_factory=dict)
     # inputs read afresh at every call for the parameters of that call
     call_inputs: dict[str, PredictionInput] = field(default_factory=dict)
