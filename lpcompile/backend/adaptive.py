@@ -16,6 +16,9 @@ One :class:`AdaptiveScaleState` belongs to each compiled graph rewritten by
 
 Every ``interval`` calls (the first included) the backward records the
 histograms, and the next call turns them into new scales by the chosen rule.
+With :attr:`AdaptiveScaleState.ranks` set (``LossScaler`` sets it under data
+parallelism), the statistics are summed over those ranks and an overflow on any
+of them backs a layer off, so every rank holds the same scales.
 """
 
 from __future__ import annotations
@@ -131,6 +134,7 @@ class AdaptiveScaleState:
         self.calibrating = config.rule != "fixed"
         self.unsettled = False
         self.telemetry = [LayerTelemetry(name) for name in self.layers]
+        self.ranks: Any = None  # a process group whose ranks agree on the scales, or None
         self._set([float(config.init)] * count)
 
     @property
@@ -174,7 +178,7 @@ class AdaptiveScaleState:
 
     def refresh(self, stats: torch.Tensor) -> None:
         """Set new scales from per-layer statistics by the configured rule."""
-        stats = stats.detach().cpu()
+        stats = self._agreed(stats.detach(), torch.distributed.ReduceOp.SUM).cpu()
         used = self.recorded.tolist()  # a back-off since may have changed self.scales
         for i, t in enumerate(self.telemetry):
             t.underflow = underflow_fraction(stats[i], used[i], self.fmt)
@@ -242,12 +246,22 @@ class AdaptiveScaleState:
         error, or a sum over the batch that overflowed by itself): when
         ``found_inf`` (the step found inf/NaN in some gradient) those are checked.
         """
-        counts = [] if self.flags.grad is None else self.flags.grad.tolist()
-        hit = {i for i, count in enumerate(counts) if count > 0}
+        counts = torch.zeros(len(self.layers)) if self.flags.grad is None else self.flags.grad.detach().cpu()
         if found_inf:
             grads = [None if w is None or w() is None else w().grad for w in self.weights]
-            hit |= {i for i, g in enumerate(grads) if g is not None and not bool(torch.isfinite(g).all())}
-        return sorted(hit)
+            for i, g in enumerate(grads):
+                if g is not None and not bool(torch.isfinite(g).all()):
+                    counts[i] += 1
+        counts = self._agreed(counts.to(self.flags.device), torch.distributed.ReduceOp.MAX)
+        return [i for i, count in enumerate(counts.tolist()) if count > 0]
+
+    def _agreed(self, tensor: torch.Tensor, op: Any) -> torch.Tensor:
+        """``tensor`` reduced with ``op`` over :attr:`ranks` (itself without them)."""
+        if self.ranks is None:
+            return tensor
+        tensor = tensor.clone()
+        torch.distributed.all_reduce(tensor, op=op, group=self.ranks)
+        return tensor
 
     def back_off(self, found_inf: bool = False, everywhere: bool = False) -> list[str]:
         """Halve the scale of every layer that overflowed (see :meth:`overflowed`), or of

@@ -38,6 +38,15 @@ Usage is ``GradScaler``'s::
     scaler.step(opt)
     scaler.update()
 
+Data parallelism (DDP, FSDP2): with ``process_group="auto"`` (the default) and
+``torch.distributed`` initialized with more than one rank, the scaler agrees with
+the other ranks of that group (the whole world by default): the inf/NaN flag is
+all-reduced before the skip decision, so an overflow on one rank skips the step on
+every rank; and the adaptive states it steps sum their gradient statistics over the
+ranks before choosing scales, and back off a layer that overflowed on any rank, so
+every rank scales each layer alike. Pass a group to agree within it (the
+data-parallel ranks of a larger mesh), or ``None`` to decide per rank.
+
 Optimizers that set ``_step_supports_amp_scaling`` (torch's fused optimizers,
 :class:`lpcompile.runtime.optim.MasterWeightOptimizer`) unscale and skip by themselves:
 ``step`` hands them ``optimizer.grad_scale`` and ``optimizer.found_inf``, as
@@ -187,7 +196,8 @@ class LossScaler:
     raise ``ValueError`` naming the valid ones). With ``enabled=False`` every
     method is a pass-through, as in ``GradScaler``. The scale is an FP32 tensor
     on the device of the first tensor given to :meth:`scale`; gradients may be
-    on any devices.
+    on any devices. ``process_group``: the ranks whose skip decisions and adaptive
+    scales agree (see the module docstring).
     """
 
     def __init__(
@@ -201,20 +211,26 @@ class LossScaler:
         min_scale: float | None = None,
         min_scale_schedule: Mapping[int, float] | None = None,
         enabled: bool = True,
+        process_group: Any = "auto",
     ) -> None:
         config = LossScaleConfig(
             mode, init_scale, growth_factor, backoff_factor, growth_interval, min_scale, min_scale_schedule
         )
-        self._setup(config, enabled)
+        self._setup(config, enabled, process_group)
 
     @classmethod
-    def from_config(cls, config: LossScaleConfig, enabled: bool = True) -> LossScaler:
+    def from_config(
+        cls, config: LossScaleConfig, enabled: bool = True, process_group: Any = "auto"
+    ) -> LossScaler:
         """A scaler with the settings of ``config``."""
         scaler = cls.__new__(cls)
-        scaler._setup(config, enabled)
+        scaler._setup(config, enabled, process_group)
         return scaler
 
-    def _setup(self, config: LossScaleConfig, enabled: bool) -> None:
+    def _setup(self, config: LossScaleConfig, enabled: bool, process_group: Any) -> None:
+        if isinstance(process_group, str) and process_group != "auto":
+            raise ValueError(f"process_group must be 'auto', None or a process group, got {process_group!r}")
+        self._process_group = process_group
         self._config = config
         self._enabled = bool(enabled)
         self._iteration = 0  # update() calls so far
@@ -236,6 +252,14 @@ class LossScaler:
 
     def is_enabled(self) -> bool:
         return self._enabled
+
+    def _ranks(self) -> Any:
+        """The process group whose ranks agree with this one, or ``None`` (decide alone)."""
+        dist = torch.distributed
+        if not (dist.is_available() and dist.is_initialized()):
+            return None
+        group = dist.group.WORLD if self._process_group == "auto" else self._process_group
+        return group if group is not None and dist.get_world_size(group) > 1 else None
 
     def _lazy_init(self, device: torch.device) -> torch.Tensor:
         if self._scale is None:
@@ -290,6 +314,9 @@ class LossScaler:
                 for grads in per_dtype.values():
                     torch._amp_foreach_non_finite_check_and_unscale_(grads, flag, local_inv)
                 found[device] = flag
+            ranks = self._ranks()
+            for flag in found.values() if ranks is not None else ():
+                torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX, group=ranks)
         return found
 
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
@@ -353,6 +380,9 @@ class LossScaler:
             raise RuntimeError("step() has already been called since the last update().")
         if self.mode == "adaptive":
             _check_adaptive_models()
+            ranks = self._ranks()
+            for s in _trained_states(REGISTRY.adaptive_states(), optimizer.param_groups):
+                s.ranks = ranks
         if getattr(optimizer, "_step_supports_amp_scaling", False):
             # The optimizer unscales and skips by itself (GradScaler's protocol).
             if state["stage"] is _Stage.READY:
