@@ -316,38 +316,63 @@ def quantize(
         check_fp32_scale("scale", scale)
     seed_t = _as_tensor(seed, torch.int64, x.device) if rounding == "stochastic" else None
     scale_t = _as_tensor(scale, torch.float32, x.device)
-    if _runs_compiled(x, rounding, scale_t):
+    if _runs_compiled(x, scale_t):
         check_args(x, name, rounding, overflow)
+        if rounding == "stochastic":
+            rng.check_numel(x.numel())
+        scale_dtype = None if scale_t is None else scale_t.dtype
+        kernel = _compiled_kernel(name, rounding, overflow, x.dtype, scale_dtype)
         flat = x.reshape(-1)  # the elements in row-major order, as the reference indexes them
-        return _compiled_kernel(name, overflow)(flat, offset, scale_t).view(x.shape)
+        return _StraightThrough.apply(flat, kernel, seed_t, offset, scale_t).view(x.shape)
     return torch.ops.lowprec.quantize(x, name, rounding, overflow, seed_t, offset, scale_t)
 
 
-# From this many elements the direct API rounds to nearest with one fused kernel that
-# Inductor compiles from the reference ops (the same integer code, so the same bits): the
-# reference run op by op moves every intermediate through memory (about 0.1 of copy
-# bandwidth, and peak memory several times the input's). The first call per format
-# compiles (seconds). Stochastic rounding stays op by op: compiled for sizes Dynamo makes
-# symbolic, its random-bit hash does not build (Inductor's C++ applies integer ops to floats).
+# From this many elements the direct API rounds with one fused kernel that Inductor
+# compiles from the reference ops (the same integer code, so the same bits): the reference
+# run op by op moves every intermediate through memory (0.02-0.07 of copy bandwidth, and
+# peak memory 6-10 times the input's). The first call per format, rounding and dtype
+# compiles (seconds); calls of any length, seed and offset reuse it.
 COMPILED_NUMEL = 1 << 20
 
 
-def _runs_compiled(x: torch.Tensor, rounding: str, scale: torch.Tensor | None) -> bool:
+def _runs_compiled(x: torch.Tensor, scale: torch.Tensor | None) -> bool:
     large = x.numel() >= COMPILED_NUMEL and x.device.type == "cpu"
-    plain = rounding == "nearest" and (scale is None or scale.dim() == 0)
+    plain = scale is None or scale.dim() == 0
     return large and plain and not torch.compiler.is_compiling()
 
 
+class _StraightThrough(torch.autograd.Function):
+    """A compiled quantize kernel, with ``lowprec::quantize``'s straight-through gradient.
+
+    The kernel sees the same kind of inputs on every call (gradients off, none a
+    view): Dynamo would compile a graph for each kind.
+    """
+
+    @staticmethod
+    def forward(ctx, flat, kernel, seed, offset, scale):
+        return kernel(flat.detach(), seed, offset, None if scale is None else scale.detach())
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None, None, None, None
+
+
 @functools.cache
-def _compiled_kernel(fmt: str, overflow: str):
-    """Round-to-nearest ``lowprec::quantize`` over a 1-D tensor of any length, compiled."""
+def _compiled_kernel(
+    fmt: str, rounding: str, overflow: str, dtype: torch.dtype, scale_dtype: torch.dtype | None
+):
+    """``lowprec::quantize`` over a 1-D tensor of any length, compiled; the offset is
+    symbolic too."""
     import lpcompile.numerics.lowering  # noqa: F401  (Inductor fuses the operator)
 
-    def kernel(flat, offset, scale):
-        return torch.ops.lowprec.quantize(flat, fmt, "nearest", overflow, None, offset, scale)
+    def kernel(flat, seed, offset, scale):
+        return torch.ops.lowprec.quantize(flat, fmt, rounding, overflow, seed, offset, scale)
 
-    # A code object of its own: Dynamo counts recompiles (dtypes, scale or not) per code
-    # object, and every format would otherwise count against the same limit of 8.
-    kernel.__code__ = kernel.__code__.replace(co_name=f"quantize_{fmt}_{overflow}")
+    # A code object per variant: Dynamo counts recompiles per code object, against a
+    # limit of 8, and each variant is one.
+    variant = "_".join(
+        str(part).removeprefix("torch.") for part in (fmt, rounding, overflow, dtype, scale_dtype)
+    )
+    kernel.__code__ = kernel.__code__.replace(co_name=f"quantize_{variant}")
 
     return torch.compile(kernel, dynamic=True, fullgraph=True)

@@ -81,7 +81,10 @@ def key_tensor(seed: torch.Tensor, offset: int) -> torch.Tensor:
     lo = (torch.bitwise_xor(lo, 1 << 31) - (1 << 31)).to(torch.int32)
     hi = (torch.bitwise_xor(hi, 1 << 31) - (1 << 31)).to(torch.int32)
     inner = mix(torch.bitwise_xor(lo, mix(torch.bitwise_xor(hi, to_int32(SEED_HI_SALT)))))
-    return mix(torch.bitwise_xor(inner, to_int32(offset)))
+    # The offset as a tensor, its low 32 bits: an offset Dynamo made symbolic (an argument
+    # of a compiled function) entered Inductor's C++ as a float ("float ^ float", no build).
+    offset_t = torch.full((), offset, dtype=torch.int64, device=seed.device).to(torch.int32)
+    return mix(torch.bitwise_xor(inner, offset_t))
 
 
 def bits_from_index(index: torch.Tensor, key: torch.Tensor | int) -> torch.Tensor:

@@ -130,6 +130,23 @@ def test_inductor_matches_eager():
     assert counter.frame_count == 1, "a new seed value must not recompile"
 
 
+def test_a_symbolic_offset_compiles():
+    """An offset Dynamo makes symbolic (a function argument under dynamic=True) has the
+    bits of the constant, in one compile: the key takes it as an integer tensor (as a
+    symbolic int it entered Inductor's C++ as a float, which did not build)."""
+    counter = CompileCounterWithBackend("inductor")
+
+    def fn(x, seed, offset):
+        return q(x, "e5m2", "stochastic", "saturate", seed, offset, None)
+
+    compiled = torch.compile(fn, backend=counter, dynamic=True, fullgraph=True)
+    x, seed = mixed_inputs(5000), torch.tensor(9)
+    for offset in [0, 5, 2**32 - 1]:
+        got = compiled(x.to(TEST_DEVICE), seed.to(TEST_DEVICE), offset).cpu()
+        assert_bits_equal(got, fn(x, seed, offset), f"offset {offset}")
+    assert counter.frame_count == 1
+
+
 def test_inductor_fuses_the_decomposition():
     """Inductor compiles the reference ops into its own kernel: no call back into the custom op."""
 

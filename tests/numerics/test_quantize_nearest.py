@@ -382,6 +382,7 @@ def test_bad_arguments():
         with pytest.raises(ValueError, match="cannot hold"):
             quantize(x.to(dtype), fmt)
 
+
 def test_numpy_scalars_are_numbers():
     x = torch.randn(1000, generator=torch.Generator().manual_seed(0))
     want = quantize(x, "e5m2", "stochastic", seed=5, offset=3, scale=2.0)
@@ -466,16 +467,15 @@ def test_large_inputs_run_one_compiled_kernel_with_the_same_bits(monkeypatch):
     used = []
     compiled = ops._compiled_kernel
 
-    def spy(fmt, overflow):
-        used.append(fmt)
-        return compiled(fmt, overflow)
+    def spy(fmt, rounding, *variant):
+        used.append((fmt, rounding))
+        return compiled(fmt, rounding, *variant)
 
     monkeypatch.setattr(ops, "_compiled_kernel", spy)
     x = torch.randn(1024, ops.COMPILED_NUMEL // 1024, generator=torch.Generator().manual_seed(0)) * 100
     for value in (x, x.t()):
         got = quantize(value, "e5m2")
         assert torch.equal(got.view(torch.int32), ops.quantize_reference(value, "e5m2").view(torch.int32))
-    assert used == ["e5m2", "e5m2"]
+    assert used == [("e5m2", "nearest")] * 2
     quantize(x[:2], "e5m2")  # small: the operator, op by op
-    quantize(x, "e5m2", "stochastic", seed=1)  # stochastic: op by op (see COMPILED_NUMEL)
-    assert used == ["e5m2", "e5m2"]
+    assert used == [("e5m2", "nearest")] * 2

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy as np
@@ -9,6 +10,8 @@ import pytest
 import torch
 
 from lpcompile import FloatFormat, parse_format, quantize
+from lpcompile.numerics import quantize as ops
+from lpcompile.numerics import rng
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -258,3 +261,114 @@ def test_sr_subnormal_spacing_below_fp32_normal_range():
     assert not y.isnan().any()
     assert torch.equal(y[[0, 2, 4, 5]], x[[0, 2, 4, 5]]) and y[1].signbit()
     assert y[3].item() in (2.0**-148, 2 * 2.0**-148)
+
+
+# ---------------------------------------------------------------- large inputs: one compiled kernel
+
+
+def reference(x, fmt, seed, offset=0, scale=None, overflow="saturate"):
+    """The operator's reference, op by op."""
+    seed = seed if isinstance(seed, torch.Tensor) else torch.tensor(seed)
+    scale = scale if scale is None or isinstance(scale, torch.Tensor) else torch.tensor(scale)
+    return ops.quantize_reference(x, parse_format(fmt).name, "stochastic", overflow, seed, offset, scale)
+
+
+def shaped(x: torch.Tensor, layout: str) -> torch.Tensor:
+    if layout == "transposed":
+        return x[: x.numel() // 8 * 8].view(8, -1).t()
+    if layout == "strided":
+        return torch.stack([x, -x], dim=1).reshape(-1)[::2]
+    return x
+
+
+LARGE_CASES = [  # each compiles once (seconds)
+    pytest.param(
+        "e5m2",
+        torch.float32,
+        torch.tensor(-(2**40) - 7),
+        2**32 - 1,
+        None,
+        "saturate",
+        "transposed",
+        id="e5m2-tensor-seed-transposed",
+    ),
+    pytest.param("e4m3", torch.bfloat16, 5, 3, 3.0, "saturate", "strided", id="e4m3-bf16-scaled-strided"),
+    pytest.param(
+        FloatFormat(3, 2, special="finite"),
+        torch.float16,
+        7,
+        1,
+        torch.tensor(0.25),
+        "inf",
+        "contiguous",
+        id="e3m2fn-fp16-scale-tensor",
+    ),
+    pytest.param("bf16", torch.float32, 0, 2**31, None, "inf", "contiguous", id="bf16-inf"),
+]
+
+
+@pytest.mark.parametrize("fmt,dtype,seed,offset,scale,overflow,layout", LARGE_CASES)
+def test_large_inputs_have_the_operators_bits(
+    fmt, dtype, seed, offset, scale, overflow, layout, monkeypatch, same_bits
+):
+    """From COMPILED_NUMEL elements the direct API runs a compiled kernel of the reference
+    ops, keyed by the element's row-major index in the whole tensor: the same bits."""
+    monkeypatch.setattr(ops, "COMPILED_NUMEL", 4096)
+    x = shaped(sweep_inputs(parse_format(fmt), n=5003, seed=8).to(dtype), layout)
+    assert x.numel() >= ops.COMPILED_NUMEL
+    with monkeypatch.context() as patch:
+        patch.setattr(rng, "index_bits", None)  # the bits come from the kernel, not op by op
+        got = quantize(x, fmt, "stochastic", seed=seed, offset=offset, scale=scale, overflow=overflow)
+    same_bits(got, reference(x, fmt, seed, offset, scale, overflow), x, f"{fmt} {dtype} {layout}")
+
+
+def bitwise_ops_over(numel: int, fn) -> set[str]:
+    """The names of the ATen bitwise ops that ``fn`` runs eagerly on ``numel`` elements or more."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True) as prof:
+        fn()
+    return {
+        event.name
+        for event in prof.events()
+        if "bitwise" in event.name and any(math.prod(shape) >= numel for shape in event.input_shapes if shape)
+    }
+
+
+def test_from_the_threshold_the_rounding_is_compiled(monkeypatch, same_bits):
+    """At COMPILED_NUMEL elements (here one more: an odd length) no bitwise op runs over
+    the whole tensor, nor ``rng.index_bits``: the kernel computes the bits. The operator,
+    op by op, does both."""
+    x = torch.randn(ops.COMPILED_NUMEL + 1, generator=torch.Generator().manual_seed(4)) * 100
+    seed = torch.tensor(12)
+    op_by_op = functools.partial(
+        torch.ops.lowprec.quantize, x, "e5m2", "stochastic", "saturate", seed, 9, None
+    )
+    assert bitwise_ops_over(x.numel(), op_by_op)  # the check sees the op-by-op path
+    want = op_by_op()
+    with monkeypatch.context() as patch:
+        patch.setattr(rng, "index_bits", None)
+        got = quantize(x, "e5m2", "stochastic", seed=seed, offset=9)
+        for rounding in ("stochastic", "nearest"):
+            direct = functools.partial(quantize, x, "e5m2", rounding, seed=seed, offset=9)
+            direct()  # compiled before the profile
+            assert not bitwise_ops_over(x.numel(), direct), rounding
+    same_bits(got, want, x, "at the threshold")
+
+
+def test_one_compile_for_any_length_seed_offset_and_grad_mode(monkeypatch, same_bits):
+    """Length and offset are symbolic, the seed a tensor: new lengths, seeds and offsets,
+    views or not, gradients on or off reuse the kernel. A gradient passes straight through."""
+    monkeypatch.setattr(ops, "COMPILED_NUMEL", 4096)
+    x = torch.randn(30_000, generator=torch.Generator().manual_seed(5)) * 100
+    quantize(x[:5000], "e4m3", "stochastic", seed=3, offset=2)
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    calls = [(x[:4096], 0, 0), (x[1:7001], 1, 1), (x.clone(), torch.tensor(-9), 2**32 - 1)]
+    for value, seed, offset in calls:
+        got = quantize(value, "e4m3", "stochastic", seed=seed, offset=offset)
+        same_bits(got, reference(value, "e4m3", seed, offset), value, f"{value.numel()} {seed} {offset}")
+    with torch.no_grad():
+        quantize(x[:6000], "e4m3", "stochastic", seed=4)
+    leaf = x[:5000].clone().requires_grad_()
+    grad = torch.randn(5000)
+    quantize(leaf, "e4m3", "stochastic", seed=5).backward(grad)
+    assert torch.equal(leaf.grad, grad)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
