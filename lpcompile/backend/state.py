@@ -9,8 +9,9 @@ newest :data:`MAX_RECORDS`) and the compile observers (``lowprec dump``).
 What decides bits travels in checkpoints: :meth:`Registry.streams_state` (the
 call counts that seed stochastic rounding) and the adaptive states go into the
 state dicts of ``LossScaler``, ``MasterWeightOptimizer`` and ``PipelinedTrainer``.
-Saved counts name their model by a digest of its first parameter's values, which
-a resumed model has again once its weights are loaded.
+Saved counts find their model by its graphs' random streams (hashes of their
+layers), and among models with the same streams by a digest of the first
+parameter's values, which a resumed model has again once its weights are loaded.
 """
 
 from __future__ import annotations
@@ -48,13 +49,17 @@ class CompileObserver(Protocol):
         """Inductor is about to compile ``gm``, an AOT graph of ``record`` after the passes."""
 
 
-# What a call count is kept under: (the graph's random stream, ``repr`` of its
-# LowPrecConfig, grad mode). Plain values, so that it saves and loads.
+# What a call count is kept under: (the graph's random stream, its LowPrecConfig's
+# numerics_key(), grad mode). Plain values, so that it saves and loads.
 StepCounter = tuple[int, str, bool]
 
 
 def fingerprint(param: torch.Tensor) -> str:
-    """A digest of ``param``'s values: what names a model in saved stream state."""
+    """A digest of ``param``'s values (of its shape and dtype while it holds no storage, as
+    FSDP2's unsharded parameters between steps): tells apart saved models whose graphs
+    share random streams (two copies of one network)."""
+    if param.untyped_storage().size() == 0 and param.numel():
+        return f"{tuple(param.shape)} {param.dtype}"
     data = param.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
     return hashlib.sha256(data.numpy().tobytes()).hexdigest()
 
@@ -109,7 +114,8 @@ class Registry:
         # stream and settings in the process
         self.no_model = torch.empty(0)
         self._deferred: list[dict[str, Any]] = []  # saved adaptive states awaiting their graphs
-        self._saved_steps: dict[str, dict[StepCounter, int]] = {}  # digest -> saved counts not yet taken
+        # saved (digest, counts) no model has taken yet
+        self._saved_steps: list[tuple[str, dict[StepCounter, int]]] = []
         self._looked_up = WeakIdKeyDictionary()  # models matched against _saved_steps since the load
         self._restart_warning = False  # a checkpoint without stream state was loaded
         self.records: collections.deque = collections.deque(maxlen=MAX_RECORDS)
@@ -144,14 +150,14 @@ class Registry:
                 stacklevel=3,
             )
         if self._saved_steps:
-            self._resume_steps(key)
+            self._resume_steps(key, {counter[0]})
         steps = self.entry(key).steps
         steps[counter] += 1
         return steps[counter] - 1
 
     def streams_state(self) -> list[dict[str, Any]]:
-        """The call counts of every model alive, each named by :func:`fingerprint` of its key
-        parameter (so a fresh process finds them once the model's weights are loaded)."""
+        """The call counts of every model alive, with a digest of its key parameter's values
+        (:func:`fingerprint`) that tells apart models whose graphs share streams."""
         return [
             {
                 "model": fingerprint(key),
@@ -162,38 +168,44 @@ class Registry:
         ]
 
     def load_streams_state(self, saved: list[dict[str, Any]] | None) -> None:
-        """Restore :meth:`streams_state`: at once for a model alive whose weights match, else
-        at its first call. ``None`` (a checkpoint saved without it) warns, at the first call
-        that rounds stochastically, that the streams restart."""
+        """Restore :meth:`streams_state`: at once for a model alive whose graphs' streams it
+        has, else at a model's first call. ``None`` (a checkpoint saved without it) warns,
+        at the first call that rounds stochastically, that the streams restart."""
         if saved is None:
-            self._saved_steps, self._restart_warning = {}, True
+            self._saved_steps, self._restart_warning = [], True
             return
         check_streams_state(saved)
-        self._saved_steps = {
-            model["model"]: {(int(s), c, g): int(n) for s, c, g, n in model["steps"]} for model in saved
-        }
+        self._saved_steps = [
+            (model["model"], {(int(s), c, g): int(n) for s, c, g, n in model["steps"]}) for model in saved
+        ]
         self._looked_up = WeakIdKeyDictionary()
         self._restart_warning = False
-        for key in list(self._entries.keys()):
-            if self._saved_steps:
-                self._resume_steps(key, warn=False)
+        for key, entry in list(self._entries.items()):
+            if self._saved_steps and entry.steps:
+                self._resume_steps(key, {stream for stream, _, _ in entry.steps}, live=True)
 
-    def _resume_steps(self, key: torch.Tensor, warn: bool = True) -> None:
-        """Give ``key``'s model the saved call counts its weights match (looked up once),
-        or warn that its streams restart."""
+    def _resume_steps(self, key: torch.Tensor, streams: set[int], live: bool = False) -> None:
+        """Give ``key``'s model the saved call counts of its graphs' ``streams`` (looked up
+        once): a saved model with those streams, the one with ``key``'s values if several
+        have them, and only that one for a model alive at the load (``live``: it may be
+        the saved model's stale copy). Warn when none has them."""
         key = self.key(key)
         if key in self._looked_up:
             return
-        saved = self._saved_steps.pop(fingerprint(key), None)
-        if saved is not None:
-            self.entry(key).steps = collections.Counter(saved)
-        if saved is not None or warn:
+        found = [i for i, (_, steps) in enumerate(self._saved_steps) if streams & {s for s, _, _ in steps}]
+        if len(found) > 1 or (found and live):
+            digest = fingerprint(key)
+            same = [i for i in found if self._saved_steps[i][0] == digest]
+            found = same if live else same or found
+        if found:
+            self.entry(key).steps = collections.Counter(self._saved_steps.pop(found[0])[1])
+        if found or not live:
             self._looked_up[key] = True
-        if saved is None and warn:
+        if not found and not live:
             warnings.warn(
-                f"lowprec: the loaded random-stream state names no model with these weights (a model "
-                f"with a {tuple(key.shape)} first parameter): its stochastic-rounding streams restart "
-                "at call 0. Load the model's weights saved with that state before running it",
+                f"lowprec: the loaded random-stream state has no counts for this model's graphs (a "
+                f"model with a {tuple(key.shape)} first parameter): its stochastic-rounding streams "
+                "restart at call 0",
                 stacklevel=4,
             )
 

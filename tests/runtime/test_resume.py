@@ -90,6 +90,33 @@ def test_stream_state_loads_into_a_model_alive_with_the_saved_weights():
     assert all(map(torch.equal, _grads(other, other_run, x), expected))
 
 
+def test_two_copies_of_one_network_take_their_own_counts_by_their_weights():
+    """Models with the same layers share random streams: the saved counts go to the
+    model whose weights they were saved with, whichever runs first."""
+    x = torch.randn(4, 8)
+    saved_models, expected, weights = [], [], []
+    for calls in (3, 5):
+        model, run = _sr_model()
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(0.01 * calls)  # copies with different weights
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for _ in range(calls):
+            _grads(model, run, x)
+            opt.step()
+        saved_models.append((model, run, opt))
+    saved = LossScaler().state_dict()
+    for model, run, opt in saved_models:
+        weights.append(copy.deepcopy(model.state_dict()))
+        expected.append(_grads(model, run, x))
+        opt.step()  # the saved models move on
+    LossScaler().load_state_dict(saved)
+    for i in (1, 0):  # the second copy first
+        model, run = _sr_model()
+        model.load_state_dict(weights[i])
+        assert all(map(torch.equal, _grads(model, run, x), expected[i])), f"copy {i}"
+
+
 @pytest.mark.parametrize(
     ("streams", "match"),
     [
