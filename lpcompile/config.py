@@ -288,22 +288,6 @@ class LowPrecConfig:
     def spec(self, role: Role | str) -> QuantSpec:
         return getattr(self, Role(role).value)
 
-    def numerics_key(self) -> str:
-        """The settings that decide the bits (formats, roundings, seed, loss and attention
-        scaling), as text: what a model's stochastic-rounding call counts are kept under,
-        so that a resumed run may change the executor, codegen or wrapper."""
-        fields = (
-            "weight",
-            "activation",
-            "error",
-            "weight_grad",
-            "seed",
-            "loss_scale",
-            "adaptive",
-            "attention",
-        )
-        return repr(tuple(getattr(self, name) for name in fields))
-
     @property
     def quantizes(self) -> bool:
         return any(self.spec(role).enabled for role in ROLES)

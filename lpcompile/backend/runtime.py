@@ -88,7 +88,7 @@ def _with_inputs(
     if not ctx.inputs:
         return compile_variant(inputs)
     config, layout = ctx.config, ctx.adaptive
-    counter = (ctx.stream, config.numerics_key(), torch.is_grad_enabled())
+    counter = (ctx.stream, repr(config), torch.is_grad_enabled())
 
     def extras(adaptive: dict[str, Any], args: Sequence[Any], step: int | None) -> list[torch.Tensor]:
         values = dict(adaptive)

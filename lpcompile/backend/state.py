@@ -49,8 +49,8 @@ class CompileObserver(Protocol):
         """Inductor is about to compile ``gm``, an AOT graph of ``record`` after the passes."""
 
 
-# What a call count is kept under: (the graph's random stream, its LowPrecConfig's
-# numerics_key(), grad mode). Plain values, so that it saves and loads.
+# What a call count is kept under: (the graph's random stream, ``repr`` of its
+# LowPrecConfig, grad mode). Plain values, so that it saves and loads.
 StepCounter = tuple[int, str, bool]
 
 
