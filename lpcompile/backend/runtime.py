@@ -6,7 +6,8 @@ Seeds: every call of a model's graphs gets the next call number of its
 (random stream, settings, grad mode), counted in the registry per model, so a
 recompile for new shapes continues the count, two instances of one class (which
 share Dynamo's compiled graph) count apart, and evaluation under ``no_grad`` does
-not shift the training steps' bits.
+not shift the training steps' bits. A call on fake tensors (DDPOptimizer runs each
+compiled piece of a split graph on them to compile the next) counts nothing.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import Any
 
 import torch
 import torch.fx
+from torch._subclasses.fake_tensor import FakeTensor
 
 from lpcompile.backend.adaptive import AdaptiveScaleState
 from lpcompile.backend.state import REGISTRY
@@ -45,6 +47,17 @@ def model_key(args: Sequence[Any], index: int | None) -> torch.Tensor:
     return REGISTRY.no_model if index is None else REGISTRY.key(args[index])
 
 
+def compiled_model_key(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> torch.Tensor:
+    """The tensor that stands for the model a graph is compiled for. A fake example input
+    (DDPOptimizer compiles each piece of a split graph on fake tensors) is replaced by the
+    parameter Dynamo recorded for that input."""
+    index = model_key_input(gm)
+    if index is not None and isinstance(example_inputs[index], FakeTensor):
+        param = parameter_of(gm.graph.find_nodes(op="placeholder")[index])
+        return REGISTRY.no_model if param is None else REGISTRY.key(param)
+    return model_key(example_inputs, index)
+
+
 def wrap(
     gm: torch.fx.GraphModule, inputs: list, ctx: CompileContext, compile_variant: Callable[..., Callable]
 ) -> Callable:
@@ -59,9 +72,10 @@ def wrap(
     def extras(adaptive: dict[str, Any], args: Sequence[Any], step: int | None) -> list[torch.Tensor]:
         values = dict(adaptive)
         if SEED_INPUT in ctx.inputs:
-            if step is None:
-                step = REGISTRY.next_step(model_key(args, model_input), counter)
-            values[SEED_INPUT] = step_seed(config.seed, step)
+            key = model_key(args, model_input)
+            if step is None and not isinstance(key, FakeTensor):
+                step = REGISTRY.next_step(key, counter)
+            values[SEED_INPUT] = step_seed(config.seed, step or 0)
         for name, spec in ctx.call_inputs.items():
             values[name] = REGISTRY.prediction_input(args[spec.index], spec)
         return [values[name] for name in ctx.inputs]

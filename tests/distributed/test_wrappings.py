@@ -1,0 +1,126 @@
+"""Every DDP and FSDP2 wrapping of a compiled model trains with lowprec's rewriting on
+every rank: each matmul-class ATen call of two training steps, forward and backward,
+has its operands on the E5M2 grid, checked by ``GridCheck`` (torch's own float8 cast),
+not by lowprec's records. Before the backend traced wrapped ``torch.nn`` forwards,
+``torch.compile(DDP(nn.Sequential))`` and FSDP2 on ``nn.Linear`` layers ran in FP32."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from grid import GridCheck, watched_backend
+from ranks import EAGER_SR, Blocks, mlp3, run_ranks, wide_mlp
+from torch import nn
+from torch.distributed.fsdp import fully_shard
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+STEPS = 2
+
+
+def _compile_ddp(model: nn.Module, backend) -> nn.Module:
+    return torch.compile(DDP(model), backend=backend)
+
+
+def _ddp_of_compiled(model: nn.Module, backend) -> nn.Module:
+    return DDP(torch.compile(model, backend=backend))
+
+
+def _compile_ddp_split(model: nn.Module, backend) -> nn.Module:
+    # 1 MiB buckets, three 1 MiB layers: DDPOptimizer hands the backend one piece per bucket
+    return torch.compile(DDP(model, bucket_cap_mb=1), backend=backend)
+
+
+def _fsdp_layers_compiled_whole(model: nn.Sequential, backend) -> nn.Module:
+    for layer in model:
+        if isinstance(layer, nn.Linear):
+            fully_shard(layer)
+    fully_shard(model)
+    return torch.compile(model, backend=backend)
+
+
+def _fsdp_blocks_compiled_whole(model: Blocks, backend) -> nn.Module:
+    for block in model.layers:
+        fully_shard(block)
+    fully_shard(model)
+    return torch.compile(model, backend=backend)
+
+
+def _fsdp_blocks_compiled_per_block(model: Blocks, backend) -> nn.Module:
+    """torchtitan's order: each block compiled (fullgraph) in place, then sharded, then the
+    root. The head is compiled too: torch.compile never sees a layer outside the compiled
+    modules, which runs in FP32 (docs/distributed.md)."""
+    for name, block in model.layers.named_children():
+        model.layers.register_module(name, torch.compile(block, backend=backend, fullgraph=True))
+    model.head = torch.compile(model.head, backend=backend, fullgraph=True)
+    for block in model.layers:
+        fully_shard(block)
+    fully_shard(model)
+    return model
+
+
+# name -> (model, wrapping, products per step: one addmm per linear forward, one mm per
+# weight gradient and per input gradient but the first layer's)
+WRAPPINGS = {
+    "torch.compile(DDP(model))": (mlp3, _compile_ddp, 8),
+    "DDP(torch.compile(model))": (mlp3, _ddp_of_compiled, 8),
+    "torch.compile(DDP(model)) split at buckets": (wide_mlp, _compile_ddp_split, 11),
+    "FSDP2 per layer and root, compiled whole": (mlp3, _fsdp_layers_compiled_whole, 8),
+    "FSDP2 per block and root, compiled whole": (Blocks, _fsdp_blocks_compiled_whole, 8),
+    "FSDP2 per block and root, compiled per block": (Blocks, _fsdp_blocks_compiled_per_block, 8),
+}
+
+
+def train_wrappings(rank: int) -> dict[str, dict]:
+    """Each wrapping, fresh: two steps on rank-dependent data, every product watched."""
+    results = {}
+    for name, (make, wrap, _) in WRAPPINGS.items():
+        torch._dynamo.reset()
+        check, graphs = GridCheck(), []
+        watched = watched_backend(EAGER_SR, check)
+
+        def backend(gm, example_inputs, watched=watched, graphs=graphs):
+            graphs.append(gm)
+            return watched(gm, example_inputs)
+
+        try:
+            model = make()
+            wrapped = wrap(model, backend)
+            optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+            for step in range(STEPS):
+                x = torch.randn(4, 8, generator=torch.Generator().manual_seed(10 * rank + step))
+                loss = wrapped(x).square().mean()
+                with check:
+                    loss.backward()
+                optimizer.step()
+                optimizer.zero_grad()
+            dist.barrier()
+            results[name] = {
+                "products": dict(check.products),
+                "unknown": dict(check.unknown),
+                "graphs": len(graphs),
+            }
+        except Exception as error:  # one wrapping's failure is that wrapping's test's
+            results[name] = {"error": repr(error)}
+    return results
+
+
+@pytest.fixture(scope="module")
+def wrapped_runs(tmp_path_factory) -> list[dict[str, dict]]:
+    """All wrappings on two ranks, in one spawn (a spawn costs seconds)."""
+    return run_ranks(train_wrappings, tmp_path_factory.mktemp("wrappings"), deadline=240.0).check()
+
+
+@pytest.mark.parametrize("wrapping", list(WRAPPINGS))
+def test_every_product_on_every_rank_runs_on_the_fp8_grid(wrapped_runs, wrapping):
+    per_step = WRAPPINGS[wrapping][2]
+    for rank, runs in enumerate(wrapped_runs):
+        run = runs[wrapping]
+        assert "error" not in run, f"rank {rank}: {run.get('error')}"
+        products = run["products"]
+        assert sum(products.values()) == STEPS * per_step, f"rank {rank}: {products}"
+        off_grid = {op: n for (op, on_grid), n in products.items() if not on_grid}
+        assert not off_grid, f"rank {rank}: products off the grid {off_grid}"
+        assert not run["unknown"], f"rank {rank}: unlisted products {run['unknown']}"
+        if "split" in wrapping:
+            assert run["graphs"] > 1, f"rank {rank}: DDPOptimizer did not split the graph"
