@@ -1,4 +1,4 @@
-"""lowprec under data parallelism: the DDP and FSDP2 wrappings.
+"""lowprec under data parallelism: the DDP and FSDP2 wrappings, and each rank's random stream.
 
 Dynamo compiles a frame only if it is user code: a frame whose code lives in ``torch.nn``
 (``nn.Sequential.forward``, ``nn.Linear.forward``) is skipped when it is reached as a
@@ -18,6 +18,9 @@ others have no hooks. :func:`trace_wrapped_forwards` adds one rule to Dynamo's s
 decision: the ``forward`` frame of a module that a running DDP or FSDP2 module contains
 (found on the Python stack, the wrapper's own call included) is traced. Nothing else
 changes (inlined calls, other frames, modules outside such a wrapper).
+
+Stochastic rounding: the wrapper folds the process's rank into the seed
+(:func:`rank_seed`), so ranks draw different bits and each rank's bits are reproducible.
 """
 
 from __future__ import annotations
@@ -28,6 +31,23 @@ from typing import Any
 
 import torch
 import torch._dynamo.trace_rules as trace_rules
+
+# Odd multiplier of the rank in the seed (2^32 / golden ratio): injective on 32 bits,
+# so no two ranks get one seed.
+RANK_MULTIPLIER = 0x9E3779B9
+
+
+def current_rank() -> int:
+    """The rank of this process in the default process group (0 without one)."""
+    dist = torch.distributed
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def rank_seed(seed: int, rank: int) -> int:
+    """The 32-bit seed the graphs of ``rank`` read: ``seed`` XOR ``rank × 0x9E3779B9 mod
+    2^32``. Rank 0 keeps ``seed``: a one-process run draws the bits of rank 0."""
+    return seed ^ (rank * RANK_MULTIPLIER & 0xFFFFFFFF)
+
 
 # How far up the Python stack a wrapper's frame is looked for (Dynamo's own frames, the
 # module's _call_impl, the caller's forward and its _call_impl, ...).

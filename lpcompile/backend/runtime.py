@@ -6,7 +6,9 @@ Seeds: every call of a model's graphs gets the next call number of its
 (random stream, settings, grad mode), counted in the registry per model, so a
 recompile for new shapes continues the count, two instances of one class (which
 share Dynamo's compiled graph) count apart, and evaluation under ``no_grad`` does
-not shift the training steps' bits. A call on fake tensors (DDPOptimizer runs each
+not shift the training steps' bits. The user seed is folded with the process's rank in
+the default process group (:func:`~lpcompile.backend.distributed.rank_seed`):
+data-parallel ranks draw different bits, each reproducibly. A call on fake tensors (DDPOptimizer runs each
 compiled piece of a split graph on them to compile the next) counts nothing.
 """
 
@@ -20,16 +22,18 @@ import torch.fx
 from torch._subclasses.fake_tensor import FakeTensor
 
 from lpcompile.backend.adaptive import AdaptiveScaleState
+from lpcompile.backend.distributed import current_rank, rank_seed
 from lpcompile.backend.state import REGISTRY
 from lpcompile.passes.driver import CompileContext
 from lpcompile.passes.dynamo.quantize import SEED_INPUT
 from lpcompile.passes.graph import parameter_of
 
 
-def step_seed(seed: int, step: int) -> torch.Tensor:
-    """The seed tensor a compiled graph reads at call number ``step``: the user seed in the
-    high 32 bits, the call count below (as a signed int64)."""
-    return torch.tensor((seed << 32 | (step & 0xFFFFFFFF)) - (1 << 63))
+def step_seed(seed: int, step: int, rank: int = 0) -> torch.Tensor:
+    """The seed tensor a compiled graph of rank ``rank`` reads at call number ``step``: the
+    user seed folded with the rank (:func:`rank_seed`; rank 0 keeps it) in the high 32
+    bits, the call count below (as a signed int64)."""
+    return torch.tensor((rank_seed(seed, rank) << 32 | (step & 0xFFFFFFFF)) - (1 << 63))
 
 
 def model_key_input(gm: torch.fx.GraphModule) -> int | None:
@@ -75,7 +79,7 @@ def wrap(
             key = model_key(args, model_input)
             if step is None and not isinstance(key, FakeTensor):
                 step = REGISTRY.next_step(key, counter)
-            values[SEED_INPUT] = step_seed(config.seed, step or 0)
+            values[SEED_INPUT] = step_seed(config.seed, step or 0, current_rank())
         for name, spec in ctx.call_inputs.items():
             values[name] = REGISTRY.prediction_input(args[spec.index], spec)
         return [values[name] for name in ctx.inputs]
