@@ -92,6 +92,23 @@ def wrapped_forward(frame: Any) -> str | None:
     return None if kind is None else f"lowprec: the forward of a module {kind} runs"
 
 
+def unsharded_parameters(model: torch.nn.Module) -> list[torch.Tensor]:
+    """The unsharded parameters FSDP2 swaps into ``model``'s sharded modules for forward and
+    backward: the compiled graphs read these, not the registered shards, and lowprec's
+    per-model state is keyed by them. Empty without FSDP2."""
+    fsdp = sys.modules.get("torch.distributed.fsdp")
+    if fsdp is None:
+        return []
+    found = []
+    for module in model.modules():
+        if isinstance(module, getattr(fsdp, "FSDPModule", ())):
+            for group in getattr(module._get_fsdp_state(), "_fsdp_param_groups", ()):
+                found += [
+                    p for fp in group.fsdp_params if (p := getattr(fp, "_unsharded_param", None)) is not None
+                ]
+    return found
+
+
 def _check_verbose(original: Any) -> Any:
     def check_verbose(obj: Any, is_inlined_call: bool = False, frame: Any | None = None) -> Any:
         result = original(obj, is_inlined_call, frame)

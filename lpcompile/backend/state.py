@@ -19,6 +19,7 @@ import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
 from lpcompile.backend.adaptive import AdaptiveScaleState, LayerTelemetry
+from lpcompile.backend.distributed import unsharded_parameters
 from lpcompile.passes.driver import PredictionInput
 from lpcompile.passes.dynamo.loss_scale import AdaptiveLayout
 
@@ -116,7 +117,7 @@ class Registry:
     ) -> list[AdaptiveScaleState]:
         """The adaptive-scaling states of every model alive (of ``model``'s, of graph
         ``graph_id``'s, if given), oldest graph first."""
-        wanted = None if model is None else {id(p) for p in model.parameters()}
+        wanted = None if model is None else model_tensor_ids(model)
         found = [
             (graph, state)
             for key, entry in list(self._entries.items())
@@ -176,12 +177,18 @@ class Registry:
     def model_records(self, model: torch.nn.Module) -> list[Any]:
         """The kept records of the graphs compiled for ``model`` (any of its parameters
         named one), in compile order."""
-        wanted = {id(p) for p in model.parameters()}
+        wanted = model_tensor_ids(model)
         ids = {g for key, entry in list(self._entries.items()) if id(key) in wanted for g in entry.graphs}
         return [record for record in self.records if record.graph_id in ids]
 
 
 REGISTRY = Registry()
+
+
+def model_tensor_ids(model: torch.nn.Module) -> set[int]:
+    """The ids of the tensors that may name ``model`` in the registry: its parameters, and
+    the unsharded parameters FSDP2 swaps in for its sharded ones."""
+    return {id(p) for p in model.parameters()} | {id(p) for p in unsharded_parameters(model)}
 
 
 @dataclass(frozen=True)

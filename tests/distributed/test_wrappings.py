@@ -15,6 +15,8 @@ from torch import nn
 from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from lpcompile.backend import coverage
+
 STEPS = 2
 
 
@@ -99,6 +101,8 @@ def train_wrappings(rank: int) -> dict[str, dict]:
                 "products": dict(check.products),
                 "unknown": dict(check.unknown),
                 "graphs": len(graphs),
+                "linears": sum(isinstance(m, nn.Linear) for m in model.modules()),
+                "covered": len([row for row in coverage(model) if row.quantized]),
             }
         except Exception as error:  # one wrapping's failure is that wrapping's test's
             results[name] = {"error": repr(error)}
@@ -122,5 +126,7 @@ def test_every_product_on_every_rank_runs_on_the_fp8_grid(wrapped_runs, wrapping
         off_grid = {op: n for (op, on_grid), n in products.items() if not on_grid}
         assert not off_grid, f"rank {rank}: products off the grid {off_grid}"
         assert not run["unknown"], f"rank {rank}: unlisted products {run['unknown']}"
+        # lpcompile.coverage(model) finds the graphs (under FSDP2, through the unsharded parameters)
+        assert run["covered"] == run["linears"], f"rank {rank}: coverage lists {run['covered']} layers"
         if "split" in wrapping:
             assert run["graphs"] > 1, f"rank {rank}: DDPOptimizer did not split the graph"
