@@ -92,6 +92,23 @@ def wrapped_forward(frame: Any) -> str | None:
     return None if kind is None else f"lowprec: the forward of a module {kind} runs"
 
 
+def split_by_ddp_optimizer() -> bool:
+    """Whether the graph being compiled is a piece of a graph Dynamo's DDPOptimizer split at
+    DDP's gradient buckets (``torch.compile(DDP(model))`` with more than one bucket)."""
+    context = torch._guards.TracingContext.try_get()
+    return context is not None and getattr(context, "ddp_optimizer_ctx", None) is not None
+
+
+ADAPTIVE_UNDER_DDP_OPTIMIZER = (
+    "lowprec: loss_scale='adaptive' compiles two variants of each graph (one records gradient"
+    " statistics), and Dynamo's DDPOptimizer, which splits a model under DDP into one graph per"
+    " gradient bucket (torch.compile(DDP(model)) and DDP(torch.compile(model)) alike), counts one"
+    " backward per piece. Set torch._dynamo.config.optimize_ddp = False before the first step"
+    " (one graph; DDP then overlaps no all-reduce with the backward), or give DDP one bucket"
+    " (bucket_cap_mb at least the model's size in MiB)"
+)
+
+
 def unsharded_parameters(model: torch.nn.Module) -> list[torch.Tensor]:
     """The unsharded parameters FSDP2 swaps into ``model``'s sharded modules for forward and
     backward: the compiled graphs read these, not the registered shards, and lowprec's

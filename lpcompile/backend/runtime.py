@@ -22,7 +22,12 @@ import torch.fx
 from torch._subclasses.fake_tensor import FakeTensor
 
 from lpcompile.backend.adaptive import AdaptiveScaleState
-from lpcompile.backend.distributed import current_rank, rank_seed
+from lpcompile.backend.distributed import (
+    ADAPTIVE_UNDER_DDP_OPTIMIZER,
+    current_rank,
+    rank_seed,
+    split_by_ddp_optimizer,
+)
 from lpcompile.backend.state import REGISTRY
 from lpcompile.passes.driver import CompileContext
 from lpcompile.passes.dynamo.quantize import SEED_INPUT
@@ -88,6 +93,9 @@ def wrap(
         compiled = compile_variant([*inputs, *extras({}, inputs, 0)])
         return lambda *args: compiled(*args, *extras({}, args, None))
     # Adaptive loss scaling: refresh calls run a variant that records gradient statistics.
+    # DDPOptimizer's bookkeeping of a split graph's pieces takes one AOT graph per piece.
+    if split_by_ddp_optimizer():
+        raise RuntimeError(ADAPTIVE_UNDER_DDP_OPTIMIZER)
     key_input = next((i for i in layout.weight_inputs if i is not None), None)
 
     def state_for(args: Sequence[Any]) -> AdaptiveScaleState:

@@ -31,6 +31,7 @@ WORLD = 2
 COLLECTIVE_TIMEOUT = 20.0
 DEADLINE = 120.0
 EAGER_SR = {"recipe": "fp8-e5m2-sr", "executor": "eager"}
+EAGER_ALS = {"recipe": "fp8-e5m2-als", "executor": "eager"}
 
 
 @dataclass
