@@ -27,6 +27,7 @@ from torch._functorch.partitioners import _is_tangent as is_tangent
 
 from lpcompile.backend import runtime
 from lpcompile.backend.cache import SourceStamp, package_hash
+from lpcompile.backend.distributed import trace_wrapped_forwards
 from lpcompile.backend.records import CompiledGraph
 from lpcompile.backend.state import REGISTRY
 from lpcompile.codegen import fuse_lowprec_kernels
@@ -45,6 +46,9 @@ from lpcompile.passes.joint.matmul import uses_bf16_kernel
 # would never see such a model; with it, the recurrent layer is one ATen call that
 # passes.dynamo.recurrent writes out as its cells. Set when the backend is first looked up.
 torch._dynamo.config.allow_rnn = True
+# DDP and FSDP2 run a wrapped module's forward as a frame of its own, which Dynamo skips
+# when that forward is torch.nn's (nn.Sequential, nn.Linear): see backend/distributed.py.
+trace_wrapped_forwards()
 
 # codegen="triton": after the AOT passes, each fusion group becomes one generated Triton kernel.
 CODEGEN_PASSES = (fuse_lowprec_kernels,)
@@ -215,7 +219,7 @@ def lowprec(
         ctx.graph_id, ctx.stream, config, ctx.sites, ctx.records, ctx.kept, fused=ctx.kernels
     )
     REGISTRY.records.append(record)
-    REGISTRY.entry(runtime.model_key(example_inputs, runtime.model_key_input(gm))).graphs.add(ctx.graph_id)
+    REGISTRY.entry(runtime.compiled_model_key(gm, example_inputs)).graphs.add(ctx.graph_id)
     if applicable(DYNAMO_PASSES, gm, ctx, "dynamo"):
         gm = run_passes(own_copy(gm), DYNAMO_PASSES, ctx, graph="dynamo")
         record.partition = ctx.partition

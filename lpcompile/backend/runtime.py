@@ -6,7 +6,10 @@ Seeds: every call of a model's graphs gets the next call number of its
 (random stream, settings, grad mode), counted in the registry per model, so a
 recompile for new shapes continues the count, two instances of one class (which
 share Dynamo's compiled graph) count apart, and evaluation under ``no_grad`` does
-not shift the training steps' bits.
+not shift the training steps' bits. The user seed is folded with the process's rank in
+the default process group (:func:`~lpcompile.backend.distributed.rank_seed`):
+data-parallel ranks draw different bits, each reproducibly. A call on fake tensors (DDPOptimizer runs each
+compiled piece of a split graph on them to compile the next) counts nothing.
 """
 
 from __future__ import annotations
@@ -16,18 +19,26 @@ from typing import Any
 
 import torch
 import torch.fx
+from torch._subclasses.fake_tensor import FakeTensor
 
 from lpcompile.backend.adaptive import AdaptiveScaleState
+from lpcompile.backend.distributed import (
+    ADAPTIVE_UNDER_DDP_OPTIMIZER,
+    current_rank,
+    rank_seed,
+    split_by_ddp_optimizer,
+)
 from lpcompile.backend.state import REGISTRY
 from lpcompile.passes.driver import CompileContext, Site
 from lpcompile.passes.dynamo.quantize import SEED_INPUT
 from lpcompile.passes.graph import parameter_of
 
 
-def step_seed(seed: int, step: int) -> torch.Tensor:
-    """The seed tensor a compiled graph reads at call number ``step``: the user seed in the
-    high 32 bits, the call count below (as a signed int64)."""
-    return torch.tensor((seed << 32 | (step & 0xFFFFFFFF)) - (1 << 63))
+def step_seed(seed: int, step: int, rank: int = 0) -> torch.Tensor:
+    """The seed tensor a compiled graph of rank ``rank`` reads at call number ``step``: the
+    user seed folded with the rank (:func:`rank_seed`; rank 0 keeps it) in the high 32
+    bits, the call count below (as a signed int64)."""
+    return torch.tensor((rank_seed(seed, rank) << 32 | (step & 0xFFFFFFFF)) - (1 << 63))
 
 
 def model_key_input(gm: torch.fx.GraphModule) -> int | None:
@@ -45,6 +56,17 @@ def model_key(args: Sequence[Any], index: int | None) -> torch.Tensor:
     return REGISTRY.no_model if index is None else REGISTRY.key(args[index])
 
 
+def compiled_model_key(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> torch.Tensor:
+    """The tensor that stands for the model a graph is compiled for. A fake example input
+    (DDPOptimizer compiles each piece of a split graph on fake tensors) is replaced by the
+    parameter Dynamo recorded for that input."""
+    index = model_key_input(gm)
+    if index is not None and isinstance(example_inputs[index], FakeTensor):
+        param = parameter_of(gm.graph.find_nodes(op="placeholder")[index])
+        return REGISTRY.no_model if param is None else REGISTRY.key(param)
+    return model_key(example_inputs, index)
+
+
 def wrap(
     gm: torch.fx.GraphModule, inputs: list, ctx: CompileContext, compile_variant: Callable[..., Callable]
 ) -> Callable:
@@ -59,6 +81,8 @@ def wrap(
 
     def counted(*args: Any) -> Any:
         *outputs, counts = run(*args)
+        if isinstance(counts, FakeTensor):  # DDPOptimizer propagating shapes through a piece
+            return outputs
         REGISTRY.count_saturation(model_key(args, model_input), ctx.graph_id, sites, counts)
         if strict and bool(counts[:, 1].any()):
             raise FloatingPointError(nonfinite_message(sites, counts))
@@ -93,9 +117,10 @@ def _with_inputs(
     def extras(adaptive: dict[str, Any], args: Sequence[Any], step: int | None) -> list[torch.Tensor]:
         values = dict(adaptive)
         if SEED_INPUT in ctx.inputs:
-            if step is None:
-                step = REGISTRY.next_step(model_key(args, model_input), counter)
-            values[SEED_INPUT] = step_seed(config.seed, step)
+            key = model_key(args, model_input)
+            if step is None and not isinstance(key, FakeTensor):
+                step = REGISTRY.next_step(key, counter)
+            values[SEED_INPUT] = step_seed(config.seed, step or 0, current_rank())
         for name, spec in ctx.call_inputs.items():
             values[name] = REGISTRY.prediction_input(args[spec.index], spec)
         return [values[name] for name in ctx.inputs]
@@ -104,6 +129,9 @@ def _with_inputs(
         compiled = compile_variant([*inputs, *extras({}, inputs, 0)])
         return lambda *args: compiled(*args, *extras({}, args, None))
     # Adaptive loss scaling: refresh calls run a variant that records gradient statistics.
+    # DDPOptimizer's bookkeeping of a split graph's pieces takes one AOT graph per piece.
+    if split_by_ddp_optimizer():
+        raise RuntimeError(ADAPTIVE_UNDER_DDP_OPTIMIZER)
     key_input = next((i for i in layout.weight_inputs if i is not None), None)
 
     def state_for(args: Sequence[Any]) -> AdaptiveScaleState:

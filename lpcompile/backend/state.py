@@ -29,6 +29,7 @@ import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
 from lpcompile.backend.adaptive import AdaptiveScaleState, LayerTelemetry, check_saved_state
+from lpcompile.backend.distributed import unsharded_parameters
 from lpcompile.passes.driver import PredictionInput, Site
 from lpcompile.passes.dynamo.loss_scale import AdaptiveLayout
 
@@ -238,7 +239,7 @@ class Registry:
     ) -> list[AdaptiveScaleState]:
         """The adaptive-scaling states of every model alive (of ``model``'s, of graph
         ``graph_id``'s, if given), oldest graph first."""
-        wanted = None if model is None else {id(p) for p in model.parameters()}
+        wanted = None if model is None else model_tensor_ids(model)
         found = [
             (graph, state)
             for key, entry in list(self._entries.items())
@@ -339,12 +340,19 @@ class Registry:
         return [record for record in self.records if record.graph_id in ids]
 
     def model_entries(self, model: torch.nn.Module) -> list[Entry]:
-        """The entries of ``model``'s parameters that name a model (or a pipeline stage)."""
-        wanted = {id(p) for p in model.parameters()}
+        """The entries of ``model``'s parameters (FSDP2's unsharded ones included) that name a
+        model (or a pipeline stage)."""
+        wanted = model_tensor_ids(model)
         return [entry for key, entry in list(self._entries.items()) if id(key) in wanted]
 
 
 REGISTRY = Registry()
+
+
+def model_tensor_ids(model: torch.nn.Module) -> set[int]:
+    """The ids of the tensors that may name ``model`` in the registry: its parameters, and
+    the unsharded parameters FSDP2 swaps in for its sharded ones."""
+    return {id(p) for p in model.parameters()} | {id(p) for p in unsharded_parameters(model)}
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,150 @@
+"""lowprec under data parallelism: the DDP and FSDP2 wrappings, and each rank's random stream.
+
+Dynamo compiles a frame only if it is user code: a frame whose code lives in ``torch.nn``
+(``nn.Sequential.forward``, ``nn.Linear.forward``) is skipped when it is reached as a
+frame of its own rather than inlined into a traced caller. DDP and FSDP2 make exactly
+these frames: ``DistributedDataParallel.forward`` breaks the graph at
+``_inside_ddp_forward`` (on purpose: Dynamo's DDPOptimizer takes over there) and then
+calls the wrapped module from eager code; FSDP2's forward hooks are
+``torch._dynamo.disable``-d, so each ``fully_shard``-ed module runs its ``forward`` as a
+frame of its own, and a root ``forward`` that loops over sharded blocks breaks inside
+the loop, which Dynamo cannot resume: the whole root frame runs eagerly and calls its
+other layers (an output ``nn.Linear``) from there. Where such a module is a ``torch.nn``
+one, its products ran in FP32 and lowprec's backend was never called to notice.
+
+Dynamo already traces such a frame when the module has hooks and its class is a
+``torch.nn`` one; FSDP2's classes (``FSDPLinear``) live in ``torch.distributed`` and the
+others have no hooks. :func:`trace_wrapped_forwards` adds one rule to Dynamo's skip
+decision: the ``forward`` frame of a module that a running DDP or FSDP2 module contains
+(found on the Python stack, the wrapper's own call included) is traced. Nothing else
+changes (inlined calls, other frames, modules outside such a wrapper).
+
+Stochastic rounding: the wrapper folds the process's rank into the seed
+(:func:`rank_seed`), so ranks draw different bits and each rank's bits are reproducible.
+"""
+
+from __future__ import annotations
+
+import sys
+import types
+from typing import Any
+
+import torch
+import torch._dynamo.trace_rules as trace_rules
+
+# Odd multiplier of the rank in the seed (2^32 / golden ratio): injective on 32 bits,
+# so no two ranks get one seed.
+RANK_MULTIPLIER = 0x9E3779B9
+
+
+def current_rank() -> int:
+    """The rank of this process in the default process group (0 without one)."""
+    dist = torch.distributed
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def rank_seed(seed: int, rank: int) -> int:
+    """The 32-bit seed the graphs of ``rank`` read: ``seed`` XOR ``rank × 0x9E3779B9 mod
+    2^32``. Rank 0 keeps ``seed``: a one-process run draws the bits of rank 0."""
+    return seed ^ (rank * RANK_MULTIPLIER & 0xFFFFFFFF)
+
+
+# How far up the Python stack a wrapper's frame is looked for (Dynamo's own frames, the
+# module's _call_impl, the caller's forward and its _call_impl, ...).
+STACK_DEPTH = 64
+
+
+def _wrapper_kind(owner: Any) -> str | None:
+    """``"DDP"`` or ``"FSDP2"`` if ``owner`` is such a wrapper (without importing either)."""
+    parallel = sys.modules.get("torch.nn.parallel.distributed")
+    if parallel is not None and isinstance(owner, parallel.DistributedDataParallel):
+        return "DDP"
+    fsdp = sys.modules.get("torch.distributed.fsdp")
+    if fsdp is not None and isinstance(owner, getattr(fsdp, "FSDPModule", ())):
+        return "FSDP2"
+    return None
+
+
+def running_wrapper(module: torch.nn.Module) -> str | None:
+    """The kind of the DDP or FSDP2 module on the Python stack that contains ``module``."""
+    frame = sys._getframe(1)
+    for _ in range(STACK_DEPTH):
+        if frame is None:
+            return None
+        if "self" in frame.f_code.co_varnames:
+            owner = frame.f_locals.get("self")
+            if (kind := _wrapper_kind(owner)) is not None and any(m is module for m in owner.modules()):
+                return kind
+        frame = frame.f_back
+    return None
+
+
+def wrapped_forward(frame: Any) -> str | None:
+    """Why ``frame`` (a frame Dynamo would skip) is the ``forward`` of a wrapped module
+    that must be traced, or None."""
+    module = frame.f_locals.get("self")
+    if not isinstance(module, torch.nn.Module):
+        return None
+    forward = getattr(type(module), "forward", None)
+    if getattr(forward, "__code__", None) is not frame.f_code:
+        return None
+    kind = running_wrapper(module)
+    return None if kind is None else f"lowprec: the forward of a module {kind} runs"
+
+
+def split_by_ddp_optimizer() -> bool:
+    """Whether the graph being compiled is a piece of a graph Dynamo's DDPOptimizer split at
+    DDP's gradient buckets (``torch.compile(DDP(model))`` with more than one bucket)."""
+    context = torch._guards.TracingContext.try_get()
+    return context is not None and getattr(context, "ddp_optimizer_ctx", None) is not None
+
+
+ADAPTIVE_UNDER_DDP_OPTIMIZER = (
+    "lowprec: loss_scale='adaptive' compiles two variants of each graph (one records gradient"
+    " statistics), and Dynamo's DDPOptimizer, which splits a model under DDP into one graph per"
+    " gradient bucket (torch.compile(DDP(model)) and DDP(torch.compile(model)) alike), counts one"
+    " backward per piece. Set torch._dynamo.config.optimize_ddp = False before the first step"
+    " (one graph; DDP then overlaps no all-reduce with the backward), or give DDP one bucket"
+    " (bucket_cap_mb at least the model's size in MiB)"
+)
+
+
+def unsharded_parameters(model: torch.nn.Module) -> list[torch.Tensor]:
+    """The unsharded parameters FSDP2 swaps into ``model``'s sharded modules for forward and
+    backward: the compiled graphs read these, not the registered shards, and lowprec's
+    per-model state is keyed by them. Empty without FSDP2."""
+    fsdp = sys.modules.get("torch.distributed.fsdp")
+    if fsdp is None:
+        return []
+    found = []
+    for module in model.modules():
+        if isinstance(module, getattr(fsdp, "FSDPModule", ())):
+            for group in getattr(module._get_fsdp_state(), "_fsdp_param_groups", ()):
+                found += [
+                    p for fp in group.fsdp_params if (p := getattr(fp, "_unsharded_param", None)) is not None
+                ]
+    return found
+
+
+def _check_verbose(original: Any) -> Any:
+    def check_verbose(obj: Any, is_inlined_call: bool = False, frame: Any | None = None) -> Any:
+        result = original(obj, is_inlined_call, frame)
+        if (
+            result.skipped
+            and not is_inlined_call
+            and frame is not None
+            and isinstance(obj, types.CodeType)
+            and obj.co_name == "forward"
+            and (reason := wrapped_forward(frame)) is not None
+        ):
+            return trace_rules.SkipResult(False, reason)
+        return result
+
+    check_verbose.lowprec_original = original
+    return check_verbose
+
+
+def trace_wrapped_forwards() -> None:
+    """Let Dynamo trace the ``forward`` frames DDP and FSDP2 leave on their own (once per process)."""
+    if not hasattr(trace_rules.check_verbose, "lowprec_original"):
+        trace_rules.check_verbose = _check_verbose(trace_rules.check_verbose)
