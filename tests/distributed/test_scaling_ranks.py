@@ -5,55 +5,11 @@ scaler's own."""
 
 from __future__ import annotations
 
-import datetime
-import socket
-import time
-from pathlib import Path
-
-import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
+from ranks import EAGER_ALS, WORLD, run_ranks
 from torch import nn
 
 from lpcompile import LossScaler, stats
-
-WORLD = 2
-TIMEOUT_S = 180
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _entry(rank: int, work, port: int, folder: str) -> None:
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=WORLD,
-        timeout=datetime.timedelta(seconds=60),
-    )
-    try:
-        torch.save(work(rank), Path(folder) / f"rank{rank}.pt")
-    finally:
-        dist.destroy_process_group()
-
-
-def _on_ranks(work, folder: Path) -> list:
-    """Run ``work(rank)`` on each rank; its results, in rank order."""
-    ctx = mp.start_processes(
-        _entry, args=(work, _free_port(), str(folder)), nprocs=WORLD, join=False, start_method="spawn"
-    )
-    deadline = time.monotonic() + TIMEOUT_S
-    while not ctx.join(timeout=5):
-        if time.monotonic() > deadline:
-            for process in ctx.processes:
-                process.kill()
-            pytest.fail(f"the ranks did not finish within {TIMEOUT_S} s")
-    return [torch.load(folder / f"rank{rank}.pt") for rank in range(WORLD)]
 
 
 def _overflow_on_rank_1(rank: int) -> dict:
@@ -76,7 +32,7 @@ def _overflow_on_rank_1(rank: int) -> dict:
 
 
 def test_an_overflow_on_one_rank_skips_the_step_on_every_rank(tmp_path):
-    results = _on_ranks(_overflow_on_rank_1, tmp_path)
+    results = run_ranks(_overflow_on_rank_1, tmp_path).check()
     assert results == [{"unchanged": True, "scale": 2.0**7, "skipped": 1}] * WORLD
 
 
@@ -87,7 +43,7 @@ def _adaptive_scales(rank: int) -> dict:
     for group in ("auto", None):
         torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4))
-        run = torch.compile(model, backend="lowprec", options={"recipe": "fp8-e5m2-als", "executor": "eager"})
+        run = torch.compile(model, backend="lowprec", options=EAGER_ALS)
         opt = torch.optim.SGD(model.parameters(), lr=0.01)
         scaler = LossScaler("adaptive", process_group=group)
         g = torch.Generator().manual_seed(10 + rank)
@@ -103,6 +59,6 @@ def _adaptive_scales(rank: int) -> dict:
 
 
 def test_adaptive_scales_agree_over_the_ranks(tmp_path):
-    first, second = _on_ranks(_adaptive_scales, tmp_path)
+    first, second = run_ranks(_adaptive_scales, tmp_path).check()
     assert first["auto"] == second["auto"]
     assert first["None"] != second["None"], "the ranks' data should ask for different scales"
