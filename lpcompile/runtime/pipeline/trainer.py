@@ -45,9 +45,7 @@ scaling (a static ``loss_scale`` is supported); BatchNorm (refused).
 from __future__ import annotations
 
 import types
-from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -61,13 +59,21 @@ from lpcompile.passes.stages import (
     BATCHNORM_ADVICE,
     KEPT_GRAPHARG,
     Partition,
-    StageGraph,
     keep_grapharg,
     partition_graph,
     split_pipeline,
     stage_delays,
 )
 from lpcompile.runtime.pipeline.optim import PipelineSGD
+from lpcompile.runtime.pipeline.schedule import (
+    Event,
+    ForwardMessage,
+    Stage,
+    StageRunner,
+    build_stage,
+)
+
+__all__ = ["Event", "PipelinedTrainer", "Stage", "capture_graph"]
 
 
 def capture_graph(model: nn.Module, *example_inputs: Any) -> torch.fx.GraphModule:
@@ -99,53 +105,6 @@ def capture_graph(model: nn.Module, *example_inputs: Any) -> torch.fx.GraphModul
     return graphs[0]
 
 
-@dataclass
-class Event:
-    """One forward or backward of one stage, as :attr:`PipelinedTrainer.history` records it."""
-
-    step: int
-    stage: int
-    kind: str  # "forward" or "backward"
-    sample: int
-    forward_step: int  # the step of the forward whose gradient this is (= step for a forward)
-
-
-@dataclass
-class _InFlight:
-    sample: int
-    step: int
-    inputs: list[Any]
-    outputs: Any
-    slots: list[nn.Parameter]
-    label: Any = None
-
-
-@dataclass
-class Stage:
-    """A stage of the pipeline: its graph, its parameters, its delay and what is in flight."""
-
-    index: int
-    delay: int
-    graph: StageGraph
-    params: list[nn.Parameter]  # the model's trained parameters this stage owns
-    runner: Callable  # runner(*state, *inputs) -> outputs
-    ring: list[list[torch.Tensor]]  # D+1 state lists: Parameter slots (and buffers) per forward
-    trained: list[bool]  # which state entries are slots of trained parameters
-    queue: deque = field(default_factory=deque)
-
-
-def _grad_inputs(values: Sequence[Any]) -> list[Any]:
-    """Detached copies of a message; floating tensors become leaves that collect their gradient."""
-    out = []
-    for v in values:
-        if isinstance(v, torch.Tensor):
-            v = v.detach()
-            if v.is_floating_point():
-                v.requires_grad_(True)
-        out.append(v)
-    return out
-
-
 class PipelinedTrainer:
     """Fine-grained pipelined backpropagation of ``model`` with :class:`PipelineSGD`.
 
@@ -163,7 +122,8 @@ class PipelinedTrainer:
             returns: the model's output tensor, or a tuple of the tensors of an output
             with several (a dict's values, a tuple's tensors, in order; non-tensor
             values are not returned).
-        compile: ``None`` (stages run as eager FX) or lowprec ``options`` to compile each stage.
+        compile: ``None`` (stages run as eager FX) or lowprec ``options`` to compile each
+            stage; compiled stages are compiled (forward and backward) when the trainer is built.
         loss_scale: a static loss scale; gradients are divided by it before the update.
         record: keep :attr:`history` (one :class:`Event` per forward and backward).
     """
@@ -216,22 +176,18 @@ class PipelinedTrainer:
         gm = capture_graph(model, *example)
         self.partition: Partition = partition_graph(gm, stages)
         self.graph = gm
-        params = {id(p): p for p in model.parameters() if p.requires_grad}
-        self.delays = stage_delays(self.partition.num_stages)
-        self.stages: list[Stage] = []
+        num_stages = self.partition.num_stages
+        self.delays = stage_delays(num_stages)
+        graphs = split_pipeline(gm)
+        self._positions = graphs[0].positions  # the model's arguments stage 0 reads
+        local = range(num_stages)
+        trained = {id(p): p for p in model.parameters() if p.requires_grad}
         placeholders = {n.name: n for n in gm.graph.find_nodes(op="placeholder")}
-        for graph, delay in zip(split_pipeline(gm), self.delays, strict=True):
+        self.stages: list[Stage] = []
+        for index in local:
+            graph = graphs[index]
             state = [placeholders[name].meta[KEPT_GRAPHARG].example for name in graph.state]
-            stage_params = [params[id(v)] for v in state if id(v) in params]
-            runner = graph.module
-            if compile is not None:
-                runner = torch.compile(graph.module, backend="lowprec", options=dict(compile), dynamic=False)
-            # per in-flight forward: a Parameter slot per trained weight; buffers as they are
-            trained = [id(v) in params for v in state]
-            ring = [
-                [_slot(v) if t else v for v, t in zip(state, trained, strict=True)] for _ in range(delay + 1)
-            ]
-            self.stages.append(Stage(graph.index, delay, graph, stage_params, runner, ring, trained))
+            self.stages.append(build_stage(graph, self.delays[index], state, set(trained), compile))
         groups = [{"params": stage.params, "delay": stage.delay} for stage in self.stages if stage.params]
         self.optimizer = PipelineSGD(
             groups,
@@ -245,67 +201,32 @@ class PipelinedTrainer:
         self.samples = 0  # samples fed
         self.losses: list[float] = []  # per sample, in the order they finished
         self.history: list[Event] = []
-        self._fwd: list[tuple[int, list[Any], Any] | None] = [None] * self.num_stages
-        self._bwd: list[tuple[int, list[Any]] | None] = [None] * self.num_stages
+        self._last_fed: int | None = None  # the step that fed the newest sample
+        self._runner = StageRunner(
+            self.stages,
+            num_stages,
+            self.optimizer,
+            loss_fn=loss_fn,
+            loss_scale=self.loss_scale,
+            weight_stash=weight_stash,
+            record=record,
+            history=self.history,
+            losses=self.losses,
+        )
+        if compile is not None:
+            first_inputs = [example[i] for i in graphs[0].positions]
+            self._runner.warm_up(first_inputs)
+        self._transport = _Feed()
 
     @property
     def num_stages(self) -> int:
-        return len(self.stages)
+        """S, the pipeline's stages."""
+        return self.partition.num_stages
 
-    def _pending(self) -> int:
-        return (
-            sum(len(s.queue) for s in self.stages)
-            + sum(m is not None for m in self._fwd)
-            + sum(m is not None for m in self._bwd)
-        )
-
-    # -- one stage ----------------------------------------------------------------------
-
-    def _forward(self, stage: Stage, sample: int, values: list[Any], label: Any, t: int) -> _InFlight:
-        state = stage.ring[t % len(stage.ring)]
-        slots = [v for v, t in zip(state, stage.trained, strict=True) if t]
-        with torch.no_grad():
-            for slot, p in zip(slots, stage.params, strict=True):
-                slot.data.copy_(self.optimizer.predicted_weight(p))
-                slot.grad = None
-        inputs = values if stage.index == 0 else _grad_inputs(values)
-        with torch.enable_grad():
-            outputs = stage.runner(*state, *inputs)
-        if self.record:
-            self.history.append(Event(t, stage.index, "forward", sample, t))
-        return _InFlight(sample, t, inputs, outputs, slots, label)
-
-    def _backward(self, stage: Stage, item: _InFlight, grads: Sequence[Any] | None, t: int) -> list[Any]:
-        if not self.weight_stash and stage.delay > 0:
-            with torch.no_grad():
-                for slot, p in zip(item.slots, stage.params, strict=True):
-                    slot.data.copy_(p.detach())  # the current weights; no version bump
-        if grads is None:  # last stage: the loss
-            outputs = item.outputs
-            output = outputs[0] if isinstance(outputs, tuple) and len(outputs) == 1 else outputs
-            loss = self.loss_fn(output, item.label)
-            self.losses.append(loss.item())
-            tensors = [loss * self.loss_scale if self.loss_scale != 1.0 else loss]
-            grad_tensors: list[Any] = [None]
-        else:
-            pairs = [
-                (o, g)
-                for o, g in zip(item.outputs, grads, strict=True)
-                if isinstance(o, torch.Tensor) and o.requires_grad and g is not None
-            ]
-            tensors = [o for o, _ in pairs]
-            grad_tensors = [g for _, g in pairs]
-        if tensors:
-            torch.autograd.backward(tensors, grad_tensors)
-        for slot, p in zip(item.slots, stage.params, strict=True):
-            grad = slot.grad
-            if grad is not None and self.loss_scale != 1.0:
-                grad = grad / self.loss_scale
-            p.grad = grad
-            slot.grad = None
-        if self.record:
-            self.history.append(Event(t, stage.index, "backward", item.sample, item.step))
-        return [v.grad if isinstance(v, torch.Tensor) and v.requires_grad else None for v in item.inputs]
+    def _pending(self) -> bool:
+        """Whether a sample is still in the pipeline: the newest one's
+        backward reaches stage 0 ``2(S-1)`` steps after it was fed."""
+        return self._last_fed is not None and self.steps <= self._last_fed + 2 * (self.num_stages - 1)
 
     # -- the pipeline -------------------------------------------------------------------
 
@@ -323,9 +244,7 @@ class PipelinedTrainer:
                 "model.train() after evaluating) or build a new trainer"
             )
         t = self.steps
-        last = self.num_stages - 1
-        fwd_next: list[Any] = [None] * self.num_stages
-        bwd_next: list[Any] = [None] * self.num_stages
+        message = None
         if x is not None:
             args = list(x) if isinstance(x, tuple) else [x]
             shapes = [getattr(v, "shape", None) for v in args]
@@ -334,44 +253,11 @@ class PipelinedTrainer:
                     f"the model was traced for inputs of shapes {self._example_shapes}, got {shapes}: "
                     "each step feeds one sample shaped as example_input (batch dimension 1)"
                 )
-            self._fwd[0] = (self.samples, [args[i] for i in self.stages[0].graph.positions], y)
+            message = (self.samples, [args[i] for i in self._positions], y)
             self.samples += 1
-        loss = None
-        for stage in self.stages:
-            s = stage.index
-            message = self._fwd[s]
-            if message is not None:
-                sample, values, label = message
-                item = self._forward(stage, sample, values, label, t)
-                if s < last:
-                    outs = item.outputs
-                    fwd_next[s + 1] = (
-                        sample,
-                        [o.detach() if isinstance(o, torch.Tensor) else o for o in outs],
-                        label,
-                    )
-                stage.queue.append(item)
-            if s == last:
-                if message is not None:
-                    grads_in = self._backward(stage, stage.queue.popleft(), None, t)
-                    loss = self.losses[-1]
-                    if s > 0:
-                        bwd_next[s - 1] = (message[0], grads_in)
-            elif self._bwd[s] is not None:
-                sample, grads = self._bwd[s]
-                item = stage.queue.popleft()
-                if item.sample != sample:
-                    raise RuntimeError(
-                        f"stage {s}: error of sample {sample} met forward of sample {item.sample}"
-                    )
-                grads_in = self._backward(stage, item, grads, t)
-                if s > 0:
-                    bwd_next[s - 1] = (sample, grads_in)
-        self.optimizer.step()
-        for stage in self.stages:
-            for p in stage.params:
-                p.grad = None
-        self._fwd, self._bwd = fwd_next, bwd_next
+            self._last_fed = t
+        self._transport.feed(t, message)
+        loss = self._runner.step(t, self._transport)
         self.steps += 1
         return loss
 
@@ -410,6 +296,7 @@ class PipelinedTrainer:
         load_adaptive = REGISTRY.adaptive_loader(state_dict["adaptive"], self.model)
         self.optimizer.load_state_dict(state_dict["optimizer"])
         self.steps, self.samples = int(state_dict["steps"]), int(state_dict["samples"])
+        self._last_fed = None
         REGISTRY.load_streams_state(state_dict["streams"])
         load_adaptive()
 
@@ -456,13 +343,22 @@ class PipelinedTrainer:
         return self.losses[start:]
 
 
+class _Feed:
+    """The simulator's transport: the sample fed at this step enters stage 0; nothing
+    else crosses (its runner holds every stage)."""
+
+    def __init__(self) -> None:
+        self._message: ForwardMessage | None = None
+
+    def feed(self, t: int, message: ForwardMessage | None) -> None:
+        self._message = message
+
+    def begin_step(self, t: int) -> None:
+        pass
+
+    def forward_message(self, t: int) -> ForwardMessage | None:
+        return self._message
+
+
 def _modes(model: nn.Module) -> list[bool]:
     return [module.training for module in model.modules()]
-
-
-def _slot(param: torch.Tensor) -> nn.Parameter:
-    """A weight slot for one in-flight forward; compiled stages key per-model state
-    (adaptive loss scales) by the model's own parameter, not by the slot."""
-    slot = nn.Parameter(torch.empty_like(param))
-    REGISTRY.alias(slot, param)
-    return slot
