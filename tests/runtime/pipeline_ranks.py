@@ -131,6 +131,12 @@ def rank_fault(rank: int, folder: Path, victim: int, how: str, timeout: float) -
     pipeline.drain()
 
 
+def rank_example(rank: int, folder: Path, argv: list[str]) -> None:
+    from examples.pipeline_distributed import main
+
+    main(argv)
+
+
 # -- the launcher -------------------------------------------------------------------------------
 
 

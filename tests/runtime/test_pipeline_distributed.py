@@ -159,6 +159,28 @@ def test_drain_save_and_resume_in_fresh_processes_equals_the_uninterrupted_run(t
     assert not all(torch.equal(v, full[k]) for k, v in _simulated([case])[case]["state"].items())
 
 
+# -- the example --------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [2, 4])
+def test_the_digits_resnet_example_on_ranks_equals_its_simulation(tmp_path, world):
+    """examples/pipeline_distributed.py: the ResNet's skip connections cross stage (and
+    rank) boundaries, two values per message; a short run, compared with --simulate."""
+    from examples.pipeline_distributed import main
+
+    argv = ["--epochs", "1", "--samples", "60"]
+    assert (
+        launch("rank_example", world, tmp_path, [*argv, "--weights", str(tmp_path / "ranks.pt")])
+        == [0] * world
+    )
+    _check_ranks_ran(tmp_path, world)
+    assert main([*argv, "--simulate", "--weights", str(tmp_path / "simulated.pt")]) == 0
+    ranks, simulated = torch.load(tmp_path / "ranks.pt"), torch.load(tmp_path / "simulated.pt")
+    assert list(ranks) == list(simulated)
+    assert [k for k, v in simulated.items() if not torch.equal(v, ranks[k])] == []
+
+
 # -- messages ----------------------------------------------------------------------------------
 
 
