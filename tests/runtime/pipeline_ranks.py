@@ -103,20 +103,31 @@ def rank_train(rank: int, folder: Path, cases: list[str]) -> None:
         torch.save(train(case, distributed=True), folder / f"{case}-rank{rank}.pt")
 
 
-def rank_resume(rank: int, folder: Path, case: str, phase: str) -> None:
+def resumable(case: str, phase: str, distributed: bool, folder: Path, rank: int = 0) -> dict | None:
     """``full``: A samples, drain, B samples, drain. ``first``: A samples, drain, save each
-    rank's state; ``rest``: fresh processes load it and run B samples, drain."""
-    pipeline, x, y = trainer(case, distributed=True)
+    rank's state; ``rest``: fresh processes load it and run B samples, drain. ``rest-old``:
+    the same from the state without the stream call counts (the SR streams restart).
+    Returns the final full state dict."""
+    pipeline, x, y = trainer(case, distributed=distributed)
     half = SAMPLES // 2
     if phase in ("full", "first"):
         pipeline.fit(x[:half], y[:half], seed=3)
     if phase == "first":
         torch.save(pipeline.state_dict(), folder / f"ckpt-rank{rank}.pt")
-        return
-    if phase == "rest":
-        pipeline.load_state_dict(torch.load(folder / f"ckpt-rank{rank}.pt"))
+        return None
+    if phase.startswith("rest"):
+        state = torch.load(folder / f"ckpt-rank{rank}.pt")
+        if phase == "rest-old":
+            state["streams"] = []
+        pipeline.load_state_dict(state)
     pipeline.fit(x[half:], y[half:], seed=4)
-    torch.save(pipeline.full_state_dict(), folder / f"{phase}-rank{rank}.pt")
+    return pipeline.full_state_dict()
+
+
+def rank_resume(rank: int, folder: Path, case: str, phase: str) -> None:
+    state = resumable(case, phase, True, folder, rank)
+    if state is not None:
+        torch.save(state, folder / f"{phase}-rank{rank}.pt")
 
 
 def rank_fault(rank: int, folder: Path, victim: int, how: str, timeout: float) -> None:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from pipeline_ranks import CASES, launch, reports, train
+from pipeline_ranks import CASES, launch, reports, resumable, train
 
 from lpcompile.runtime.pipeline import PipelinedTrainer
 from lpcompile.runtime.pipeline.distributed import Layout, check_world_size
@@ -146,17 +146,20 @@ def test_a_world_size_that_does_not_fit_is_refused_before_any_work(monkeypatch):
 
 @pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_drain_save_and_resume_in_fresh_processes_equals_the_uninterrupted_run(tmp_path, world):
+    """The uninterrupted run (drained at the same point) is the simulator's, which the
+    ranks equal bit for bit (tested above)."""
     case = "fp8-sr"  # stochastic rounding: the call counts must resume too
-    for phase in ("full", "first", "rest"):
+    for phase in ("first", "rest", "rest-old"):
         assert launch("rank_resume", world, tmp_path, case, phase, deadline=300) == [0] * world, phase
         _check_ranks_ran(tmp_path, world)
+    full = resumable(case, "full", False, tmp_path)
     for rank in range(world):
-        full = torch.load(tmp_path / f"full-rank{rank}.pt")
         rest = torch.load(tmp_path / f"rest-rank{rank}.pt")
         differ = [k for k, v in full.items() if not torch.equal(v, rest[k])]
         assert not differ, f"rank {rank}: {differ}"
-    # the resumed run is not the run without the drain: the check can fail
-    assert not all(torch.equal(v, full[k]) for k, v in _simulated([case])[case]["state"].items())
+    # resumed without the call counts, stochastic rounding draws other bits: the check can fail
+    old = torch.load(tmp_path / f"rest-old-rank{world - 1}.pt")
+    assert not all(torch.equal(v, old[k]) for k, v in full.items())
 
 
 # -- the example --------------------------------------------------------------------------------
