@@ -203,6 +203,8 @@ def test_messages_keep_their_layout_and_say_which_gradients_are_missing():
     out = backward.unpack(backward.pack(grads, torch.device("cpu")))
     assert out[1] is None and out[2] is None
     assert torch.equal(out[0], grads[0]) and torch.equal(out[3], grads[3])
+    integers = Layout.of([message_meta(values[1])], mask=True)  # an error message with no room
+    assert integers.nbytes == 0 and integers.unpack(torch.empty(0, dtype=torch.uint8)) == [None]
     # a value in another layout is copied into the message's
     meta = TensorMeta((2, 3), (1, 2), torch.float32)
     moved = conform(torch.randn(2, 3), meta)

@@ -213,6 +213,8 @@ class Layout:
         return buffer
 
     def unpack(self, buffer: torch.Tensor) -> list[Any]:
+        if self.mask and not self.nbytes:  # nothing that could have a gradient
+            return [None] * len(self.metas)
         present = buffer[: len(self.metas)].tolist() if self.mask else [1] * len(self.metas)
         values: list[Any] = []
         for meta, offset, there in zip(self.metas, self.offsets, present, strict=True):
@@ -372,7 +374,7 @@ class P2PTransport:
             if before is not None and t >= before:
                 keep.append((t, work, buffer, peer))
                 continue
-            self._wait(work, peer, f"a message of step {t} it was sent")
+            self._wait(work, peer, f"the delivery of its message of step {t}")
         self._sends = keep
 
     def _wait(self, work: Any, peer: int, what: str) -> None:
