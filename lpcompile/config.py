@@ -218,7 +218,10 @@ class LowPrecConfig:
     the inputs beyond the format's largest finite value (they saturate, or become inf
     with ``overflow="inf"``) and the infinite or NaN ones (``lpcompile.saturation(model)``);
     ``"raise"`` also raises ``FloatingPointError`` naming the layer at a call whose
-    quantized inputs held inf or NaN; ``"off"`` adds nothing.
+    quantized inputs held inf or NaN; ``"off"`` adds nothing. ``seed_per_rank`` folds
+    the process's ``torch.distributed`` rank into the stochastic-rounding seed, so that
+    data-parallel ranks draw different bits (``PipelinedTrainer`` turns it off for its
+    stages: its ranks hold different stages and draw the simulator's bits).
     """
 
     recipe: str = "fp32"
@@ -239,6 +242,7 @@ class LowPrecConfig:
     conv: str = "auto"
     attention: str = "operands"
     saturation: str = "off"
+    seed_per_rank: bool = True
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "pipeline", PipelineConfig.from_option(self.pipeline))
@@ -277,6 +281,8 @@ class LowPrecConfig:
             )
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed < 2**32:
             raise ValueError(f"seed must be an int in [0, 2**32), got {self.seed!r}")
+        if not isinstance(self.seed_per_rank, bool):
+            raise ValueError(f"seed_per_rank must be a bool, got {self.seed_per_rank!r}")
         if not isinstance(self.keep_first_last, bool):
             raise ValueError(f"keep_first_last must be a bool, got {self.keep_first_last!r}")
         if not all(isinstance(p, str) for p in self.exclude):

@@ -120,7 +120,8 @@ def _with_inputs(
             key = model_key(args, model_input)
             if step is None and not isinstance(key, FakeTensor):
                 step = REGISTRY.next_step(key, counter)
-            values[SEED_INPUT] = step_seed(config.seed, step or 0, current_rank())
+            rank = current_rank() if config.seed_per_rank else 0
+            values[SEED_INPUT] = step_seed(config.seed, step or 0, rank)
         for name, spec in ctx.call_inputs.items():
             values[name] = REGISTRY.prediction_input(args[spec.index], spec)
         return [values[name] for name in ctx.inputs]

@@ -17,11 +17,12 @@ parameter's values, which a resumed model has again once its weights are loaded.
 from __future__ import annotations
 
 import collections
+import contextlib
 import hashlib
 import numbers
 import warnings
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -209,6 +210,37 @@ class Registry:
                 "restart at call 0",
                 stacklevel=4,
             )
+
+    @contextlib.contextmanager
+    def unrecorded(self) -> Iterator[None]:
+        """Calls of compiled graphs inside leave no trace in what decides later bits: the
+        call counts are restored, the adaptive states and saturation counts of graphs first
+        called inside are dropped (they start afresh at their next call), and saved state
+        loaded for later (stream counts, deferred adaptive states) stays where it was.
+
+        For compiling graphs ahead of their first real call (a pipeline's warm-up). States
+        of graphs called before are not restored, so call only new graphs inside."""
+        entries = list(self._entries.items())
+        before = {
+            id(key): (collections.Counter(entry.steps), set(entry.adaptive), set(entry.saturation))
+            for key, entry in entries
+        }
+        saved_steps = [(digest, dict(counts)) for digest, counts in self._saved_steps]
+        looked_up = list(self._looked_up.keys())
+        restart_warning, deferred = self._restart_warning, list(self._deferred)
+        try:
+            yield
+        finally:
+            for key, entry in list(self._entries.items()):
+                steps, adaptive, saturation = before.get(id(key), (collections.Counter(), set(), set()))
+                entry.steps = steps
+                entry.adaptive = {g: s for g, s in entry.adaptive.items() if g in adaptive}
+                entry.saturation = {g: c for g, c in entry.saturation.items() if g in saturation}
+            self._saved_steps = saved_steps
+            self._looked_up = WeakIdKeyDictionary()
+            for key in looked_up:
+                self._looked_up[key] = True
+            self._restart_warning, self._deferred[:] = restart_warning, deferred
 
     # ------------------------------------------------------------------ adaptive loss scaling
     def adaptive_state(

@@ -369,3 +369,33 @@ def test_trainer_stages_share_one_adaptive_state_per_model():
     assert [t.layer for t in stats(model)] == ["1", "3", "5"]
     assert len(REGISTRY.adaptive_states(model)) == 3  # one per stage, not one per weight slot
     assert all(len(t.history) >= 2 for t in stats(model))
+
+
+def test_compiled_stages_compile_when_built_and_leave_no_trace():
+    """The trainer compiles its stages (forward and backward) when it is built, so a rank's
+    neighbours do not wait for a compile mid-run; those calls leave no trace: each stage's
+    stochastic-rounding call count is its number of real forwards, adaptive states start
+    at the first real call, and torch's random state is as before."""
+    from lpcompile.backend.state import fingerprint
+
+    torch.manual_seed(0)
+    model = MLP(16, 12, 12, 4)
+    xs, ys = torch.rand(5, 16), torch.randint(0, 4, (5,))
+    before = REGISTRY.graph_count
+    rng = torch.get_rng_state()
+    options = {"recipe": "fp8-e5m2-sr", "executor": "eager"}
+    trainer = PipelinedTrainer(model, xs[:1], stages="layer", lr=0.01, compile=options)
+    assert REGISTRY.graph_count - before == 3  # compiled while built
+    assert torch.equal(torch.get_rng_state(), rng)
+    assert all(not REGISTRY.entry(p).steps for p in model.parameters())
+    trainer.fit(xs, ys)
+    assert REGISTRY.graph_count - before == 3
+    counts = [sum(REGISTRY.entry(stage.params[0]).steps.values()) for stage in trainer.stages]
+    assert counts == [5, 5, 5]
+    digests = {fingerprint(stage.params[0]) for stage in trainer.stages}
+    assert digests <= {saved["model"] for saved in REGISTRY.streams_state()}
+
+    adaptive = {"recipe": "fp8-e5m2-als", "executor": "eager"}
+    als_model = MLP(16, 12, 12, 4)
+    PipelinedTrainer(als_model, xs[:1], stages="layer", lr=0.01, compile=adaptive)
+    assert REGISTRY.adaptive_states(als_model) == []  # made at the first real call

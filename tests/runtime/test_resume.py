@@ -117,6 +117,33 @@ def test_two_copies_of_one_network_take_their_own_counts_by_their_weights():
         assert all(map(torch.equal, _grads(model, run, x), expected[i])), f"copy {i}"
 
 
+def test_calls_inside_unrecorded_leave_the_streams_and_saved_state_alone():
+    """What a pipeline's warm-up relies on: calls inside ``REGISTRY.unrecorded()`` do not
+    advance the call counts, and saved counts still waiting for their model stay saved."""
+    from lpcompile.backend.state import REGISTRY
+
+    x = torch.randn(4, 8)
+    model, run = _sr_model()
+    _grads(model, run, x)
+    saved = LossScaler().state_dict()
+    expected = _grads(model, run, x)  # the second call's bits
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)  # the saved model moves on: only the new one has the saved weights
+    other, other_run = _sr_model()  # the saved weights, its counts not yet taken
+    LossScaler().load_state_dict(saved)
+    with REGISTRY.unrecorded():
+        inside = [_grads(other, other_run, x) for _ in range(2)]  # takes the counts: calls 1, 2
+    assert all(map(torch.equal, inside[0], expected))
+    assert all(map(torch.equal, _grads(other, other_run, x), expected))  # call 1 again
+    with REGISTRY.unrecorded():
+        _grads(model, run, x)
+    assert sum(REGISTRY.entry(next(model.parameters())).steps.values()) == 2
+    # and without it the counts do move
+    _grads(model, run, x)
+    assert sum(REGISTRY.entry(next(model.parameters())).steps.values()) == 3
+
+
 @pytest.mark.parametrize(
     ("streams", "match"),
     [

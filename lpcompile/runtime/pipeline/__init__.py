@@ -1,12 +1,17 @@
-"""Pipelined backpropagation (Kosson, Chiley et al. 2020) in one process.
+"""Pipelined backpropagation (Kosson, Chiley et al. 2020), simulated in one process or
+run on ``torch.distributed`` ranks.
 
 * :mod:`~lpcompile.passes.stages`: stage boundaries (``pipe_split``
   markers or a balanced/one-per-layer partition), stage tags, the delay
   ``D_s = 2(S-1-s)``, stage GraphModules.
 * :mod:`~lpcompile.runtime.pipeline.optim`: :class:`PipelineSGD` (per-stage delay,
   Spike Compensation, weight-prediction buffers) and the batch-size scaling rule.
+* :mod:`~lpcompile.runtime.pipeline.schedule`: :class:`~lpcompile.runtime.pipeline.schedule.StageRunner`,
+  one PB step of contiguous stages, shared by the simulator and the ranks.
 * :mod:`~lpcompile.runtime.pipeline.trainer`: :class:`PipelinedTrainer`, the
-  single-process simulator of fine-grained PB.
+  single-process simulator of fine-grained PB, or (``distributed=True``) one rank's part.
+* :mod:`~lpcompile.runtime.pipeline.distributed`: placement of stages on ranks, the
+  point-to-point messages between them, :class:`LostRankError`.
 """
 
 from lpcompile.passes.stages import (
@@ -18,6 +23,7 @@ from lpcompile.passes.stages import (
     stage_delays,
     tag_aten_graph,
 )
+from lpcompile.runtime.pipeline.distributed import LostRankError
 from lpcompile.runtime.pipeline.optim import (
     PipelineSGD,
     PredictionInputs,
@@ -28,6 +34,7 @@ from lpcompile.runtime.pipeline.trainer import Event, PipelinedTrainer, capture_
 
 __all__ = [
     "Event",
+    "LostRankError",
     "Partition",
     "PipelineSGD",
     "PipelinedTrainer",

@@ -1,4 +1,4 @@
-"""Fine-grained pipelined backpropagation, simulated in one process.
+"""Fine-grained pipelined backpropagation, simulated in one process or run on ranks.
 
 :class:`PipelinedTrainer` runs a model cut into S stages exactly as a
 pipeline of S workers would: at every step each stage does one forward (of
@@ -33,21 +33,30 @@ partitioned by :func:`lpcompile.passes.stages.partition_graph`; each is
 run eagerly as an FX GraphModule or, with ``compile=options``, compiled with
 ``torch.compile(backend="lowprec", options=options)`` (FP8 recipes etc.).
 
+The per-step stage logic is :class:`~lpcompile.runtime.pipeline.schedule.StageRunner`'s.
+In the simulator one runner holds every stage. With ``distributed=True`` each rank of
+a ``torch.distributed`` process group (``torchrun --nproc_per_node=R``, R dividing S)
+builds the same stage graphs and runs a runner with its ``S/R`` contiguous stages;
+activations and errors cross between ranks as point-to-point messages
+(:mod:`lpcompile.runtime.pipeline.distributed`), on the same schedule, so the ranks
+compute the simulator's bits. :meth:`PipelinedTrainer.full_state_dict` gathers the
+whole model onto every rank (in the simulator: a copy of the model's).
+
 Checkpoints: after :meth:`PipelinedTrainer.drain`, the model's ``state_dict()``
 and :meth:`PipelinedTrainer.state_dict` (the optimizer's state, the step and
 sample counts, and the stages' stream call counts and adaptive scales) resume the
-run bit for bit in a new trainer.
+run bit for bit in a new trainer; distributed, each rank's state dict also holds its
+stages' weights and is loaded by the same rank of a run with the same world size.
 
-Not done: running the stages as ``torch.distributed`` ranks; dynamic loss
-scaling (a static ``loss_scale`` is supported); BatchNorm (refused).
+Not done: dynamic loss scaling (a static ``loss_scale`` is supported); BatchNorm
+(refused); ops drawing from torch's global random generator (dropout) draw from one
+stream shared by the stages of a process, so ranks and simulator differ there.
 """
 
 from __future__ import annotations
 
 import types
-from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -68,6 +77,16 @@ from lpcompile.passes.stages import (
     stage_delays,
 )
 from lpcompile.runtime.pipeline.optim import PipelineSGD
+from lpcompile.runtime.pipeline.schedule import (
+    Event,
+    ForwardMessage,
+    Stage,
+    StageRunner,
+    build_stage,
+    stage_input_metas,
+)
+
+__all__ = ["Event", "PipelinedTrainer", "Stage", "capture_graph"]
 
 
 def capture_graph(model: nn.Module, *example_inputs: Any) -> torch.fx.GraphModule:
@@ -99,53 +118,6 @@ def capture_graph(model: nn.Module, *example_inputs: Any) -> torch.fx.GraphModul
     return graphs[0]
 
 
-@dataclass
-class Event:
-    """One forward or backward of one stage, as :attr:`PipelinedTrainer.history` records it."""
-
-    step: int
-    stage: int
-    kind: str  # "forward" or "backward"
-    sample: int
-    forward_step: int  # the step of the forward whose gradient this is (= step for a forward)
-
-
-@dataclass
-class _InFlight:
-    sample: int
-    step: int
-    inputs: list[Any]
-    outputs: Any
-    slots: list[nn.Parameter]
-    label: Any = None
-
-
-@dataclass
-class Stage:
-    """A stage of the pipeline: its graph, its parameters, its delay and what is in flight."""
-
-    index: int
-    delay: int
-    graph: StageGraph
-    params: list[nn.Parameter]  # the model's trained parameters this stage owns
-    runner: Callable  # runner(*state, *inputs) -> outputs
-    ring: list[list[torch.Tensor]]  # D+1 state lists: Parameter slots (and buffers) per forward
-    trained: list[bool]  # which state entries are slots of trained parameters
-    queue: deque = field(default_factory=deque)
-
-
-def _grad_inputs(values: Sequence[Any]) -> list[Any]:
-    """Detached copies of a message; floating tensors become leaves that collect their gradient."""
-    out = []
-    for v in values:
-        if isinstance(v, torch.Tensor):
-            v = v.detach()
-            if v.is_floating_point():
-                v.requires_grad_(True)
-        out.append(v)
-    return out
-
-
 class PipelinedTrainer:
     """Fine-grained pipelined backpropagation of ``model`` with :class:`PipelineSGD`.
 
@@ -163,9 +135,21 @@ class PipelinedTrainer:
             returns: the model's output tensor, or a tuple of the tensors of an output
             with several (a dict's values, a tuple's tensors, in order; non-tensor
             values are not returned).
-        compile: ``None`` (stages run as eager FX) or lowprec ``options`` to compile each stage.
+        compile: ``None`` (stages run as eager FX) or lowprec ``options`` to compile each
+            stage; compiled stages are compiled (forward and backward) when the trainer is built.
         loss_scale: a static loss scale; gradients are divided by it before the update.
         record: keep :attr:`history` (one :class:`Event` per forward and backward).
+        distributed: run the stages on the ranks of a ``torch.distributed`` process group
+            (``torchrun --nproc_per_node=R``; the group is initialised from torchrun's
+            environment unless it already is: gloo on CPUs, NCCL on CUDA, each rank on
+            ``cuda:LOCAL_RANK``). R must divide S; rank r runs the S/R contiguous stages
+            from ``r*S/R``. Every rank builds the trainer with the same model (same seed),
+            example input and arguments, and calls :meth:`step` with the same arguments.
+        timeout: seconds a rank waits for a neighbour's message before it stops with
+            :class:`~lpcompile.runtime.pipeline.distributed.LostRankError` naming the
+            rank lost (distributed only).
+        setup_timeout: seconds for building the trainer on every rank (joining the
+            process group, compiling the stages) (distributed only).
     """
 
     def __init__(
@@ -184,6 +168,9 @@ class PipelinedTrainer:
         compile: dict[str, Any] | None = None,
         loss_scale: float = 1.0,
         record: bool = False,
+        distributed: bool = False,
+        timeout: float = 300.0,
+        setup_timeout: float = 1800.0,
     ) -> None:
         for name, module in model.named_modules():
             if isinstance(module, nn.modules.batchnorm._BatchNorm):
@@ -195,8 +182,11 @@ class PipelinedTrainer:
                 )
             LowPrecConfig.from_options(compile)  # bad options fail here, not at the first step
         check_positive("loss_scale", loss_scale)
-        if not isinstance(weight_stash, bool):
-            raise ValueError(f"weight_stash must be a bool, got {weight_stash!r}")
+        for name, value in (("weight_stash", weight_stash), ("distributed", distributed)):
+            if not isinstance(value, bool):
+                raise ValueError(f"{name} must be a bool, got {value!r}")
+        check_positive("timeout", timeout)
+        check_positive("setup_timeout", setup_timeout)
         example = example_input if isinstance(example_input, tuple) else (example_input,)
         batches = [v.shape[0] for v in example if isinstance(v, torch.Tensor) and v.dim() > 0]
         if any(b != 1 for b in batches):
@@ -204,11 +194,23 @@ class PipelinedTrainer:
                 f"example_input must be one sample (batch dimension 1), got batch sizes {batches}: "
                 "pipelined backpropagation feeds one sample per step"
             )
+        ranks = None
+        if distributed:
+            from lpcompile.runtime.pipeline.distributed import Ranks
+
+            ranks = Ranks.from_environment()
+            if isinstance(stages, int) and not isinstance(stages, bool) and stages >= 1:
+                ranks.stages(stages)  # a world size that does not fit: refused before anything runs
+            if ranks.device.type == "cuda":
+                model.to(ranks.device)
+                example = tuple(v.to(ranks.device) if isinstance(v, torch.Tensor) else v for v in example)
         self.model = model
         self.loss_fn = loss_fn
         self.weight_stash = weight_stash
         self.loss_scale = float(loss_scale)
         self.record = record
+        self.distributed = distributed
+        self.timeout = float(timeout)
         # the stage graphs hold the train()/eval() behaviour of the capture (dropout, ...)
         self._modes = _modes(model)
         # what step() checks each sample against: the graph is traced for these shapes
@@ -216,22 +218,24 @@ class PipelinedTrainer:
         gm = capture_graph(model, *example)
         self.partition: Partition = partition_graph(gm, stages)
         self.graph = gm
-        params = {id(p): p for p in model.parameters() if p.requires_grad}
-        self.delays = stage_delays(self.partition.num_stages)
-        self.stages: list[Stage] = []
+        num_stages = self.partition.num_stages
+        self.delays = stage_delays(num_stages)
+        graphs = split_pipeline(gm)
+        self._positions = graphs[0].positions  # the model's arguments stage 0 reads
+        local = range(num_stages) if ranks is None else ranks.stages(num_stages)
+        #: this process's rank and the number of ranks (0 and 1 in the simulator)
+        self.rank, self.world_size = (0, 1) if ranks is None else (ranks.rank, ranks.world_size)
+        if ranks is not None:
+            _check_messages(graphs, local)
+            ranks.join(setup_timeout, _summary(self.partition, graphs))
+        trained = {id(p): p for p in model.parameters() if p.requires_grad}
         placeholders = {n.name: n for n in gm.graph.find_nodes(op="placeholder")}
-        for graph, delay in zip(split_pipeline(gm), self.delays, strict=True):
+        #: the stages this process runs (all of them in the simulator)
+        self.stages: list[Stage] = []
+        for index in local:
+            graph = graphs[index]
             state = [placeholders[name].meta[KEPT_GRAPHARG].example for name in graph.state]
-            stage_params = [params[id(v)] for v in state if id(v) in params]
-            runner = graph.module
-            if compile is not None:
-                runner = torch.compile(graph.module, backend="lowprec", options=dict(compile), dynamic=False)
-            # per in-flight forward: a Parameter slot per trained weight; buffers as they are
-            trained = [id(v) in params for v in state]
-            ring = [
-                [_slot(v) if t else v for v, t in zip(state, trained, strict=True)] for _ in range(delay + 1)
-            ]
-            self.stages.append(Stage(graph.index, delay, graph, stage_params, runner, ring, trained))
+            self.stages.append(build_stage(graph, self.delays[index], state, set(trained), compile))
         groups = [{"params": stage.params, "delay": stage.delay} for stage in self.stages if stage.params]
         self.optimizer = PipelineSGD(
             groups,
@@ -243,69 +247,60 @@ class PipelinedTrainer:
         )
         self.steps = 0  # steps run
         self.samples = 0  # samples fed
-        self.losses: list[float] = []  # per sample, in the order they finished
+        self.losses: list[float] = []  # per sample, in the order they finished (the last stage's rank)
         self.history: list[Event] = []
-        self._fwd: list[tuple[int, list[Any], Any] | None] = [None] * self.num_stages
-        self._bwd: list[tuple[int, list[Any]] | None] = [None] * self.num_stages
+        self._last_fed: int | None = None  # the step that fed the newest sample
+        following = stage_input_metas(graphs[local.stop]) if local.stop < num_stages else None
+        self._runner = StageRunner(
+            self.stages,
+            num_stages,
+            self.optimizer,
+            loss_fn=loss_fn,
+            loss_scale=self.loss_scale,
+            weight_stash=weight_stash,
+            record=record,
+            history=self.history,
+            losses=self.losses,
+            next_inputs=following,
+        )
+        if compile is not None:
+            first_inputs = [example[i] for i in graphs[0].positions]
+            self._runner.warm_up(first_inputs)
+        self._ranks = ranks
+        self._transport: Any
+        if ranks is None:
+            self._transport = _Feed()
+        else:
+            from lpcompile.runtime.pipeline.distributed import P2PTransport
+
+            self._transport = P2PTransport(
+                ranks,
+                local.start,
+                len(local),
+                num_stages,
+                self.stages[0].inputs,
+                following or [],
+                self.timeout,
+            )
+            ranks.barrier(setup_timeout)
 
     @property
     def num_stages(self) -> int:
-        return len(self.stages)
+        """S, the pipeline's stages (on every rank; :attr:`stages` holds this process's)."""
+        return self.partition.num_stages
 
-    def _pending(self) -> int:
-        return (
-            sum(len(s.queue) for s in self.stages)
-            + sum(m is not None for m in self._fwd)
-            + sum(m is not None for m in self._bwd)
-        )
+    @property
+    def timings(self) -> dict[str, float]:
+        """This process's steps so far: their number and seconds in all (``step_s``), in the
+        messages between ranks (``transport_s``: waiting, packing, posting) and in the
+        stages (``compute_s``: forwards, backwards, optimizer). Host clock: on CUDA the
+        split shows where the host waited, not where the device worked."""
+        return self._runner.timings.as_dict()
 
-    # -- one stage ----------------------------------------------------------------------
-
-    def _forward(self, stage: Stage, sample: int, values: list[Any], label: Any, t: int) -> _InFlight:
-        state = stage.ring[t % len(stage.ring)]
-        slots = [v for v, t in zip(state, stage.trained, strict=True) if t]
-        with torch.no_grad():
-            for slot, p in zip(slots, stage.params, strict=True):
-                slot.data.copy_(self.optimizer.predicted_weight(p))
-                slot.grad = None
-        inputs = values if stage.index == 0 else _grad_inputs(values)
-        with torch.enable_grad():
-            outputs = stage.runner(*state, *inputs)
-        if self.record:
-            self.history.append(Event(t, stage.index, "forward", sample, t))
-        return _InFlight(sample, t, inputs, outputs, slots, label)
-
-    def _backward(self, stage: Stage, item: _InFlight, grads: Sequence[Any] | None, t: int) -> list[Any]:
-        if not self.weight_stash and stage.delay > 0:
-            with torch.no_grad():
-                for slot, p in zip(item.slots, stage.params, strict=True):
-                    slot.data.copy_(p.detach())  # the current weights; no version bump
-        if grads is None:  # last stage: the loss
-            outputs = item.outputs
-            output = outputs[0] if isinstance(outputs, tuple) and len(outputs) == 1 else outputs
-            loss = self.loss_fn(output, item.label)
-            self.losses.append(loss.item())
-            tensors = [loss * self.loss_scale if self.loss_scale != 1.0 else loss]
-            grad_tensors: list[Any] = [None]
-        else:
-            pairs = [
-                (o, g)
-                for o, g in zip(item.outputs, grads, strict=True)
-                if isinstance(o, torch.Tensor) and o.requires_grad and g is not None
-            ]
-            tensors = [o for o, _ in pairs]
-            grad_tensors = [g for _, g in pairs]
-        if tensors:
-            torch.autograd.backward(tensors, grad_tensors)
-        for slot, p in zip(item.slots, stage.params, strict=True):
-            grad = slot.grad
-            if grad is not None and self.loss_scale != 1.0:
-                grad = grad / self.loss_scale
-            p.grad = grad
-            slot.grad = None
-        if self.record:
-            self.history.append(Event(t, stage.index, "backward", item.sample, item.step))
-        return [v.grad if isinstance(v, torch.Tensor) and v.requires_grad else None for v in item.inputs]
+    def _pending(self) -> bool:
+        """Whether a sample is still in the pipeline (on any rank): the newest one's
+        backward reaches stage 0 ``2(S-1)`` steps after it was fed."""
+        return self._last_fed is not None and self.steps <= self._last_fed + 2 * (self.num_stages - 1)
 
     # -- the pipeline -------------------------------------------------------------------
 
@@ -314,7 +309,9 @@ class PipelinedTrainer:
 
         ``x`` is one sample with its batch dimension of 1 (or a tuple of the
         model's inputs). Returns the loss of the sample that reached the last
-        stage at this step, if any.
+        stage at this step, if any (distributed: on the rank of the last stage;
+        ``None`` on the others). Distributed, every rank calls it with the same
+        arguments: the first rank reads ``x``, the last ``y``.
         """
         if _modes(self.model) != self._modes:
             raise RuntimeError(
@@ -323,9 +320,7 @@ class PipelinedTrainer:
                 "model.train() after evaluating) or build a new trainer"
             )
         t = self.steps
-        last = self.num_stages - 1
-        fwd_next: list[Any] = [None] * self.num_stages
-        bwd_next: list[Any] = [None] * self.num_stages
+        message = None
         if x is not None:
             args = list(x) if isinstance(x, tuple) else [x]
             shapes = [getattr(v, "shape", None) for v in args]
@@ -334,44 +329,11 @@ class PipelinedTrainer:
                     f"the model was traced for inputs of shapes {self._example_shapes}, got {shapes}: "
                     "each step feeds one sample shaped as example_input (batch dimension 1)"
                 )
-            self._fwd[0] = (self.samples, [args[i] for i in self.stages[0].graph.positions], y)
+            message = (self.samples, [args[i] for i in self._positions], y)
             self.samples += 1
-        loss = None
-        for stage in self.stages:
-            s = stage.index
-            message = self._fwd[s]
-            if message is not None:
-                sample, values, label = message
-                item = self._forward(stage, sample, values, label, t)
-                if s < last:
-                    outs = item.outputs
-                    fwd_next[s + 1] = (
-                        sample,
-                        [o.detach() if isinstance(o, torch.Tensor) else o for o in outs],
-                        label,
-                    )
-                stage.queue.append(item)
-            if s == last:
-                if message is not None:
-                    grads_in = self._backward(stage, stage.queue.popleft(), None, t)
-                    loss = self.losses[-1]
-                    if s > 0:
-                        bwd_next[s - 1] = (message[0], grads_in)
-            elif self._bwd[s] is not None:
-                sample, grads = self._bwd[s]
-                item = stage.queue.popleft()
-                if item.sample != sample:
-                    raise RuntimeError(
-                        f"stage {s}: error of sample {sample} met forward of sample {item.sample}"
-                    )
-                grads_in = self._backward(stage, item, grads, t)
-                if s > 0:
-                    bwd_next[s - 1] = (sample, grads_in)
-        self.optimizer.step()
-        for stage in self.stages:
-            for p in stage.params:
-                p.grad = None
-        self._fwd, self._bwd = fwd_next, bwd_next
+            self._last_fed = t
+        self._transport.feed(t, message)
+        loss = self._runner.step(t, self._transport)
         self.steps += 1
         return loss
 
@@ -379,27 +341,57 @@ class PipelinedTrainer:
         """Run steps without new samples until every sample's backward is done."""
         while self._pending():
             self.step()
+        self._transport.flush()
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The whole model's ``state_dict()``, as CPU copies, with every stage's current
+        weights: distributed, each rank's stages' parameters are gathered onto every rank
+        (every rank must call it, at the same step)."""
+        entries = self.model.state_dict(keep_vars=True)
+        if self._ranks is None:
+            return {name: value.detach().to("cpu", copy=True) for name, value in entries.items()}
+        self._transport.flush()
+        owned = {id(p) for stage in self.stages for p in stage.params}
+        names = {id(p): name for name, p in self.model.named_parameters()}
+        gathered = self._ranks.gather({names[id(p)]: p for p in self.model.parameters() if id(p) in owned})
+        return {
+            name: gathered[names[id(value)]]
+            if names.get(id(value)) in gathered
+            else value.detach().to("cpu", copy=True)
+            for name, value in entries.items()
+        }
 
     def state_dict(self) -> dict[str, Any]:
         """What resumes this trainer bit for bit, with the model's own ``state_dict()``: the
         optimizer's state, the step and sample counts, the stream call counts and adaptive
-        scales of the stage graphs. Only a drained pipeline (:meth:`drain`) has one."""
+        scales of the stage graphs. Only a drained pipeline (:meth:`drain`) has one.
+
+        Distributed, each rank's holds its own stages and also their weights (``"params"``,
+        by the model's parameter names) and where they sit (``"placement"``): save one per
+        rank, load each into the rank that saved it (same world size and stages)."""
         self._check_drained("save")
-        return {
+        state = {
             "optimizer": self.optimizer.state_dict(),
             "steps": self.steps,
             "samples": self.samples,
             "streams": REGISTRY.streams_state(),
-            "adaptive": [state.state_dict() for state in REGISTRY.adaptive_states(self.model)],
+            "adaptive": [state.state_dict() for state in self._adaptive_states()],
         }
+        if self._ranks is not None:
+            state["params"] = {name: p.detach().clone() for name, p in self._owned_parameters()}
+            state["placement"] = self._placement()
+        return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict` (load the model's weights first). Checked whole: a bad
-        one raises ``ValueError`` and changes nothing."""
+        """Restore :meth:`state_dict` (simulator: load the model's weights first; distributed,
+        the rank's weights come with it). Checked whole: a bad one raises ``ValueError``
+        and changes nothing."""
         self._check_drained("load")
         missing = [
             key for key in ("optimizer", "steps", "samples", "streams", "adaptive") if key not in state_dict
         ]
+        if self._ranks is not None:
+            missing += [key for key in ("params", "placement") if key not in state_dict]
         if missing:
             raise ValueError(
                 f"not a PipelinedTrainer state dict: it lacks {missing}, it has {sorted(state_dict)}"
@@ -407,11 +399,66 @@ class PipelinedTrainer:
         for key in ("steps", "samples"):
             check_count(f"the state dict's {key!r}", state_dict[key])
         check_streams_state(state_dict["streams"])
-        load_adaptive = REGISTRY.adaptive_loader(state_dict["adaptive"], self.model)
+        load_params = None
+        if self._ranks is not None:
+            if state_dict["placement"] != self._placement():
+                raise ValueError(
+                    f"the state dict was saved by a rank placed at {state_dict['placement']}, this one is "
+                    f"at {self._placement()}: load each rank's state into the rank that saved it, with "
+                    "the same world size and stages"
+                )
+            load_params = self._params_loader(state_dict["params"])
+        if load_params is not None:
+            load_params()  # first: the saved stream counts find their model by its weights
+        load_adaptive = REGISTRY.adaptive_loader(state_dict["adaptive"], self._adaptive_model())
         self.optimizer.load_state_dict(state_dict["optimizer"])
         self.steps, self.samples = int(state_dict["steps"]), int(state_dict["samples"])
+        self._last_fed = None
         REGISTRY.load_streams_state(state_dict["streams"])
         load_adaptive()
+
+    def _owned_parameters(self) -> list[tuple[str, nn.Parameter]]:
+        owned = {id(p) for stage in self.stages for p in stage.params}
+        return [(name, p) for name, p in self.model.named_parameters() if id(p) in owned]
+
+    def _placement(self) -> dict[str, int]:
+        return {
+            "rank": self.rank,
+            "world_size": self.world_size,
+            "num_stages": self.num_stages,
+            "first_stage": self.stages[0].index,
+        }
+
+    def _params_loader(self, saved: Any) -> Callable[[], None]:
+        owned = dict(self._owned_parameters())
+        if not isinstance(saved, dict) or set(saved) != set(owned):
+            have = sorted(saved) if isinstance(saved, dict) else type(saved).__name__
+            raise ValueError(f"the state dict's 'params' must be this rank's {sorted(owned)}, got {have}")
+        for name, p in owned.items():
+            value = saved[name]
+            if not isinstance(value, torch.Tensor) or value.shape != p.shape or value.dtype != p.dtype:
+                raise ValueError(
+                    f"the saved {name!r} is not a {p.dtype} tensor of shape {tuple(p.shape)}: "
+                    f"{getattr(value, 'dtype', type(value).__name__)} {tuple(getattr(value, 'shape', ()))}"
+                )
+
+        def load() -> None:
+            with torch.no_grad():
+                for name, p in owned.items():
+                    p.copy_(saved[name])
+
+        return load
+
+    def _adaptive_model(self) -> nn.Module:
+        """What owns this process's adaptive states: the model, or (distributed) its stages."""
+        if self._ranks is None:
+            return self.model
+        holder = nn.Module()
+        holder.params = nn.ParameterList([p for stage in self.stages for p in stage.params])
+        return holder
+
+    def _adaptive_states(self) -> list[Any]:
+        return REGISTRY.adaptive_states(self._adaptive_model())
 
     def _check_drained(self, what: str) -> None:
         if self._pending():
@@ -419,6 +466,7 @@ class PipelinedTrainer:
                 f"cannot {what} the trainer's state while samples are in the pipeline: "
                 "call drain() first (their activations and errors are not part of the state)"
             )
+        self._transport.flush()
 
     def fit(
         self,
@@ -436,7 +484,8 @@ class PipelinedTrainer:
         inputs. The pipeline keeps running across epochs (no flush); with ``drain``
         it is emptied at the end. ``callback(trainer)`` runs after every epoch
         (a callback that evaluates the model in ``eval()`` must switch it back to
-        ``train()``). Returns the per-sample losses of this call.
+        ``train()``). Returns the per-sample losses of this call (distributed: on the
+        rank of the last stage). Distributed, every rank calls it with the same data.
         """
         check_count("epochs", epochs)
         inputs = x if isinstance(x, tuple) else (x,)
@@ -456,13 +505,50 @@ class PipelinedTrainer:
         return self.losses[start:]
 
 
+class _Feed:
+    """The simulator's transport: the sample fed at this step enters stage 0; nothing
+    else crosses (its runner holds every stage)."""
+
+    def __init__(self) -> None:
+        self._message: ForwardMessage | None = None
+
+    def feed(self, t: int, message: ForwardMessage | None) -> None:
+        self._message = message
+
+    def begin_step(self, t: int) -> None:
+        pass
+
+    def forward_message(self, t: int) -> ForwardMessage | None:
+        return self._message
+
+    def flush(self) -> None:
+        pass
+
+
+def _check_messages(graphs: Sequence[StageGraph], local: range) -> None:
+    """Distributed: what crosses between ranks must be tensors (sent point to point)."""
+    for boundary in (local.start, local.stop):
+        if 0 < boundary < len(graphs):
+            graph = graphs[boundary]
+            metas = stage_input_metas(graph)
+            bad = [name for name, meta in zip(graph.inputs, metas, strict=True) if meta is None]
+            if bad:
+                raise ValueError(
+                    f"stage {boundary} receives {bad} from stage {boundary - 1}, which are not tensors: "
+                    "only tensors cross between ranks; move the stage boundary (pipe_split) so that "
+                    "they do not cross it"
+                )
+
+
+def _summary(partition: Partition, graphs: Sequence[StageGraph]) -> dict[str, Any]:
+    """What every rank's pipeline must agree on."""
+    return {
+        "stages": partition.num_stages,
+        "source": partition.source,
+        "costs": list(partition.costs),
+        "messages": [[str(m) for m in stage_input_metas(g)] for g in graphs[1:]],
+    }
+
+
 def _modes(model: nn.Module) -> list[bool]:
     return [module.training for module in model.modules()]
-
-
-def _slot(param: torch.Tensor) -> nn.Parameter:
-    """A weight slot for one in-flight forward; compiled stages key per-model state
-    (adaptive loss scales) by the model's own parameter, not by the slot."""
-    slot = nn.Parameter(torch.empty_like(param))
-    REGISTRY.alias(slot, param)
-    return slot
