@@ -117,6 +117,18 @@ def test_two_copies_of_one_network_take_their_own_counts_by_their_weights():
         assert all(map(torch.equal, _grads(model, run, x), expected[i])), f"copy {i}"
 
 
+def test_saving_the_stream_state_leaves_the_weights_storage_resizable():
+    """The digest of a model's first weight read it through ``Tensor.numpy()``, which marks
+    a CPU tensor's storage as not resizable: FSDP2, which frees an unsharded parameter by
+    resizing its storage to 0, then failed at the next reshard (a scaler's state saved
+    after an eval forward, which leaves the root's parameters unsharded)."""
+    model, run = _sr_model()
+    _grads(model, run, torch.randn(4, 8))
+    LossScaler().state_dict()
+    for p in model.parameters():
+        p.untyped_storage().resize_(0)
+
+
 @pytest.mark.parametrize(
     ("streams", "match"),
     [
