@@ -6,6 +6,7 @@ import itertools
 import math
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 
@@ -134,3 +135,58 @@ class DeepTanhMLP(nn.Sequential):
             for layer in self:
                 if isinstance(layer, nn.Linear):
                     layer.weight.mul_(gain)
+
+
+class CausalSelfAttention(nn.Module):
+    """Multi-head causal self-attention through ``F.scaled_dot_product_attention``."""
+
+    def __init__(self, width: int, heads: int) -> None:
+        super().__init__()
+        if width % heads:
+            raise ValueError(f"width {width} is not a multiple of heads {heads}")
+        self.heads = heads
+        self.qkv = nn.Linear(width, 3 * width)
+        self.out = nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, c = x.shape
+        q, k, v = self.qkv(x).view(b, t, 3, self.heads, c // self.heads).permute(2, 0, 3, 1, 4)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.out(y.transpose(1, 2).reshape(b, t, c))
+
+
+class GPTBlock(nn.Module):
+    """A pre-norm transformer block: attention and a 4x GELU MLP, each on a residual."""
+
+    def __init__(self, width: int, heads: int) -> None:
+        super().__init__()
+        self.norm1 = nn.LayerNorm(width)
+        self.attn = CausalSelfAttention(width, heads)
+        self.norm2 = nn.LayerNorm(width)
+        self.mlp = nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x))
+        return x + self.mlp(self.norm2(x))
+
+
+class TinyGPT(nn.Module):
+    """A GPT-style language model: token and position embeddings, ``depth`` blocks in
+    ``self.blocks`` (the unit FSDP2 shards), a final LayerNorm and an untied output layer
+    (an ``nn.Linear``: a product written in the root's ``forward`` would stay FP32 under
+    FSDP2, docs/distributed.md). ``ids`` of shape ``(batch, time ≤ context)`` give logits
+    of shape ``(batch, time, vocab)``."""
+
+    def __init__(self, vocab: int = 256, width: int = 64, depth: int = 3, heads: int = 4, context: int = 128):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, width)
+        self.position = nn.Embedding(context, width)
+        self.blocks = nn.ModuleList(GPTBlock(width, heads) for _ in range(depth))
+        self.norm = nn.LayerNorm(width)
+        self.head = nn.Linear(width, vocab)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed(ids) + self.position(torch.arange(ids.shape[1], device=ids.device))
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.norm(x))

@@ -62,7 +62,10 @@ def fingerprint(param: torch.Tensor) -> str:
     share random streams (two copies of one network)."""
     if param.untyped_storage().size() == 0 and param.numel():
         return f"{tuple(param.shape)} {param.dtype}"
-    data = param.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
+    # a copy: ``Tensor.numpy()`` marks the storage it shares as not resizable, and FSDP2
+    # frees an unsharded parameter by resizing its storage to 0 (on the CPU, ``.to`` copies
+    # nothing, and a scaler's state saved after an eval forward left the root unshardable)
+    data = param.detach().to("cpu", copy=True).contiguous().reshape(-1).view(torch.uint8)
     return hashlib.sha256(data.numpy().tobytes()).hexdigest()
 
 

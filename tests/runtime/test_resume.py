@@ -144,6 +144,18 @@ def test_calls_inside_unrecorded_leave_the_streams_and_saved_state_alone():
     assert sum(REGISTRY.entry(next(model.parameters())).steps.values()) == 3
 
 
+def test_saving_the_stream_state_leaves_the_weights_storage_resizable():
+    """The digest of a model's first weight read it through ``Tensor.numpy()``, which marks
+    a CPU tensor's storage as not resizable: FSDP2, which frees an unsharded parameter by
+    resizing its storage to 0, then failed at the next reshard (a scaler's state saved
+    after an eval forward, which leaves the root's parameters unsharded)."""
+    model, run = _sr_model()
+    _grads(model, run, torch.randn(4, 8))
+    LossScaler().state_dict()
+    for p in model.parameters():
+        p.untyped_storage().resize_(0)
+
+
 @pytest.mark.parametrize(
     ("streams", "match"),
     [
