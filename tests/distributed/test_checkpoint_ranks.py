@@ -1,7 +1,8 @@
-"""FSDP2 + ``torch.distributed.checkpoint``: saved at step N with lowprec's state (the
-scaler's state dict carries the SR call counts and adaptive scales, saved as one blob:
-DCP flattens nested containers, whose shape a fresh process cannot know) and resumed by
-fresh processes, a run equals the uninterrupted one at step M, bit for bit."""
+"""DDP with ordinary state dicts, and FSDP2 + ``torch.distributed.checkpoint``: saved at
+step N with lowprec's state (the scaler's state dict carries the SR call counts and
+adaptive scales; under DCP saved as one blob, as DCP flattens nested containers, whose
+shape a fresh process cannot know) and resumed by fresh processes, a run equals the
+uninterrupted one at step M, bit for bit."""
 
 from __future__ import annotations
 
@@ -11,9 +12,10 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from ranks import EAGER_ALS, EAGER_SR, Blocks, run_ranks
+from ranks import EAGER_ALS, EAGER_SR, Blocks, mlp3, run_ranks
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.fsdp import fully_shard
+from torch.nn.parallel import DistributedDataParallel as DDP
 
 from lpcompile import LossScaler
 
@@ -60,6 +62,43 @@ def test_fsdp2_resumes_from_a_dcp_checkpoint_bit_for_bit(tmp_path, options, mode
         (tmp_path / phase).mkdir()
     full = run_ranks(_fsdp_run, tmp_path / "full", options, mode, folder, "full").check()
     rest = run_ranks(_fsdp_run, tmp_path / "rest", options, mode, folder, "rest").check()
+    for rank in range(len(full)):
+        for a, b in zip(full[rank], rest[rank], strict=True):
+            assert torch.equal(a.view(torch.int32), b.view(torch.int32)), f"rank {rank}"
+
+
+def _ddp_run(rank: int, folder: str, phase: str) -> list[torch.Tensor]:
+    model = mlp3()
+    run = DDP(torch.compile(model, backend="lowprec", options=EAGER_SR))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    scaler = LossScaler("dynamic", init_scale=2.0**8)
+    start = 0
+    if phase == "rest":
+        ckpt = torch.load(f"{folder}/ckpt.pt")  # every rank loads rank 0's ordinary checkpoint
+        model.load_state_dict(ckpt["model"])
+        opt.load_state_dict(ckpt["optim"])
+        scaler.load_state_dict(ckpt["scaler"])
+        start = SAVE_AT
+    for step in range(start, STEPS):
+        g = torch.Generator().manual_seed(100 * step + rank)
+        x, y = torch.randn(8, 8, generator=g), torch.randint(0, 4, (8,), generator=g)
+        opt.zero_grad()
+        scaler.scale(torch.nn.functional.cross_entropy(run(x), y)).backward()
+        scaler.step(opt)
+        scaler.update()
+        if phase == "full" and step + 1 == SAVE_AT and rank == 0:
+            ckpt = {"model": model.state_dict(), "optim": opt.state_dict(), "scaler": scaler.state_dict()}
+            torch.save(ckpt, f"{folder}/ckpt.pt")
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def test_ddp_resumes_from_ordinary_state_dicts_bit_for_bit(tmp_path):
+    """Rank 0's model, optimizer and scaler state dicts resume every rank: the SR call counts
+    are the same on every rank (the rank enters the seed, not the count)."""
+    for phase in ("full", "rest"):
+        (tmp_path / phase).mkdir()
+    full = run_ranks(_ddp_run, tmp_path / "full", str(tmp_path), "full").check()
+    rest = run_ranks(_ddp_run, tmp_path / "rest", str(tmp_path), "rest").check()
     for rank in range(len(full)):
         for a, b in zip(full[rank], rest[rank], strict=True):
             assert torch.equal(a.view(torch.int32), b.view(torch.int32)), f"rank {rank}"
