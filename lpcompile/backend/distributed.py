@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import sys
 import types
+import warnings
 from typing import Any
 
 import torch
@@ -90,6 +91,47 @@ def wrapped_forward(frame: Any) -> str | None:
         return None
     kind = running_wrapper(module)
     return None if kind is None else f"lowprec: the forward of a module {kind} runs"
+
+
+def uncompiled_callers() -> list[torch.nn.Module]:
+    """Modules with parameters of their own whose ``forward`` is on the Python stack running
+    uncompiled (its original code) inside a DDP or FSDP2 module: Dynamo gave up on that frame
+    (a graph break inside a loop over sharded blocks) and compiles only what it calls, so
+    lowprec never sees the products the forward computes itself."""
+    frames = []
+    frame = sys._getframe(1)
+    while frame is not None:
+        frames.append(frame)
+        frame = frame.f_back
+    found = []
+    for i, frame in enumerate(frames):
+        module = frame.f_locals.get("self") if "self" in frame.f_code.co_varnames else None
+        if not isinstance(module, torch.nn.Module) or module in found:
+            continue
+        if frame.f_code is not getattr(type(module).forward, "__code__", None):
+            continue
+        inside = _wrapper_kind(module) is not None or any(
+            _wrapper_kind(owner := f.f_locals.get("self")) is not None
+            and any(m is module for m in owner.modules())
+            for f in frames[i + 1 :]
+            if "self" in f.f_code.co_varnames
+        )
+        if inside and next(module.parameters(recurse=False), None) is not None:
+            found.append(module)
+    return found
+
+
+def warn_uncompiled_callers() -> None:
+    """Warn (once per place) about each :func:`uncompiled_callers` module, naming its own parameters."""
+    for module in uncompiled_callers():
+        names = [name for name, _ in module.named_parameters(recurse=False)]
+        warnings.warn(
+            f"lowprec: {type(module).__name__}.forward runs uncompiled (Dynamo gave up on it, e.g. at "
+            f"a graph break inside its loop over sharded blocks); the modules it calls are compiled, "
+            f"but products it computes itself with its own parameters {names} run in FP32. Put "
+            "them in a submodule (an nn.Linear, or a module of your own)",
+            stacklevel=2,
+        )
 
 
 def split_by_ddp_optimizer() -> bool:
