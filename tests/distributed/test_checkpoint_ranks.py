@@ -22,7 +22,31 @@ from lpcompile import LossScaler
 STEPS, SAVE_AT = 5, 2
 
 
-def _fsdp_run(rank: int, options: dict, mode: str, folder: str, phase: str) -> list[torch.Tensor] | None:
+def _train(run, opt, scaler: LossScaler, rank: int, start: int, save=None) -> None:
+    """Steps ``start .. STEPS - 1`` on this rank's batches; ``save()`` after step ``SAVE_AT``."""
+    for step in range(start, STEPS):
+        g = torch.Generator().manual_seed(100 * step + rank)
+        x, y = torch.randn(8, 8, generator=g), torch.randint(0, 4, (8,), generator=g)
+        opt.zero_grad()
+        scaler.scale(torch.nn.functional.cross_entropy(run(x), y)).backward()
+        scaler.step(opt)
+        scaler.update()
+        if save is not None and step + 1 == SAVE_AT:
+            save()
+
+
+def _check_resume(tmp_path, fn, *args) -> None:
+    """Run ``fn`` uninterrupted (saving at ``SAVE_AT``), then resumed by fresh ranks; compare bits."""
+    for phase in ("full", "rest"):
+        (tmp_path / phase).mkdir()
+    full = run_ranks(fn, tmp_path / "full", *args, str(tmp_path), "full").check()
+    rest = run_ranks(fn, tmp_path / "rest", *args, str(tmp_path), "rest").check()
+    for rank in range(len(full)):
+        for a, b in zip(full[rank], rest[rank], strict=True):
+            assert torch.equal(a.view(torch.int32), b.view(torch.int32)), f"rank {rank}"
+
+
+def _fsdp_run(rank: int, options: dict, mode: str, folder: str, phase: str) -> list[torch.Tensor]:
     model = Blocks()
     for block in model.layers:
         fully_shard(block)
@@ -30,41 +54,28 @@ def _fsdp_run(rank: int, options: dict, mode: str, folder: str, phase: str) -> l
     run = torch.compile(model, backend="lowprec", options=options)
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     scaler = LossScaler(mode, **({} if mode == "adaptive" else {"init_scale": 2.0**8}))
-    start = 0
+
+    def save() -> None:
+        model_state, optim_state = get_state_dict(model, opt)
+        blob = io.BytesIO()
+        torch.save(scaler.state_dict(), blob)
+        dcp.save({"model": model_state, "optim": optim_state, "scaler": blob}, checkpoint_id=f"{folder}/dcp")
+
     if phase == "rest":
         model_state, optim_state = get_state_dict(model, opt)
         state = {"model": model_state, "optim": optim_state, "scaler": io.BytesIO()}
-        dcp.load(state, checkpoint_id=folder)
+        dcp.load(state, checkpoint_id=f"{folder}/dcp")
         set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
         state["scaler"].seek(0)
         scaler.load_state_dict(torch.load(state["scaler"]))
-        start = SAVE_AT
-    for step in range(start, STEPS):
-        g = torch.Generator().manual_seed(100 * step + rank)
-        x, y = torch.randn(8, 8, generator=g), torch.randint(0, 4, (8,), generator=g)
-        opt.zero_grad()
-        scaler.scale(torch.nn.functional.cross_entropy(run(x), y)).backward()
-        scaler.step(opt)
-        scaler.update()
-        if phase == "full" and step + 1 == SAVE_AT:
-            model_state, optim_state = get_state_dict(model, opt)
-            blob = io.BytesIO()
-            torch.save(scaler.state_dict(), blob)
-            dcp.save({"model": model_state, "optim": optim_state, "scaler": blob}, checkpoint_id=folder)
+    _train(run, opt, scaler, rank, SAVE_AT if phase == "rest" else 0, save if phase == "full" else None)
     dist.barrier()
     return [p.full_tensor() for p in model.parameters()]
 
 
 @pytest.mark.parametrize(("options", "mode"), [(EAGER_SR, "dynamic"), (EAGER_ALS, "adaptive")])
 def test_fsdp2_resumes_from_a_dcp_checkpoint_bit_for_bit(tmp_path, options, mode):
-    folder = str(tmp_path / "ckpt")
-    for phase in ("full", "rest"):
-        (tmp_path / phase).mkdir()
-    full = run_ranks(_fsdp_run, tmp_path / "full", options, mode, folder, "full").check()
-    rest = run_ranks(_fsdp_run, tmp_path / "rest", options, mode, folder, "rest").check()
-    for rank in range(len(full)):
-        for a, b in zip(full[rank], rest[rank], strict=True):
-            assert torch.equal(a.view(torch.int32), b.view(torch.int32)), f"rank {rank}"
+    _check_resume(tmp_path, _fsdp_run, options, mode)
 
 
 def _ddp_run(rank: int, folder: str, phase: str) -> list[torch.Tensor]:
@@ -72,33 +83,22 @@ def _ddp_run(rank: int, folder: str, phase: str) -> list[torch.Tensor]:
     run = DDP(torch.compile(model, backend="lowprec", options=EAGER_SR))
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     scaler = LossScaler("dynamic", init_scale=2.0**8)
-    start = 0
+
+    def save() -> None:
+        if rank == 0:
+            ckpt = {"model": model.state_dict(), "optim": opt.state_dict(), "scaler": scaler.state_dict()}
+            torch.save(ckpt, f"{folder}/ckpt.pt")
+
     if phase == "rest":
         ckpt = torch.load(f"{folder}/ckpt.pt")  # every rank loads rank 0's ordinary checkpoint
         model.load_state_dict(ckpt["model"])
         opt.load_state_dict(ckpt["optim"])
         scaler.load_state_dict(ckpt["scaler"])
-        start = SAVE_AT
-    for step in range(start, STEPS):
-        g = torch.Generator().manual_seed(100 * step + rank)
-        x, y = torch.randn(8, 8, generator=g), torch.randint(0, 4, (8,), generator=g)
-        opt.zero_grad()
-        scaler.scale(torch.nn.functional.cross_entropy(run(x), y)).backward()
-        scaler.step(opt)
-        scaler.update()
-        if phase == "full" and step + 1 == SAVE_AT and rank == 0:
-            ckpt = {"model": model.state_dict(), "optim": opt.state_dict(), "scaler": scaler.state_dict()}
-            torch.save(ckpt, f"{folder}/ckpt.pt")
+    _train(run, opt, scaler, rank, SAVE_AT if phase == "rest" else 0, save if phase == "full" else None)
     return [p.detach().clone() for p in model.parameters()]
 
 
 def test_ddp_resumes_from_ordinary_state_dicts_bit_for_bit(tmp_path):
     """Rank 0's model, optimizer and scaler state dicts resume every rank: the SR call counts
     are the same on every rank (the rank enters the seed, not the count)."""
-    for phase in ("full", "rest"):
-        (tmp_path / phase).mkdir()
-    full = run_ranks(_ddp_run, tmp_path / "full", str(tmp_path), "full").check()
-    rest = run_ranks(_ddp_run, tmp_path / "rest", str(tmp_path), "rest").check()
-    for rank in range(len(full)):
-        for a, b in zip(full[rank], rest[rank], strict=True):
-            assert torch.equal(a.view(torch.int32), b.view(torch.int32)), f"rank {rank}"
+    _check_resume(tmp_path, _ddp_run)
