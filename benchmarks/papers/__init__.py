@@ -1,0 +1,1 @@
+"""Small-scale reproductions of the three papers lowprec implements (one script each)."""
