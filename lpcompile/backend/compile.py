@@ -38,7 +38,7 @@ from lpcompile.passes.aot import AOT_PASSES
 from lpcompile.passes.aot.layout import prefers_contiguous_layout
 from lpcompile.passes.driver import CompileContext, applicable, run_passes
 from lpcompile.passes.dynamo import DYNAMO_PASSES
-from lpcompile.passes.graph import is_layer_call, layer_name, parameter_of
+from lpcompile.passes.graph import is_layer_call, layer_name, name_canonically, parameter_of
 from lpcompile.passes.joint import JOINT_PASSES
 from lpcompile.passes.joint.matmul import uses_bf16_kernel
 
@@ -146,6 +146,14 @@ def _inductor_compiler(ctx: CompileContext, record: CompiledGraph, tag: str, obs
         run_passes(gm, passes, ctx, graph=kind)
         for observer in observers:
             observer.inductor_graph(record, kind, gm)
+        if kind == "backward" + runtime.RECORDING:
+            # Refresh calls alone run it (every loss_scale_interval calls): unfused, it
+            # costs those calls some time and the compile none.
+            return make_boxed_func(gm)
+        # The adaptive variants' forwards are equal graphs: printed alike and without the
+        # variant's tag (the module's dict is in the key), the second is a cache hit.
+        del gm.meta["lowprec_graph"]
+        name_canonically(gm)
         return compile_fx_inner(gm, example_inputs, *args, **kwargs)
 
     return inner_compile

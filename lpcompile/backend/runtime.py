@@ -33,6 +33,9 @@ from lpcompile.passes.driver import CompileContext, Site
 from lpcompile.passes.dynamo.quantize import SEED_INPUT
 from lpcompile.passes.graph import parameter_of
 
+# The tag of the adaptive variant that records gradient statistics.
+RECORDING = "[stats]"
+
 
 def step_seed(seed: int, step: int, rank: int = 0) -> torch.Tensor:
     """The seed tensor a compiled graph of rank ``rank`` reads at call number ``step``: the
@@ -105,6 +108,20 @@ def nonfinite_message(sites: Sequence[Site], counts: torch.Tensor) -> str:
     )
 
 
+def static_examples(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """lowprec's own example inputs as fake tensors of static shape in Dynamo's fake mode.
+
+    AOT autograd would give a real tensor it has no Dynamo record of a symbolic size
+    per dimension: the number of scaled layers would then be a symbol, and the forward
+    of the recording variant would return it for its backward, which makes it differ
+    from the plain variant's forward (otherwise the same graph, found in Inductor's cache).
+    """
+    context = torch._guards.TracingContext.try_get()
+    if context is None or context.fake_mode is None:
+        return list(tensors)
+    return [context.fake_mode.from_tensor(t, static_shapes=True) for t in tensors]
+
+
 def _with_inputs(
     inputs: list, ctx: CompileContext, compile_variant: Callable[..., Callable], model_input: int | None
 ) -> Callable:
@@ -127,7 +144,7 @@ def _with_inputs(
         return [values[name] for name in ctx.inputs]
 
     if layout is None:
-        compiled = compile_variant([*inputs, *extras({}, inputs, 0)])
+        compiled = compile_variant([*inputs, *static_examples(extras({}, inputs, 0))])
         return lambda *args: compiled(*args, *extras({}, args, None))
     # Adaptive loss scaling: refresh calls run a variant that records gradient statistics.
     # DDPOptimizer's bookkeeping of a split graph's pieces takes one AOT graph per piece.
@@ -139,8 +156,10 @@ def _with_inputs(
         return REGISTRY.adaptive_state(model_key(args, key_input), ctx.graph_id, layout, tuple(args))
 
     first = state_for(inputs)
-    recording = compile_variant([*inputs, *extras(first.example_inputs(True), inputs, 0)], "[stats]")
-    plain = compile_variant([*inputs, *extras(first.example_inputs(False), inputs, 0)])
+    recording = compile_variant(
+        [*inputs, *static_examples(extras(first.example_inputs(True), inputs, 0))], RECORDING
+    )
+    plain = compile_variant([*inputs, *static_examples(extras(first.example_inputs(False), inputs, 0))])
 
     def run(*args: Any) -> Any:
         adaptive, refresh = state_for(args).next_inputs()

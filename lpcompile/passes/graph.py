@@ -242,3 +242,19 @@ def replace_with(node: torch.fx.Node, outputs: tuple[Any, ...] | Any) -> None:
             user.replace_all_uses_with(outputs[index])
             user.graph.erase_node(user)
     node.graph.erase_node(node)
+
+
+def name_canonically(gm: torch.fx.GraphModule) -> None:
+    """Rename ``gm``'s nodes from their graph alone: each name's numeric suffix renumbered
+    in graph order, placeholders kept. Two equal graphs traced along different histories
+    (the adaptive variants' forwards) then print the same code, which Inductor's cache
+    keys on."""
+    graph = torch.fx.Graph(owning_module=gm, tracer_cls=gm.graph._tracer_cls)
+    graph._codegen = gm.graph._codegen
+    env: dict[torch.fx.Node, torch.fx.Node] = {}
+    for node in gm.graph.nodes:
+        if node.op != "placeholder":
+            node.name = re.sub(r"_\d+$", "", node.name)  # a candidate: the new graph numbers it
+        env[node] = graph.node_copy(node, env.__getitem__)
+    gm.graph = graph
+    gm.recompile()

@@ -177,12 +177,15 @@ def _graph_of(model):
     )
 
 
-def test_weight_gradients_equal_a_hand_scaled_reference():
+@pytest.mark.parametrize("executor", ["eager", "inductor"])
+def test_weight_gradients_equal_a_hand_scaled_reference(executor):
+    """Interval 1: every call records statistics (under Inductor, the recording backward
+    runs as FX, after a forward Inductor compiled)."""
     model = _mlp()
     run = torch.compile(
         model,
         backend="lowprec",
-        options={"recipe": "fp8-e5m2-als", "executor": "eager", "loss_scale_interval": 1},
+        options={"recipe": "fp8-e5m2-als", "executor": executor, "loss_scale_interval": 1},
     )
     x = torch.randn(8, 12) * 4
     seen = []
@@ -379,6 +382,35 @@ def test_a_fixed_scale_has_nothing_to_calibrate():
     scaler.update()
     assert scaler.skipped_steps == 0 and not REGISTRY.adaptive_states(model)[0].calibrating
     assert not any(torch.equal(a, b) for a, b in zip(weights, model.parameters(), strict=True))
+
+
+def test_the_recording_variant_reuses_the_plain_forward_and_compiles_no_backward(monkeypatch):
+    """Adaptive scaling's second variant adds no Inductor compile: its forward is the plain
+    variant's graph (same cache key: Inductor compiles it once) and its backward runs as FX.
+    Before, the forward's key differed (a symbolic layer count, node names, the variant's
+    tag) and both backwards were compiled."""
+    import torch._inductor.codecache as codecache
+
+    keys = []
+    hash_graph = codecache.compiled_fx_graph_hash
+
+    def spy(gm, example_inputs, fx_kwargs, *args, **kwargs):
+        key, debug = hash_graph(gm, example_inputs, fx_kwargs, *args, **kwargs)
+        keys.append(("backward" if fx_kwargs.get("is_backward") else "forward", key))
+        return key, debug
+
+    monkeypatch.setattr(codecache, "compiled_fx_graph_hash", spy)
+    model = _mlp()
+    options = {"recipe": "fp8-e5m2-als", "executor": "inductor", "loss_scale_interval": 2}
+    run = torch.compile(model, backend="lowprec", options=options)
+    with torch._inductor.config.patch(fx_graph_cache=True):
+        for _ in range(6):  # calibrating calls record, then every second one
+            model.zero_grad()
+            (run(torch.randn(64, 12)).square().mean() * 1e-2).backward()
+    assert [h[0] for h in stats(model)[0].history][-2:] == [2, 4]  # both variants ran
+    forwards = [key for kind, key in keys if kind == "forward"]
+    assert len(forwards) == 2 and forwards[0] == forwards[1], keys
+    assert [kind for kind, _ in keys].count("backward") == 1, keys
 
 
 def test_refresh_every_interval_and_telemetry():
