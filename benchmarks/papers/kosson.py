@@ -12,8 +12,8 @@ to 6; SGD at both batch sizes, PB and PB+SC+LWP^v only). Every run: the same epo
 the learning rate decaying linearly to 0, one thread.
 
 Writes ``benchmarks/results/papers/kosson.md`` and ``kosson_<network>_b<B>.png``
-(training loss). ``--quick``: the batch-32 recipe, 2 seeds, 1 epoch; prints the page and writes the curves
-to a temporary folder only.
+(training loss). ``--quick``: the batch-32 recipe, 2 seeds, 1 epoch; prints the page
+and writes the curves to a temporary folder only.
 
     python -m benchmarks.papers.kosson [--quick]
 """
@@ -21,7 +21,6 @@ to a temporary folder only.
 from __future__ import annotations
 
 import argparse
-import functools
 import statistics
 import tempfile
 import time
@@ -83,7 +82,7 @@ class Network:
 NETWORKS: dict[str, Network] = {
     "deep": Network(
         "DigitsDeepResNet (GroupNorm, 10 convolutions and a linear layer)",
-        functools.partial(DigitsDeepResNet, blocks=2),
+        DigitsDeepResNet,
         tuple(ROWS),
     ),
     "shallow": Network(
