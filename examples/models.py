@@ -70,6 +70,29 @@ class DigitsResNet(nn.Module):
         return self.head(x.flatten(1))
 
 
+class DigitsDeepResNet(nn.Module):
+    """A deeper ResNet for 8x8 digits (GroupNorm) for pipelining one stage per layer: a stem,
+    ``blocks`` residual blocks at 8x8 with ``width`` channels, ``blocks`` at 4x4 with
+    ``2*width`` (the first halves the resolution, with a 1x1 convolution on its skip) and a
+    linear classifier on the flattened 4x4 maps. With ``stages="layer"`` every convolution
+    and the classifier is a stage: S = 4*blocks + 3, delays up to 2(S-1) (20 for
+    ``blocks=2``)."""
+
+    def __init__(self, width: int = 8, blocks: int = 2, classes: int = 10) -> None:
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(1, width, 3, padding=1), nn.GroupNorm(4, width), nn.ReLU())
+        wide = [ResidualBlock(2 * width, 2 * width) for _ in range(blocks - 1)]
+        self.blocks = nn.Sequential(
+            *(ResidualBlock(width, width) for _ in range(blocks)),
+            ResidualBlock(width, 2 * width, stride=2),
+            *wide,
+        )
+        self.head = nn.Linear(2 * width * 4 * 4, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.blocks(self.stem(x)).flatten(1))
+
+
 class MLP(nn.Sequential):
     """A plain ReLU MLP, e.g. ``MLP(784, 1024, 1024, 10)``."""
 

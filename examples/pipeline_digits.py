@@ -1,20 +1,24 @@
-"""The pipelined-backpropagation experiment on the digits set (slow test and benchmark).
+"""The pipelined-backpropagation experiment on the digits set (slow test and paper script).
 
-Every variant trains :class:`examples.models.DigitsCNN` (GroupNorm) with
-batch size 1 and the same per-sample hyperparameters, the learning rate
-decaying linearly to zero over the run. ``"SGD"`` is the one-stage pipeline
-(no delay: plain SGD with momentum, bit for bit); the others cut the CNN into
-one stage per layer (S = 4, delays 6, 4, 2, 0).
+A run trains a GroupNorm model (:class:`examples.models.DigitsCNN` by default)
+with the learning rate decaying linearly to zero over the run. At batch size 1
+``"SGD"`` is the one-stage pipeline (no delay: plain SGD with momentum, bit for
+bit) and the other variants cut the model into one stage per layer (DigitsCNN:
+S = 4, delays 6, 4, 2, 0). ``"SGD"`` also runs at a batch size B > 1: plain
+minibatch SGD with momentum, the paper's baseline.
 """
 
 from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.nn.functional as F
+from torch import nn
 
 from examples.data import Split, load_digits
 from examples.models import DigitsCNN
@@ -26,6 +30,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "PB": {"stages": "layer"},
     "PB+SC": {"stages": "layer", "spike_compensation": True},
     "PB+LWPv": {"stages": "layer", "prediction": "lwp_v"},
+    "PB+LWPw": {"stages": "layer", "prediction": "lwp_w"},
     "PB+SC+LWPv": {"stages": "layer", "spike_compensation": True, "prediction": "lwp_v"},
     "PB+stash": {"stages": "layer", "weight_stash": True},
 }
@@ -41,7 +46,8 @@ class DigitsRun:
     delays: list[int]
     lr: float
     momentum: float
-    losses: list[float] = field(default_factory=list, repr=False)
+    batch_size: int = 1
+    losses: list[float] = field(default_factory=list, repr=False)  # per sample (a batch's mean at B > 1)
 
 
 def run_digits(
@@ -53,32 +59,73 @@ def run_digits(
     seed: int = 0,
     data: Split | None = None,
     threads: int | None = 1,
+    model: Callable[[], nn.Module] = DigitsCNN,
+    batch_size: int = 1,
 ) -> DigitsRun:
-    """Train one variant of :data:`VARIANTS`; see the module doc."""
+    """Train one variant of :data:`VARIANTS` on a new ``model()``; see the module doc.
+
+    ``batch_size`` > 1 is for ``"SGD"`` only: minibatch SGD with momentum, the samples in
+    a new random order each epoch, the last batch of an epoch smaller.
+    """
+    if batch_size != 1 and variant != "SGD":
+        raise ValueError(f"only SGD runs at batch size {batch_size}; {variant!r} pipelines one sample a step")
     data = data or load_digits()
     previous = torch.get_num_threads()
     if threads is not None:
-        torch.set_num_threads(threads)  # batch 1: threads only add overhead
+        torch.set_num_threads(threads)  # small batches: threads only add overhead
     try:
         torch.manual_seed(seed)
-        model = DigitsCNN()
-        trainer = PipelinedTrainer(model, data.train_x[:1], lr=lr, momentum=momentum, **VARIANTS[variant])
-        n = len(data.train_y)
-        total = epochs * n
+        net = model()
         order = torch.Generator().manual_seed(seed)
         start = time.perf_counter()
-        for _ in range(epochs):
-            for i in torch.randperm(n, generator=order).tolist():
-                for group in trainer.optimizer.param_groups:
-                    group["lr"] = lr * (1.0 - trainer.samples / total)
-                trainer.step(data.train_x[i : i + 1], data.train_y[i : i + 1])
-        trainer.drain()
+        if batch_size == 1:
+            losses, delays = _pipelined(net, variant, lr, momentum, epochs, order, data)
+        else:
+            losses, delays = _minibatch(net, lr, momentum, epochs, batch_size, order, data), [0]
         seconds = time.perf_counter() - start
-        model.eval()
+        net.eval()
         with torch.no_grad():
-            accuracy = (model(data.test_x).argmax(1) == data.test_y).float().mean().item() * 100.0
+            accuracy = (net(data.test_x).argmax(1) == data.test_y).float().mean().item() * 100.0
     finally:
         torch.set_num_threads(previous)
-    losses = trainer.losses
-    final = statistics.fmean(losses[-n:])
-    return DigitsRun(variant, seed, accuracy, final, seconds, trainer.delays, lr, momentum, list(losses))
+    final = statistics.fmean(losses[-len(data.train_y) :])
+    return DigitsRun(variant, seed, accuracy, final, seconds, delays, lr, momentum, batch_size, losses)
+
+
+def _pipelined(
+    net: nn.Module, variant: str, lr: float, momentum: float, epochs: int, order: torch.Generator, data: Split
+) -> tuple[list[float], list[int]]:
+    trainer = PipelinedTrainer(net, data.train_x[:1], lr=lr, momentum=momentum, **VARIANTS[variant])
+    n = len(data.train_y)
+    total = epochs * n
+    for _ in range(epochs):
+        for i in torch.randperm(n, generator=order).tolist():
+            for group in trainer.optimizer.param_groups:
+                group["lr"] = lr * (1.0 - trainer.samples / total)
+            trainer.step(data.train_x[i : i + 1], data.train_y[i : i + 1])
+    trainer.drain()
+    return list(trainer.losses), trainer.delays
+
+
+def _minibatch(
+    net: nn.Module,
+    lr: float,
+    momentum: float,
+    epochs: int,
+    batch_size: int,
+    order: torch.Generator,
+    data: Split,
+) -> list[float]:
+    optimizer = torch.optim.SGD(net.parameters(), lr=lr, momentum=momentum)
+    n = len(data.train_y)
+    total = epochs * n
+    losses: list[float] = []
+    for _ in range(epochs):
+        for batch in torch.randperm(n, generator=order).split(batch_size):
+            optimizer.param_groups[0]["lr"] = lr * (1.0 - len(losses) / total)
+            loss = F.cross_entropy(net(data.train_x[batch]), data.train_y[batch])
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            losses += [loss.item()] * len(batch)
+    return losses
