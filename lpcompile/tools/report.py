@@ -98,11 +98,28 @@ class RunTelemetry:
             "result": self.result,
         }
 
-    def write(self, path: str | os.PathLike) -> Path:
+    def write(self, path: str | os.PathLike, keep_existing: bool = False) -> Path:
+        """Write the JSON file at ``path`` whole (readers see no partial file) and return
+        its path. ``keep_existing``: where ``path`` exists (another run of that name, in any
+        process), write ``<stem>-2.json``, ``-3``, … instead of replacing it."""
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(self.to_json(), default=str) + "\n")
-        return path
+        part = path.with_name(f".{path.name}.{os.getpid()}")
+        part.write_text(json.dumps(self.to_json(), default=str) + "\n")
+        if not keep_existing:
+            os.replace(part, path)
+            return path
+        target, n = path, 1
+        try:
+            while True:
+                try:
+                    os.link(part, target)  # fails where the name is taken, even by a racing run
+                    return target
+                except FileExistsError:
+                    n += 1
+                    target = path.with_name(f"{path.stem}-{n}{path.suffix}")
+        finally:
+            part.unlink()
 
 
 def _plain(value: Any) -> Any:

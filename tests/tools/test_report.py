@@ -96,6 +96,20 @@ def test_run_telemetry_pads_missing_values():
     assert run.layers == {"fc": {"step": [0, 5], "underflow": [0.25, 0.0], "scale": [None, 4.0]}}
 
 
+def test_runs_of_one_name_keep_their_own_files_when_asked(tmp_path):
+    """Two runs named alike (two processes, or two runs of one script) under one dump
+    folder: the second used to replace the first's file."""
+    path = tmp_path / "telemetry" / "fp8.json"
+    first, second, third = (RunTelemetry("fp8", meta={"run": i}) for i in range(3))
+    assert first.write(path, keep_existing=True) == path
+    assert second.write(path, keep_existing=True) == tmp_path / "telemetry" / "fp8-2.json"
+    assert third.write(path) == path  # a path the caller chose: replaced
+    files = sorted(p.name for p in path.parent.iterdir())
+    assert files == ["fp8-2.json", "fp8.json"]  # no hidden part files left
+    runs = {p.name: json.loads(p.read_text())["meta"]["run"] for p in path.parent.iterdir()}
+    assert runs == {"fp8.json": 2, "fp8-2.json": 1}
+
+
 def test_report_plots_a_recorded_run_and_per_layer_telemetry(recorded):
     synthetic_run(recorded)
     assert [r["name"] for r in load_runs(recorded)] == ["adaptive", "fp32 eager"]
