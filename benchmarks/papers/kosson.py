@@ -270,7 +270,7 @@ weight change; stash: the backward reads the weights its forward read (PipeDream
 paper's column is its CIFAR-10 ResNet-20 result where it gives one, else the direction it
 reports: for direction only, the setups differ (see docs/papers.md). A "matches" claim is
 inconclusive where two standard errors of the difference exceed 3 points. Run time:
-{minutes:.0f} minutes on a machine shared with other jobs."""
+{minutes:.0f} minutes wall clock (other jobs running at the same time lengthen it)."""
 
 
 if __name__ == "__main__":

@@ -7,9 +7,8 @@ stage per layer (S = 11, delays 20, 18, ..., 0), the batch-32 recipe (lr 0.016, 
 the learning rate decaying linearly to 0, five seeds (:func:`examples.pipeline_digits.run_digits`).
 Claims compare means at 2 standard errors of their difference (Welch, over the seeds):
 ``within_spread`` / ``worse_by`` of ``benchmarks.papers.common``. docs/papers.md has the
-numbers. Each run on one thread: 4 minutes on the 2-core machine shared with two other
-experiments, about 2 expected idle. Switching the compensation off (PB+SC+LWPv run as plain
-PB) fails the within-spread test.
+numbers. Each run on one thread (20 runs: minutes on the 2-core machine). Switching the
+compensation off (PB+SC+LWPv run as plain PB) fails the within-spread test.
 """
 
 from __future__ import annotations
