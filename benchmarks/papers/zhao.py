@@ -26,6 +26,8 @@ from examples.experiments import (
     ADAPTIVE,
     DECAYING_ERRORS,
     FORMATS,
+    GROWTH_INTERVAL,
+    RESNET_TRAINING,
     ScalingRun,
     Scheme,
     by_variant,
@@ -37,9 +39,6 @@ from examples.experiments import (
 from examples.models import DeepTanhMLP, UnnormalizedResNet
 
 N_UF = 1e-3  # loss_scale_underflow: the authors' code (the paper's text says 1%)
-# GradScaler's growth interval (2000 steps) assumes runs of 10^5 steps; the runs here take
-# about a hundred, so the scale may grow every 20 clean steps.
-GROWTH_INTERVAL = 20
 PAPER = {
     "accuracy": "adaptive ≥ best fixed and dynamic (direction)",
     "underflow": f"adaptive: ≤ n_uf in every layer (n_uf {N_UF:g} in the authors' code)",
@@ -157,7 +156,7 @@ def main() -> None:
     step = 12 if quick else 4
     data = load_digits()
     started = time.perf_counter()
-    resnet = {"epochs": 1 if quick else 4, "batch_size": 64, "lr": 1e-3, "interval": 10}
+    resnet = {**RESNET_TRAINING, **({"epochs": 1} if quick else {})}
     per_epoch = len(data.train_y) // resnet["batch_size"]
     steps = per_epoch * resnet["epochs"]
     body = [
