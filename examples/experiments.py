@@ -5,7 +5,6 @@ schemes, several seeds."""
 from __future__ import annotations
 
 import math
-import statistics
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -168,31 +167,9 @@ def worst_underflow(runs: Sequence[ScalingRun]) -> list[float]:
     return [max(1.0 if math.isnan(u) else u for u in layer) for layer in layers]
 
 
-def mean_accuracy(runs: Sequence[ScalingRun]) -> float:
-    """Mean test accuracy (percent) over the runs."""
-    return statistics.fmean(r.result.test_accuracy for r in runs)
-
-
 def by_variant(runs: Sequence[ScalingRun]) -> dict[str, list[ScalingRun]]:
     """The runs grouped by variant name, in the order they ran."""
     groups: dict[str, list[ScalingRun]] = {}
     for run in runs:
         groups.setdefault(run.name, []).append(run)
     return groups
-
-
-def format_runs(runs: Sequence[ScalingRun]) -> str:
-    """A markdown table, one row per variant over the seeds, per-layer underflow (input side first)."""
-    lines = [
-        "| run | test acc % (mean) | per seed | final loss (mean) | skipped steps per seed |"
-        " worst underflow per layer over the seeds (input side first) |",
-        "|---|---|---|---|---|---|",
-    ]
-    for name, group in by_variant(runs).items():
-        accuracy = " ".join(f"{r.result.test_accuracy:.2f}" for r in group)
-        loss = statistics.fmean(r.result.final_loss for r in group)
-        skipped = " ".join(str(r.result.skipped_steps) for r in group)
-        under = " ".join(f"{u:.3f}" for u in worst_underflow(group)) if group[0].underflow else "-"
-        mean = mean_accuracy(group)
-        lines.append(f"| {name} | {mean:.2f} | {accuracy} | {loss:.4f} | {skipped} | {under} |")
-    return "\n".join(lines)
