@@ -1,32 +1,27 @@
-"""Adaptive per-layer loss scaling: step-time overhead and per-layer underflow.
+"""Adaptive per-layer loss scaling: step-time overhead.
 
-1. Overhead: mean step time (forward, backward, SGD) of the 784-1024-1024-10 MLP,
-   batch 128, compiled with Inductor: fp8-e5m2-sr with a fixed loss scale vs
-   fp8-e5m2-als refreshing every K steps. The mean over a multiple of K steps
-   includes the refresh steps (a median would hide them); the overhead reported is
-   the median over repeats (one run of 1200 steps ranged from +1.5% to +2.8% at
-   K = 100 for the same code). By default malloc keeps
-   freed memory (``--malloc keep``, see ``benchmarks.common.use_malloc``): with
-   glibc's defaults the steps' 3-4 MB gradient buffers are page-faulted in or not
-   depending on allocation history, and one-process A/B overheads of the same
-   code ranged from -2% to +12%.
-2. The experiment of the slow test: a deep tanh MLP with E4M3 errors (round to
-   nearest) on the digits set whose errors shrink layer by layer
-   (``DECAYING_ERRORS``), fixed scales 1, 2^8, 2^16 vs adaptive, five seeds; and the
-   same MLP without the decay, where one fixed scale fits every layer.
+Mean step time (forward, backward, SGD) of the 784-1024-1024-10 MLP, batch 128, compiled
+with Inductor: fp8-e5m2-sr with a fixed loss scale vs fp8-e5m2-als refreshing every K
+steps. The mean over a multiple of K steps includes the refresh steps (a median would
+hide them); the overhead reported is the median over repeats (one run of 1200 steps
+ranged from +1.5% to +2.8% at K = 100 for the same code). By default malloc keeps freed
+memory (``--malloc keep``, see ``benchmarks.common.use_malloc``): with glibc's defaults
+the steps' 3-4 MB gradient buffers are page-faulted in or not depending on allocation
+history, and one-process A/B overheads of the same code ranged from -2% to +12%.
+
+Accuracy and per-layer underflow against fixed and dynamic loss scales:
+``benchmarks/papers/zhao.py``.
 """
 
 from __future__ import annotations
 
 import argparse
-import math
 import statistics
 
 import torch
 import torch.nn.functional as F
 
 from benchmarks.common import MALLOC_NOTES, interleaved_times, use_malloc, write_results
-from examples.experiments import DECAYING_ERRORS, SEEDS, by_variant, compare_loss_scaling, format_runs
 from examples.models import MLP
 from lpcompile.runtime.scaler import LossScaler
 
@@ -57,7 +52,6 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=1200)
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--skip-experiment", action="store_true")
     parser.add_argument("--malloc", choices=["default", "keep"], default="keep")
     args = parser.parse_args()
     use_malloc(args.malloc, "benchmarks.bench_loss_scale")
@@ -98,23 +92,6 @@ def main() -> None:
         " times; the means include the refresh steps (every K-th), which a median would hide."
         " Target: ≤ 2% at K = 100.\n"
     )
-    experiments = {
-        "Deep tanh MLP whose errors shrink 2^-1.25 per layer, E4M3 errors, digits"
-        " (the slow test's experiment)": DECAYING_ERRORS,
-        "The same MLP without the decay": {},
-    }
-    for title, setup in {} if args.skip_experiment else experiments.items():
-        runs = compare_loss_scaling(**setup, seeds=SEEDS)
-        scales = by_variant(runs)["adaptive"][0].scales
-        body += f"\n## {title}\n\n{format_runs(runs)}\n\n"
-        body += f"Per-layer scales at the end (adaptive, seed {SEEDS[0]}): "
-        body += ", ".join(f"2^{math.log2(s):g}" for s in scales) + "\n"
-        print(body, flush=True)
-    if not args.skip_experiment:
-        body += (
-            "\nSeeds set each run's initialisation and batch order; a layer that got no"
-            " non-zero error (everything above it flushed) counts as underflow 1.\n"
-        )
     print(body)
     write_results("loss_scale", "Adaptive loss scaling (bench_loss_scale.py)", body)
 

@@ -93,6 +93,41 @@ class DigitsDeepResNet(nn.Module):
         return self.head(self.blocks(self.stem(x)).flatten(1))
 
 
+class PlainBlock(nn.Module):
+    """``x + conv2(relu(conv1(x)))``: a residual block without normalisation, its second
+    convolution's weights scaled by ``branch_gain`` at initialisation and its bias zero."""
+
+    def __init__(self, width: int, branch_gain: float) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(width, width, 3, padding=1)
+        self.conv2 = nn.Conv2d(width, width, 3, padding=1)
+        with torch.no_grad():
+            self.conv2.weight.mul_(branch_gain)
+            self.conv2.bias.zero_()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.conv2(torch.relu(self.conv1(x)))
+
+
+class UnnormalizedResNet(nn.Module):
+    """A deep residual CNN for 8x8 digits without normalisation: a stem convolution,
+    ``depth`` :class:`PlainBlock` s at full resolution (branches scaled by depth^-1/2 at
+    initialisation, which bounds the forward's growth as normalisation would), a strided
+    convolution and a linear classifier. Its layers' errors spread over several binades
+    by themselves (no artificial decay)."""
+
+    def __init__(self, depth: int = 6, width: int = 16, classes: int = 10) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(1, width, 3, padding=1)
+        self.blocks = nn.Sequential(*(PlainBlock(width, depth**-0.5) for _ in range(depth)))
+        self.down = nn.Conv2d(width, 2 * width, 3, stride=2, padding=1)
+        self.head = nn.Linear(2 * width * 4 * 4, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = torch.relu(self.blocks(self.stem(x)))
+        return self.head(torch.relu(self.down(x)).flatten(1))
+
+
 class MLP(nn.Sequential):
     """A plain ReLU MLP, e.g. ``MLP(784, 1024, 1024, 10)``."""
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import statistics
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -51,6 +52,7 @@ def train_digits(
     optimizer: str = "sgd",
     seed: int = 0,
     loss_scale: str = "none",
+    scaler_options: Mapping[str, Any] | None = None,
     model: nn.Module | None = None,
     data: Split | None = None,
     progress: bool = False,
@@ -59,7 +61,8 @@ def train_digits(
     """Train a model (default :class:`DigitsCNN`) on the digits set with SGD or Adam.
 
     ``options`` go to ``torch.compile(backend="lowprec")`` when ``compiled``;
-    ``loss_scale`` is ``"none"`` or a :class:`LossScaler` mode. Per-step
+    ``loss_scale`` is ``"none"`` or a :class:`LossScaler` mode, ``scaler_options`` its
+    settings (``init_scale``, ``growth_interval``, ...). Per-step
     telemetry (loss, step time, loss scale) goes to the JSON file
     ``telemetry``, or to ``$LOWPREC_DUMP/telemetry/<name>.json`` when that is
     set (see :mod:`lpcompile.tools.report`).
@@ -76,7 +79,8 @@ def train_digits(
         opt = torch.optim.Adam(model.parameters(), lr=lr)
     else:
         raise ValueError(f"optimizer must be 'sgd' or 'adam', got {optimizer!r}")
-    scaler = LossScaler(mode=loss_scale) if loss_scale != "none" else LossScaler(enabled=False)
+    enabled = loss_scale != "none"
+    scaler = LossScaler(loss_scale if enabled else "dynamic", enabled=enabled, **(scaler_options or {}))
     order = torch.Generator().manual_seed(seed)
     n = len(data.train_y)
     if epochs < 1 or not 1 <= batch_size <= n:

@@ -865,39 +865,90 @@ def test_adaptive_needs_a_quantized_error():
         LowPrecConfig.from_options({"recipe": "fp8-e5m2-als", "loss_scale_rule": "median"})
 
 
-@pytest.mark.slow
-def test_adaptive_scaling_keeps_every_layer_in_range_where_fixed_scales_cannot():
-    """Issue 4's experiment: a deep tanh MLP on digits whose errors shrink layer by layer
-    (DECAYING_ERRORS), E4M3 errors (18 binades), five seeds; numbers in
-    benchmarks/results/loss_scale.md. No fixed scale of 1, 2^8, 2^16 fits every layer:
-    1 and 2^8 leave over 10% of some lower layer's errors underflowing, 2^16 overflows
-    at the top, and the best of them trails FP32 by more than a point. Adaptive scaling
-    keeps every layer's underflow at most 1% and comes within a point of FP32 (means
-    over the seeds: one test sample is 0.28 points, and seeds differ by about one)."""
+@pytest.fixture(scope="module")
+def zhao_runs():
+    """The Zhao et al. experiment of benchmarks/papers/zhao.py, cut to the schemes the slow
+    tests compare: UnnormalizedResNet on digits, five seeds; per error format, the runs
+    of each scheme (numbers in benchmarks/results/papers/zhao.md)."""
     from examples.experiments import (
-        DECAYING_ERRORS,
+        ADAPTIVE,
+        FORMATS,
+        RESNET_TRAINING,
         SEEDS,
         by_variant,
         compare_loss_scaling,
-        format_runs,
-        mean_accuracy,
-        worst_underflow,
+        fixed,
     )
+    from examples.models import UnnormalizedResNet
 
-    runs = compare_loss_scaling(**DECAYING_ERRORS, seeds=SEEDS)
-    table = format_runs(runs)
-    groups = by_variant(runs)
-    fp32 = mean_accuracy(groups["fp32"])
-    assert fp32 > 90, f"FP32 baseline did not train:\n{table}"
+    # fixed 2^8: the best of the results page's sweep with E5M2 errors
+    schemes = {"e5m2": [fixed(0), fixed(8), ADAPTIVE], "e4m3": [fixed(0), ADAPTIVE]}
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # these small convolutions: a second thread costs more than it gives
+    try:
+        return {
+            fmt: by_variant(
+                compare_loss_scaling(
+                    chosen, UnnormalizedResNet, FORMATS[fmt], seeds=SEEDS, fp32=False, **RESNET_TRAINING
+                )
+            )
+            for fmt, chosen in schemes.items()
+        }
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _inner_underflow(runs):
+    """Per run, the largest underflow of the layers below the head (NaN counts as 1)."""
+    return [max(1.0 if math.isnan(u) else u for u in run.underflow[:-1]) for run in runs]
+
+
+def _accuracy(runs):
+    return [run.result.test_accuracy for run in runs]
+
+
+@pytest.mark.slow
+def test_adaptive_scaling_cuts_the_underflow_below_the_head_where_fixed_scales_do_not(zhao_runs):
+    """E5M2 errors: below the head, adaptive scaling leaves less underflow in its worst
+    layer than no loss scaling and than the best fixed scale, by more than two standard
+    errors over the seeds. (Against GradScaler's dynamic rule the gap, 1.1% against 2.5%
+    in one run of five seeds, was within two standard errors: not asserted.)"""
+    from benchmarks.papers.common import worse_by
+
+    groups = zhao_runs["e5m2"]
+    adaptive = _inner_underflow(groups["adaptive"])
     for name in ("fixed 2^0", "fixed 2^8"):
-        for run in groups[name]:
-            lower = worst_underflow([run])[: len(run.underflow) // 2]
-            assert max(lower) > 0.10, f"{name}, seed {run.seed}: lower layers in range after all:\n{table}"
-    for run in groups["fixed 2^16"]:
-        skipped = run.result.skipped_steps
-        assert skipped > len(run.result.losses) // 2, f"fixed 2^16 did not overflow:\n{table}"
-    best_fixed = max(mean_accuracy(groups[name]) for name in ("fixed 2^0", "fixed 2^8", "fixed 2^16"))
-    assert best_fixed < fp32 - 1.0, f"the best fixed scale keeps up with FP32:\n{table}"
-    adaptive = groups["adaptive"]
-    assert all(u <= 0.01 for u in worst_underflow(adaptive)), f"adaptive scaling left underflow:\n{table}"
-    assert mean_accuracy(adaptive) >= fp32 - 1.0, f"adaptive lags FP32:\n{table}"
+        other = _inner_underflow(groups[name])
+        assert worse_by(other, adaptive, k=2.0, higher_is_better=False), (name, other, adaptive)
+
+
+@pytest.mark.slow
+def test_the_heads_errors_underflow_beyond_n_uf_under_adaptive_scaling_too(zhao_runs):
+    """Not supported by the runs: "every layer under n_uf". The head's errors (a confident
+    softmax's) need more scale than the cap on α (2^12 for E5M2) allows, and more than
+    n_uf of them underflow in every seed."""
+    from benchmarks.papers.zhao import N_UF
+
+    head = [run.underflow[-1] for run in zhao_runs["e5m2"]["adaptive"]]
+    assert all(u > N_UF for u in head), head
+
+
+@pytest.mark.slow
+def test_adaptive_scaling_matches_the_best_fixed_scale_in_accuracy(zhao_runs):
+    """E5M2 errors: adaptive scaling's test accuracy is within two standard errors of, or
+    above, no loss scaling's and the best fixed scale's (it beats neither)."""
+    from benchmarks.papers.common import worse_by
+
+    groups = zhao_runs["e5m2"]
+    for name in ("fixed 2^0", "fixed 2^8"):
+        assert not worse_by(_accuracy(groups["adaptive"]), _accuracy(groups[name]), k=2.0), name
+
+
+@pytest.mark.slow
+def test_without_loss_scaling_e4m3_errors_lose_accuracy_that_adaptive_scaling_recovers(zhao_runs):
+    """E4M3 errors (smallest subnormal 2^-9): without loss scaling nearly every error
+    flushes and accuracy falls behind adaptive scaling's by more than two standard errors."""
+    from benchmarks.papers.common import worse_by
+
+    groups = zhao_runs["e4m3"]
+    assert worse_by(_accuracy(groups["fixed 2^0"]), _accuracy(groups["adaptive"]), k=2.0)
