@@ -146,10 +146,6 @@ def _inductor_compiler(ctx: CompileContext, record: CompiledGraph, tag: str, obs
         run_passes(gm, passes, ctx, graph=kind)
         for observer in observers:
             observer.inductor_graph(record, kind, gm)
-        if kind == "backward" + runtime.RECORDING:
-            # Refresh calls alone run it (every loss_scale_interval calls): unfused, it
-            # costs those calls some time and the compile none.
-            return make_boxed_func(gm)
         # The adaptive variants' forwards are equal graphs: printed alike and without the
         # variant's tag (the module's dict is in the key), the second is a cache hit.
         del gm.meta["lowprec_graph"]

@@ -33,9 +33,6 @@ from lpcompile.passes.driver import CompileContext, Site
 from lpcompile.passes.dynamo.quantize import SEED_INPUT
 from lpcompile.passes.graph import parameter_of
 
-# The tag of the adaptive variant that records gradient statistics.
-RECORDING = "[stats]"
-
 
 def step_seed(seed: int, step: int, rank: int = 0) -> torch.Tensor:
     """The seed tensor a compiled graph of rank ``rank`` reads at call number ``step``: the
@@ -157,7 +154,7 @@ def _with_inputs(
 
     first = state_for(inputs)
     recording = compile_variant(
-        [*inputs, *static_examples(extras(first.example_inputs(True), inputs, 0))], RECORDING
+        [*inputs, *static_examples(extras(first.example_inputs(True), inputs, 0))], "[stats]"
     )
     plain = compile_variant([*inputs, *static_examples(extras(first.example_inputs(False), inputs, 0))])
 
