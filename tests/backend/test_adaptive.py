@@ -383,7 +383,7 @@ def test_a_fixed_scale_has_nothing_to_calibrate():
     assert not any(torch.equal(a, b) for a, b in zip(weights, model.parameters(), strict=True))
 
 
-def test_the_recording_variant_reuses_the_plain_variants_forward(monkeypatch):
+def test_the_recording_variant_reuses_the_plain_variants_forward(monkeypatch, fresh_dynamo):
     """Adaptive scaling's second variant compiles only its backward under Inductor: its
     forward is the plain variant's graph, with the same cache key, so Inductor compiles it
     once. The key used to differ (a symbolic layer count, node names, the variant's tag)."""
@@ -401,7 +401,9 @@ def test_the_recording_variant_reuses_the_plain_variants_forward(monkeypatch):
     model = _mlp()
     options = {"recipe": "fp8-e5m2-als", "executor": "inductor", "loss_scale_interval": 2}
     run = torch.compile(model, backend="lowprec", options=options)
-    with torch._inductor.config.patch(fx_graph_cache=True):
+    # Inductor compiles (no graph reused from an earlier test through AOT's cache)
+    no_aot_cache = torch._functorch.config.patch(enable_autograd_cache=False)
+    with torch._inductor.config.patch(fx_graph_cache=True), no_aot_cache:
         for _ in range(6):  # calibrating calls record, then every second one
             model.zero_grad()
             (run(torch.randn(64, 12)).square().mean() * 1e-2).backward()
