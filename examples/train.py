@@ -136,7 +136,8 @@ def train_digits(
     ``loss_scale``, ``scaler_options`` and ``master_weights`` are :class:`Updater`'s. Per-step
     telemetry (loss, step time, loss scale) goes to the JSON file
     ``telemetry``, or to ``$LOWPREC_DUMP/telemetry/<name>.json`` when that is
-    set (see :mod:`lpcompile.tools.report`).
+    set (``<name>-2.json``, ... where a run of that name wrote one already; see
+    :mod:`lpcompile.tools.report`).
     """
     record_path = telemetry_path(name, telemetry)
     record = RunTelemetry(name, meta={"options": options, "compiled": compiled, "loss_scale": loss_scale})
@@ -206,6 +207,6 @@ def train_digits(
             for call, scale, underflow in layer.history:
                 record.layer(layer.layer, call, scale=scale, underflow=underflow)
         record.result = {k: v for k, v in result.__dict__.items() if k != "losses"}
-        record.write(record_path)
+        record.write(record_path, keep_existing=telemetry is None)
     dump.flush()  # the backward graphs compiled since the dump was written
     return result

@@ -86,6 +86,16 @@ def test_telemetry_file_when_asked_without_lowprec_dump(tmp_path, monkeypatch, s
     assert data["steps"]["loss_scale"] == [None, None]  # no loss scaling in this run
 
 
+def test_a_second_dumped_run_of_one_name_keeps_the_first(tmp_path, monkeypatch, small_digits):
+    monkeypatch.setenv(dump.ENV, str(tmp_path))
+    for epochs in (1, 2):
+        train_digits("twice", compiled=False, epochs=epochs, data=small_digits)
+    files = sorted((tmp_path / "telemetry").glob("*.json"))
+    assert [p.name for p in files] == ["twice-2.json", "twice.json"]
+    steps = {p.name: json.loads(p.read_text())["steps"]["step"] for p in files}
+    assert steps == {"twice.json": [0, 1], "twice-2.json": [0, 1, 2, 3]}
+
+
 def test_run_telemetry_pads_missing_values():
     run = RunTelemetry("r")
     run.step(loss=1.0)
