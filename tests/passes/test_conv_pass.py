@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from models import Records, assert_close_through_rounding, inductor_runs_fx, step
 from torch import nn
 
-from lpcompile.passes.dynamo.conv import MAX_IM2COL, im2col_conv2d
+from lpcompile.passes.dynamo.conv import MAX_IM2COL, MAX_TAPS, im2col_conv2d
 
 # (batch, in_channels, height, width, out_channels, kernel, stride, padding, dilation)
 GEOMETRIES = [
@@ -25,6 +25,8 @@ GEOMETRIES = [
     (2, 1, 7, 6, 3, 3, 1, "same", 2),
     (2, 1, 6, 6, 3, (2, 2), 1, "same", 1),
     (2, 2, 6, 5, 3, 2, 1, "valid", 1),
+    (2, 3, 8, 8, 4, 4, 4, 0, 1),  # non-overlapping patches: a permutation, no taps
+    (2, 2, 9, 11, 3, (2, 3), (2, 3), 1, 1),  # patches, padded, the last partial ones dropped
 ]
 
 
@@ -148,6 +150,38 @@ def test_convolutions_whose_im2col_exceeds_the_limit_keep_atens(monkeypatch):
     (conv,) = [line for line in lines if "torch.conv2d(" in line]
     (im2col,) = [line for line in lines if "im2col_conv2d(" in line]
     assert "large_parameters_bias" in conv and "at_limit_parameters_bias" in im2col
+
+
+class Kernels(nn.Module):
+    """Small convolutions of three kernels: 5x5 (25 positions, gathered), 3x3 (9) and
+    4x4 patches at stride 4 (16 positions, non-overlapping)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.wide = nn.Conv2d(1, 4, 5, padding=2)
+        self.small = nn.Conv2d(4, 4, 3, padding=1)
+        self.patches = nn.Conv2d(4, 4, 4, stride=4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.patches(self.small(self.wide(x).relu()).relu()).sum((2, 3))
+
+
+def test_kernels_of_more_positions_than_the_limit_keep_atens_unless_they_are_patches(monkeypatch):
+    assert MAX_TAPS == 9
+    inductor_runs_fx(monkeypatch)
+    records = Records()
+    torch._dynamo.reset()
+    model = Kernels()
+    x = torch.rand(2, 1, 8, 8, generator=torch.Generator().manual_seed(4))
+    compiled = torch.compile(model, backend="lowprec", options={"recipe": "fp8-e5m2-sr"})
+    with torch._functorch.config.patch(enable_autograd_cache=False):
+        step(model, lambda: compiled(x))
+    assert rewritten(records) == 2
+    (record,) = [r for r in records.only().records if r.name == "use_im2col_convs"]
+    lines = record.code_after.splitlines()
+    (conv,) = [line for line in lines if "torch.conv2d(" in line]
+    assert "wide_parameters_bias" in conv
 
 
 def assert_close_steps(got, want) -> None:

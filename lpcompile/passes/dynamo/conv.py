@@ -3,7 +3,8 @@
 On small images oneDNN's fixed per-call cost dominates a convolution's time.
 ``im2col_conv2d`` writes such a convolution as ATen ops Inductor compiles: the
 quantized input, padded, is stored once channels-last; one strided slice per tap,
-stacked, makes the im2col matrix (output pixels x taps); one matmul with the weight
+stacked, makes the im2col matrix (output pixels x taps), or, for non-overlapping
+patches (stride equal to the kernel), a permutation of the input; one matmul with the weight
 gives the output (channels-last, copied to the contiguous layout ATen's convolution
 returns where Inductor does not fuse that away). Autograd turns the matmul into the
 weight-gradient matmul and the slices into sums of shifted windows (an input
@@ -11,7 +12,8 @@ gradient, where one is needed).
 
 Which convolutions: those whose im2col matrix has at most :data:`MAX_IM2COL`
 elements: larger ones, such as a 32x32 CNN's first and third, run faster on
-oneDNN. The bf16 matmul kernel's ``MIN_MACS`` (``passes/joint/matmul.py``) keeps
+oneDNN; and of those, kernels of at most :data:`MAX_TAPS` positions, or
+non-overlapping patches of any size. The bf16 matmul kernel's ``MIN_MACS`` (``passes/joint/matmul.py``) keeps
 it off the GEMMs of the digits CNN's second convolution, whose short sides make
 the kernel lose to MKL.
 
@@ -45,6 +47,11 @@ QUANTIZE = torch.ops.lowprec.quantize.default
 # Largest im2col matrix (output pixels x taps, in elements) rewritten: set between the digits
 # CNN's convolutions, which gain, and a 32x32 CNN's larger ones, which lose (docs/design-notes.md).
 MAX_IM2COL = 1 << 18
+# Most taps (kernel positions) gathered one strided slice each: Inductor generates a loop
+# per tap in the forward and a shifted window per tap in the backward, so the compile grows
+# with them while the step gains no more (a 7x7 stem's 49 taps doubled an HF ResNet's
+# cold compile). Non-overlapping patches take no gather and have no such bound.
+MAX_TAPS = 9
 
 
 def _pads(padding: str | int | tuple[int, ...], kernel: tuple[int, int], dilation: tuple[int, int]):
@@ -82,14 +89,21 @@ def im2col_conv2d(
     padded = torch.ops.lowprec.realize(F.pad(x, (left, right, top, bottom)).permute(0, 2, 3, 1))
     n, height, width, _ = padded.shape
     out_h, out_w = _out_size(height, 0, kh, sh, dh), _out_size(width, 0, kw, sw, dw)
-    # One strided slice per tap, (n, out_h, out_w, c); stacked into rows (n, out_h, out_w)
-    # and columns (kh, kw, c), the order of the weight permuted to channels-last.
-    taps = [
-        padded[:, i * dh : i * dh + sh * (out_h - 1) + 1 : sh, j * dw : j * dw + sw * (out_w - 1) + 1 : sw]
-        for i in range(kh)
-        for j in range(kw)
-    ]
-    im2col = torch.stack(taps, dim=3).reshape(n * out_h * out_w, kh * kw * in_channels)
+    if (sh, sw, dh, dw) == (kh, kw, 1, 1):
+        # Non-overlapping patches (a ViT's patch embedding): the im2col matrix is a
+        # permutation of the (cropped) input, with no gather per tap.
+        patches = padded[:, : out_h * kh, : out_w * kw].reshape(n, out_h, kh, out_w, kw, in_channels)
+        im2col = patches.permute(0, 1, 3, 2, 4, 5).reshape(n * out_h * out_w, kh * kw * in_channels)
+    else:
+        # One strided slice per tap, (n, out_h, out_w, c); stacked into rows (n, out_h, out_w)
+        # and columns (kh, kw, c), the order of the weight permuted to channels-last.
+        rows, cols = sh * (out_h - 1) + 1, sw * (out_w - 1) + 1
+        taps = [
+            padded[:, i * dh : i * dh + rows : sh, j * dw : j * dw + cols : sw]
+            for i in range(kh)
+            for j in range(kw)
+        ]
+        im2col = torch.stack(taps, dim=3).reshape(n * out_h * out_w, kh * kw * in_channels)
     # A contiguous (taps x out_channels) operand: autograd computes the weight gradient in
     # the layout of this operand, and for a transposed view that is out_grad^T @ im2col,
     # a GEMM layout MKL runs several times slower than im2col^T @ out_grad.
@@ -124,6 +138,8 @@ def _rewritable(args: dict[str, object]) -> bool:
         return False  # dynamic shapes: the size limit needs sizes
     (sh, sw), (dh, dw) = _pair(args["stride"]), _pair(args["dilation"])
     _, in_channels, kh, kw = w.shape
+    if kh * kw > MAX_TAPS and (sh, sw, dh, dw) != (kh, kw, 1, 1):
+        return False
     left, right, top, bottom = _pads(args["padding"], (kh, kw), (dh, dw))
     rows = (
         example.shape[0]
