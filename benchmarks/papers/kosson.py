@@ -3,35 +3,41 @@
 The paper's claim: fine-grained pipelined backpropagation (PB) at batch size 1, with
 Spike Compensation (SC) and Linear Weight Prediction (LWP), matches SGD at the
 original batch size with the original hyper-parameters, scaled to batch 1 by
-``lr' = lr/B``, ``m' = m**(1/B)``. Each recipe (lr, momentum, batch size B) trains:
-SGD at batch B (the baseline, unscaled), SGD at batch 1 (scaled), and at batch 1 with
-one pipeline stage per layer: PB, PB+SC, PB+LWP^v, PB+LWP^w, PB+SC+LWP^v and PB with
-weight stashing, on a deep GroupNorm ResNet (:class:`examples.models.DigitsDeepResNet`,
-S = 11, delays up to 20) and, for contrast, on the shallow DigitsCNN (S = 4, delays up
-to 6; SGD at both batch sizes, PB and PB+SC+LWP^v only). Every run: the same epochs,
-the learning rate decaying linearly to 0, one thread.
+``lr' = lr/B``, ``m' = m**(1/B)``. Each recipe (lr, momentum, batch size B) trains
+eight rows: SGD at batch B (the baseline, unscaled), SGD at batch 1 (scaled), and at
+batch 1 with one pipeline stage per layer: PB, PB+SC, PB+LWP^v, PB+LWP^w, PB+SC+LWP^v
+and PB with weight stashing. Every row runs on a deep GroupNorm ResNet
+(:class:`examples.models.DigitsDeepResNet`, S = 11, delays up to 20) and, for contrast,
+on the shallow DigitsCNN (S = 4, delays up to 6). Every run: the same epochs, the
+learning rate decaying linearly to 0, one thread, seeded, so its result depends on
+the run alone; ``--workers`` runs (default 2) go at a time, each in its own process,
+which changes the wall time only (:func:`benchmarks.papers.common.map_runs`).
 
 Writes ``benchmarks/results/papers/kosson.md`` and ``kosson_<network>_b<B>.png``
 (training loss). ``--quick``: the batch-32 recipe, 2 seeds, 1 epoch; prints the page
 and writes the curves to a temporary folder only.
 
-    python -m benchmarks.papers.kosson [--quick]
+    python -m benchmarks.papers.kosson [--quick] [--workers N]
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import cache
 from pathlib import Path
 
 from torch import nn
 
 from benchmarks.papers.common import (
     PAPERS,
+    cpu_seconds,
+    map_runs,
     mean_std,
     plot_curves,
     standard_error,
@@ -76,50 +82,64 @@ PAPER: dict[str, str] = {
 class Network:
     title: str
     model: Callable[[], nn.Module]
-    rows: tuple[str, ...]
 
 
 NETWORKS: dict[str, Network] = {
-    "deep": Network(
-        "DigitsDeepResNet (GroupNorm, 10 convolutions and a linear layer)",
-        DigitsDeepResNet,
-        tuple(ROWS),
-    ),
-    "shallow": Network(
-        "DigitsCNN (GroupNorm, 2 convolutions and 2 linear layers)",
-        DigitsCNN,
-        ("SGD, batch B", "SGD, batch 1", "PB", "PB+SC+LWP^v"),
-    ),
+    "deep": Network("DigitsDeepResNet (GroupNorm, 10 convolutions and a linear layer)", DigitsDeepResNet),
+    "shallow": Network("DigitsCNN (GroupNorm, 2 convolutions and 2 linear layers)", DigitsCNN),
 }
 
 Results = dict[str, list[DigitsRun]]  # row -> one run per seed
 
 
-def run_recipe(name: str, recipe: str, seeds: Sequence[int], epochs: int, data: Split) -> Results:
-    """Every row of network ``name`` on every seed, printing each run."""
-    network = NETWORKS[name]
-    lr, momentum, batch = RECIPES[recipe]
-    lr1, momentum1 = scale_hyperparameters(lr, momentum, batch, 1)
-    results: Results = {}
-    for row in network.rows:
-        variant, at_batch = ROWS[row]
-        for seed in seeds:
-            run = run_digits(
-                variant,
-                lr=lr if at_batch else lr1,
-                momentum=momentum if at_batch else momentum1,
-                epochs=epochs,
-                seed=seed,
-                data=data,
-                model=network.model,
-                batch_size=batch if at_batch else 1,
-            )
-            results.setdefault(row, []).append(run)
-            print(
-                f"{name} {recipe} {row:13s} seed {seed}: {run.test_accuracy:5.1f}%  "
-                f"loss {run.final_loss:.3f}  {run.seconds:.0f}s",
-                flush=True,
-            )
+@dataclass(frozen=True)
+class Job:
+    """One run: a row of :data:`ROWS` on a network and recipe, at one seed."""
+
+    network: str
+    recipe: str
+    row: str
+    seed: int
+    epochs: int
+
+
+@cache
+def _data() -> Split:
+    return load_digits()  # once per process
+
+
+def run_job(job: Job) -> DigitsRun:
+    """Train ``job`` on one thread; the result depends on the job alone, not on the process."""
+    lr, momentum, batch = RECIPES[job.recipe]
+    variant, at_batch = ROWS[job.row]
+    if not at_batch:
+        lr, momentum = scale_hyperparameters(lr, momentum, batch, 1)
+    return run_digits(
+        variant,
+        lr=lr,
+        momentum=momentum,
+        epochs=job.epochs,
+        seed=job.seed,
+        data=_data(),
+        threads=1,
+        model=NETWORKS[job.network].model,
+        batch_size=batch if at_batch else 1,
+    )
+
+
+def run_all(
+    cells: Sequence[tuple[str, str]], seeds: Sequence[int], epochs: int, workers: int
+) -> dict[tuple[str, str], Results]:
+    """Every row on every seed of every (network, recipe) cell, printing each run."""
+    jobs = [Job(name, recipe, row, seed, epochs) for name, recipe in cells for row in ROWS for seed in seeds]
+    results: dict[tuple[str, str], Results] = {}
+    for job, run in zip(jobs, map_runs(run_job, jobs, workers), strict=True):
+        results.setdefault((job.network, job.recipe), {}).setdefault(job.row, []).append(run)
+        print(
+            f"{job.network} {job.recipe} {job.row:13s} seed {job.seed}: {run.test_accuracy:5.1f}%  "
+            f"loss {run.final_loss:.3f}  {run.seconds:.0f}s",
+            flush=True,
+        )
     return results
 
 
@@ -208,44 +228,56 @@ def main() -> None:
     parser.add_argument(
         "--quick", action="store_true", help="one recipe, 2 seeds, 1 epoch; write no results page"
     )
+    parser.add_argument(
+        "--workers", type=int, default=2, help="runs at a time, each in a one-thread process (default 2)"
+    )
     args = parser.parse_args()
     seeds, epochs = ((0, 1), 1) if args.quick else ((0, 1, 2, 3, 4), 3)
     recipes = list(RECIPES)[:1] if args.quick else list(RECIPES)
     folder = Path(tempfile.mkdtemp(prefix="kosson-")) if args.quick else PAPERS
-    data = load_digits()
-    start = time.perf_counter()
+    cells = [(name, recipe) for name in NETWORKS for recipe in recipes]
+    start, cpu = time.perf_counter(), cpu_seconds()
+    everything = run_all(cells, seeds, epochs, args.workers)
+    wall, cpu = time.perf_counter() - start, cpu_seconds() - cpu
     sections: list[str] = []
-    for name, network in NETWORKS.items():
-        for recipe in recipes:
-            lr, momentum, batch = RECIPES[recipe]
-            results = run_recipe(name, recipe, seeds, epochs, data)
-            lr1, momentum1 = scale_hyperparameters(lr, momentum, batch, 1)
-            delays = next(r.delays for runs in results.values() for r in runs if len(r.delays) > 1)
-            png = plot_curves(
-                curves(results),
-                folder / f"kosson_{name}_b{batch}.png",
-                f"{name} network, S = {len(delays)}, batch-{batch} recipe",
-                "samples (hundreds)",
-                "training loss (mean over 100 samples)",
-                log_y=True,
-            )
-            sections += [
-                f"## {network.title}, batch-{batch} recipe",
-                "",
-                f"S = {len(delays)} stages, delays {delays}. SGD at batch {batch}: lr {lr}, "
-                f"momentum {momentum}; every batch-1 row: lr {lr1:.4g}, momentum {momentum1:.4f}. "
-                f"Epochs: {epochs}; seeds {list(seeds)}; mean ± std over the seeds. A run that diverged "
-                f"scores about 10% (chance). Training loss: `{png.name}`.",
-                "",
-                *table(results),
-                "",
-                "Claims, at 2 standard errors (SE) of the difference of the means (Welch):",
-                "",
-                *verdicts(results),
-                "",
-            ]
-    minutes = (time.perf_counter() - start) / 60
-    body = "\n".join([INTRO.format(minutes=minutes), "", *sections])
+    for name, recipe in cells:
+        results = everything[name, recipe]
+        lr, momentum, batch = RECIPES[recipe]
+        lr1, momentum1 = scale_hyperparameters(lr, momentum, batch, 1)
+        delays = next(r.delays for runs in results.values() for r in runs if len(r.delays) > 1)
+        png = plot_curves(
+            curves(results),
+            folder / f"kosson_{name}_b{batch}.png",
+            f"{name} network, S = {len(delays)}, batch-{batch} recipe",
+            "samples (hundreds)",
+            "training loss (mean over 100 samples)",
+            log_y=True,
+        )
+        sections += [
+            f"## {NETWORKS[name].title}, batch-{batch} recipe",
+            "",
+            f"S = {len(delays)} stages, delays {delays}. SGD at batch {batch}: lr {lr}, "
+            f"momentum {momentum}; every batch-1 row: lr {lr1:.4g}, momentum {momentum1:.4f}. "
+            f"Epochs: {epochs}; seeds {list(seeds)}; mean ± std over the seeds. A run that diverged "
+            f"scores about 10% (chance). Training loss: `{png.name}`.",
+            "",
+            *table(results),
+            "",
+            "Claims, at 2 standard errors (SE) of the difference of the means (Welch):",
+            "",
+            *verdicts(results),
+            "",
+        ]
+    workers = max(args.workers, 1)
+    share = cpu / (wall * min(workers, os.cpu_count() or 1))
+    how = (
+        "one run at a time"
+        if workers == 1
+        else f"{workers} runs at a time, each in its own one-thread process (a run's result does "
+        "not depend on the process it ran in)"
+    )
+    intro = INTRO.format(minutes=wall / 60, how=how, cpu=cpu / 60, share=100 * share)
+    body = "\n".join([intro, "", *sections])
     if args.quick:
         print(body)
         print(f"curves in {folder}")
@@ -269,8 +301,12 @@ Compensation; LWP^v / LWP^w: linear weight prediction from the velocity / from t
 weight change; stash: the backward reads the weights its forward read (PipeDream). The
 paper's column is its CIFAR-10 ResNet-20 result where it gives one, else the direction it
 reports: for direction only, the setups differ (see docs/papers.md). A "matches" claim is
-inconclusive where two standard errors of the difference exceed 3 points. Run time:
-{minutes:.0f} minutes wall clock (other jobs running at the same time lengthen it)."""
+inconclusive where two standard errors of the difference exceed 3 points.
+
+Run time: {minutes:.0f} minutes wall clock, {how}; {cpu:.0f} CPU-minutes in all: the runs
+got {share:.0f}% of the cores they could use. What they did not get went to other jobs on the
+machine (or to a worker idle at the end), which lengthened the wall time and the seconds per
+run in the tables."""
 
 
 if __name__ == "__main__":
