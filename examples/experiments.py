@@ -5,8 +5,10 @@ schemes, several seeds."""
 from __future__ import annotations
 
 import math
+import multiprocessing
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -83,6 +85,154 @@ class ScalingRun:
     seconds: float = 0.0  # the run's wall time, training and evaluation
 
 
+@dataclass(frozen=True)
+class Job:
+    """One run of :func:`compare_loss_scaling`: a scheme (``None``: FP32, uncompiled) and a
+    seed, with the experiment's model, format and training. It pickles (``model`` a class
+    or a :func:`functools.partial` of one), so a worker process can run it."""
+
+    scheme: Scheme | None
+    seed: int
+    model: Callable[[], nn.Module]
+    errors: Mapping[str, Any]
+    epochs: int = 8
+    lr: float = 1e-3
+    interval: int = 5
+    batch_size: int = 128
+    executor: str = "eager"
+    options: Mapping[str, Any] | None = None
+
+    @property
+    def name(self) -> str:
+        return "fp32" if self.scheme is None else self.scheme.name
+
+    def graph_options(self) -> dict[str, Any]:
+        """The ``torch.compile`` options of a lowprec run (empty for FP32)."""
+        if self.scheme is None:
+            return {}
+        return {
+            **self.errors,
+            "executor": self.executor,
+            "loss_scale_interval": self.interval,
+            **(self.options or {}),
+            **self.scheme.graph,
+        }
+
+
+def loss_scaling_jobs(
+    schemes: Sequence[Scheme],
+    model: Callable[[], nn.Module],
+    errors: Mapping[str, Any],
+    seeds: Sequence[int] = (0,),
+    epochs: int = 8,
+    lr: float = 1e-3,
+    interval: int = 5,
+    batch_size: int = 128,
+    executor: str = "eager",
+    options: Mapping[str, Any] | None = None,
+    fp32: bool = True,
+) -> list[Job]:
+    """The runs of :func:`compare_loss_scaling`, in its order: FP32's seeds (unless
+    ``fp32=False``), then each scheme's seeds."""
+    setting = {
+        "model": model,
+        "errors": errors,
+        "epochs": epochs,
+        "lr": lr,
+        "interval": interval,
+        "batch_size": batch_size,
+        "executor": executor,
+        "options": options,
+    }
+    firsts: list[Scheme | None] = [None] if fp32 else []
+    return [Job(scheme, seed, **setting) for scheme in [*firsts, *schemes] for seed in seeds]
+
+
+# The graph setting this process compiled last (the model's repr and the options), and the
+# data its worker was given.
+_compiled_for: tuple[str, dict[str, Any]] | None = None
+_worker_data: Split | None = None
+
+
+def run_job(job: Job, data: Split | None = None) -> ScalingRun:
+    """Train one :class:`Job` on digits with Adam.
+
+    The model is built after ``torch.manual_seed(job.seed)``, which also sets the batch
+    order. Dynamo's cache is reset when the graph setting (model and options) differs from
+    the one this process compiled last, so the runs of one setting (the global schemes,
+    the seeds) reuse its compiled graphs, each model with its own scaling state, and the
+    training and evaluation graphs stay inside Dynamo's recompile limit. The result does
+    not depend on which runs came before in the process; the first run of a setting
+    includes its compilation in its ``seconds``.
+    """
+    global _compiled_for
+    if data is None:
+        data = _worker_data if _worker_data is not None else load_digits()
+    common = {
+        "data": data,
+        "epochs": job.epochs,
+        "batch_size": job.batch_size,
+        "lr": job.lr,
+        "optimizer": "adam",
+    }
+    torch.manual_seed(job.seed)
+    net = job.model()
+    if job.scheme is None:
+        start = time.perf_counter()
+        result = train_digits("fp32", None, compiled=False, model=net, seed=job.seed, **common)
+        return ScalingRun("fp32", job.seed, result, [], [], time.perf_counter() - start)
+    run_options = job.graph_options()
+    setting = (repr(job.model), run_options)
+    if setting != _compiled_for:
+        torch._dynamo.reset()
+        _compiled_for = setting
+    start = time.perf_counter()
+    result = train_digits(
+        job.name,
+        run_options,
+        model=net,
+        seed=job.seed,
+        loss_scale=job.scheme.scaler,
+        scaler_options=job.scheme.scaler_options,
+        **common,
+    )
+    layers = stats(net)
+    return ScalingRun(
+        job.name,
+        job.seed,
+        result,
+        [t.underflow for t in layers],
+        [t.cumulative for t in layers],
+        time.perf_counter() - start,
+    )
+
+
+def _start_worker(data: Split | None) -> None:
+    global _worker_data
+    torch.set_num_threads(1)
+    _worker_data = data
+
+
+def run_jobs(jobs: Sequence[Job], data: Split | None = None, workers: int = 1) -> Iterator[ScalingRun]:
+    """:func:`run_job` for each job, yielded in the jobs' order.
+
+    ``workers`` > 1 runs them in that many spawned processes of one torch thread each
+    (``data`` sent once to each); every run seeds itself, so the results are those of a
+    run here, one after another: only the wall time (and ``seconds``) change. With
+    ``workers`` = 1 they run in this process, with its thread setting.
+    """
+    if workers <= 1:
+        for job in jobs:
+            yield run_job(job, data)
+        return
+    context = multiprocessing.get_context("spawn")
+    pool = ProcessPoolExecutor(workers, mp_context=context, initializer=_start_worker, initargs=(data,))
+    try:
+        yield from pool.map(run_job, jobs)
+    finally:  # closed early (an error, a caller that stops): drop the runs not started
+        pool.shutdown(cancel_futures=True)
+
+
 def compare_loss_scaling(
     schemes: Sequence[Scheme],
     model: Callable[[], nn.Module],
@@ -96,6 +246,7 @@ def compare_loss_scaling(
     executor: str = "eager",
     options: Mapping[str, Any] | None = None,
     fp32: bool = True,
+    workers: int = 1,
 ) -> list[ScalingRun]:
     """FP32 (unless ``fp32=False``) and each scheme, trained with Adam on digits.
 
@@ -104,60 +255,22 @@ def compare_loss_scaling(
     run's. Every lowprec run compiles with ``loss_scale="adaptive"`` and records the
     statistics every ``interval`` calls, so each layer's underflow is measured the same
     way whatever the scheme. Each seed sets the initialisation and the batch order of one
-    run of every scheme. The first run of each graph setting includes its compilation
-    in its ``seconds``.
+    run of every scheme. ``workers``: see :func:`run_jobs` (``model`` must then pickle).
     """
-    data = data or load_digits()
-    common = {"data": data, "epochs": epochs, "batch_size": batch_size, "lr": lr, "optimizer": "adam"}
-
-    def build(seed: int) -> nn.Module:
-        torch.manual_seed(seed)
-        return model()
-
-    runs = []
-    for seed in seeds if fp32 else ():
-        start = time.perf_counter()
-        result = train_digits("fp32", None, compiled=False, model=build(seed), seed=seed, **common)
-        runs.append(ScalingRun("fp32", seed, result, [], [], time.perf_counter() - start))
-    compiled_for = None
-    for scheme in schemes:
-        run_options = {
-            **errors,
-            "executor": executor,
-            "loss_scale_interval": interval,
-            **(options or {}),
-            **scheme.graph,
-        }
-        if run_options != compiled_for:
-            # A fresh Dynamo cache per graph setting keeps the training and evaluation graphs
-            # inside Dynamo's recompile limit; runs with the same setting (the global schemes,
-            # the seeds) reuse the compiled graphs, each model with its own scaling state.
-            torch._dynamo.reset()
-            compiled_for = run_options
-        for seed in seeds:
-            net = build(seed)
-            start = time.perf_counter()
-            result = train_digits(
-                scheme.name,
-                run_options,
-                model=net,
-                seed=seed,
-                loss_scale=scheme.scaler,
-                scaler_options=scheme.scaler_options,
-                **common,
-            )
-            layers = stats(net)
-            runs.append(
-                ScalingRun(
-                    scheme.name,
-                    seed,
-                    result,
-                    [t.underflow for t in layers],
-                    [t.cumulative for t in layers],
-                    time.perf_counter() - start,
-                )
-            )
-    return runs
+    jobs = loss_scaling_jobs(
+        schemes,
+        model,
+        errors,
+        seeds=seeds,
+        epochs=epochs,
+        lr=lr,
+        interval=interval,
+        batch_size=batch_size,
+        executor=executor,
+        options=options,
+        fp32=fp32,
+    )
+    return list(run_jobs(jobs, load_digits() if data is None else data, workers))
 
 
 def worst_underflow(runs: Sequence[ScalingRun]) -> list[float]:
