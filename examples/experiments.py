@@ -1,16 +1,18 @@
 """The loss-scaling experiment shared by the slow tests and the paper script
 (``benchmarks/papers/zhao.py``): one model, one error format, a list of loss-scaling
-schemes, several seeds."""
+schemes, several seeds; and :func:`map_runs`, which the paper scripts use to run
+independent runs in worker processes."""
 
 from __future__ import annotations
 
+import functools
 import math
 import multiprocessing
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
@@ -18,6 +20,9 @@ from torch import nn
 from examples.data import Split, load_digits
 from examples.train import TrainResult, train_digits
 from lpcompile.backend import stats
+
+T = TypeVar("T")
+R = TypeVar("R")
 
 # The error formats compared (the weights and activations are those of the recipe).
 FORMATS: dict[str, dict[str, Any]] = {
@@ -207,30 +212,52 @@ def run_job(job: Job, data: Split | None = None) -> ScalingRun:
     )
 
 
-def _start_worker(data: Split | None) -> None:
-    global _worker_data
+def _start_worker(setup: Callable[..., None] | None, args: tuple) -> None:
     torch.set_num_threads(1)
+    torch.set_num_interop_threads(1)
+    if setup is not None:
+        setup(*args)
+
+
+def map_runs(
+    run: Callable[[T], R],
+    jobs: Iterable[T],
+    workers: int = 1,
+    setup: Callable[..., None] | None = None,
+    setup_args: tuple = (),
+) -> Iterator[R]:
+    """``run(job)`` for every job, yielded in the jobs' order, ``workers`` at a time.
+
+    ``workers`` > 1 runs the jobs in that many spawned processes of one torch thread each,
+    each first calling ``setup(*setup_args)``; ``run``, ``setup`` and the jobs must pickle
+    (module-level functions). A run that seeds itself and uses one thread gives the same
+    result in a worker as in this process: the pool changes the wall time only. With
+    ``workers`` = 1 the jobs run here, one after another, with this process's threads.
+    """
+    if workers <= 1:
+        yield from map(run, jobs)
+        return
+    context = multiprocessing.get_context("spawn")
+    pool = ProcessPoolExecutor(
+        workers, mp_context=context, initializer=_start_worker, initargs=(setup, setup_args)
+    )
+    try:
+        yield from pool.map(run, jobs)
+    finally:  # closed early (an error, a caller that stops): drop the runs not started
+        pool.shutdown(cancel_futures=True)
+
+
+def _keep_data(data: Split | None) -> None:
+    global _worker_data
     _worker_data = data
 
 
 def run_jobs(jobs: Sequence[Job], data: Split | None = None, workers: int = 1) -> Iterator[ScalingRun]:
-    """:func:`run_job` for each job, yielded in the jobs' order.
-
-    ``workers`` > 1 runs them in that many spawned processes of one torch thread each
-    (``data`` sent once to each); every run seeds itself, so the results are those of a
-    run here, one after another: only the wall time (and ``seconds``) change. With
-    ``workers`` = 1 they run in this process, with its thread setting.
-    """
+    """:func:`run_job` for each job, yielded in the jobs' order (:func:`map_runs`; ``data``
+    sent once to each worker)."""
     if workers <= 1:
-        for job in jobs:
-            yield run_job(job, data)
-        return
-    context = multiprocessing.get_context("spawn")
-    pool = ProcessPoolExecutor(workers, mp_context=context, initializer=_start_worker, initargs=(data,))
-    try:
-        yield from pool.map(run_job, jobs)
-    finally:  # closed early (an error, a caller that stops): drop the runs not started
-        pool.shutdown(cancel_futures=True)
+        return map(functools.partial(run_job, data=data), jobs)
+    return map_runs(run_job, jobs, workers, _keep_data, (data,))
 
 
 def compare_loss_scaling(

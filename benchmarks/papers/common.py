@@ -1,27 +1,21 @@
 """What the paper scripts share: seed statistics, the comparisons the slow tests make,
-independent runs in worker processes, the results page and the curves."""
+CPU time, the results page and the curves."""
 
 from __future__ import annotations
 
 import math
-import multiprocessing
 import platform
 import resource
 import statistics
 import sys
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from concurrent.futures import ProcessPoolExecutor
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import TypeVar
 
 import torch
 
 from benchmarks.common import RESULTS, machine
 
 PAPERS = RESULTS / "papers"
-
-T = TypeVar("T")
-R = TypeVar("R")
 
 
 def mean_std(values: Sequence[float], digits: int = 1) -> str:
@@ -54,27 +48,6 @@ def worse_by(
     if not higher_is_better:
         gap = -gap
     return gap > k * standard_error(worse, better)
-
-
-def _one_thread() -> None:
-    torch.set_num_threads(1)
-    torch.set_num_interop_threads(1)
-
-
-def map_runs(run: Callable[[T], R], jobs: Iterable[T], workers: int = 1) -> Iterator[R]:
-    """``run(job)`` for every job, in order, ``workers`` at a time.
-
-    ``workers`` > 1 runs the jobs in that many fresh (spawned) processes of one torch thread
-    each; ``run`` and the jobs must pickle (``run`` a module-level function). A run that seeds
-    itself and uses one thread gives the same result in a worker as in this process: the
-    pool changes the wall time only. ``workers`` = 1 runs them here, one after another.
-    """
-    if workers <= 1:
-        yield from map(run, jobs)
-        return
-    context = multiprocessing.get_context("spawn")
-    with ProcessPoolExecutor(workers, mp_context=context, initializer=_one_thread) as pool:
-        yield from pool.map(run, jobs)
 
 
 def cpu_seconds() -> float:

@@ -11,7 +11,7 @@ and PB with weight stashing. Every row runs on a deep GroupNorm ResNet
 on the shallow DigitsCNN (S = 4, delays up to 6). Every run: the same epochs, the
 learning rate decaying linearly to 0, one thread, seeded, so its result depends on
 the run alone; ``--workers`` runs (default 2) go at a time, each in its own process,
-which changes the wall time only (:func:`benchmarks.papers.common.map_runs`).
+which changes the wall time only (:func:`examples.experiments.map_runs`).
 
 Writes ``benchmarks/results/papers/kosson.md`` and ``kosson_<network>_b<B>.png``
 (training loss). ``--quick``: the batch-32 recipe, 2 seeds, 1 epoch; prints the page
@@ -37,7 +37,6 @@ from torch import nn
 from benchmarks.papers.common import (
     PAPERS,
     cpu_seconds,
-    map_runs,
     mean_std,
     plot_curves,
     standard_error,
@@ -46,6 +45,7 @@ from benchmarks.papers.common import (
     write_paper,
 )
 from examples.data import Split, load_digits
+from examples.experiments import map_runs
 from examples.models import DigitsCNN, DigitsDeepResNet
 from examples.pipeline_digits import DigitsRun, run_digits
 from lpcompile.runtime.pipeline import scale_hyperparameters

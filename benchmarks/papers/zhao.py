@@ -21,14 +21,21 @@ import functools
 import itertools
 import math
 import os
-import resource
 import statistics
 import time
 from collections.abc import Mapping, Sequence
 
 import torch
 
-from benchmarks.papers.common import PAPERS, mean_std, plot_curves, within_spread, worse_by, write_paper
+from benchmarks.papers.common import (
+    PAPERS,
+    cpu_seconds,
+    mean_std,
+    plot_curves,
+    within_spread,
+    worse_by,
+    write_paper,
+)
 from examples.data import load_digits
 from examples.experiments import (
     ADAPTIVE,
@@ -198,7 +205,7 @@ def main() -> None:
     # the ablation keeps the coarser grid: its 8-epoch runs would add a tenth to the time
     ablation_step = 12 if quick else 4
     data = load_digits()
-    started = time.perf_counter()
+    started, cpu = time.perf_counter(), cpu_seconds()
     resnet = {**RESNET_TRAINING, **({"epochs": 1} if quick else {})}
     per_epoch = len(data.train_y) // resnet["batch_size"]
     steps = per_epoch * resnet["epochs"]
@@ -299,8 +306,7 @@ def main() -> None:
     body.append(per_layer(runs, ["fixed 2^0", best_global(by_variant(runs)), "adaptive"]))
     verdict_lines.append(f"**Ablation (artificial decay, E4M3)**\n\n{text}\n")
     wall = time.perf_counter() - started
-    usage = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
-    cpu = sum(u.ru_utime + u.ru_stime for u in usage)
+    cpu = cpu_seconds() - cpu
     n_runs = sum(len(jobs) for jobs in experiments.values())
     summary = (
         "## Verdicts\n\n"

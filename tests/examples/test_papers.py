@@ -1,7 +1,7 @@
 """The paper scripts' shared machinery: runs in worker processes give the results of runs here."""
 
-from benchmarks.papers.common import map_runs
 from benchmarks.papers.kosson import Job, run_job
+from examples.experiments import map_runs
 
 
 def test_kosson_runs_in_a_pool_of_workers_match_runs_in_this_process_bit_for_bit():
