@@ -134,21 +134,25 @@ class TwoSizes(nn.Module):
         return self.at_limit(self.large(x).relu()).sum((2, 3))
 
 
-def test_convolutions_whose_im2col_exceeds_the_limit_keep_atens(monkeypatch):
-    assert MAX_IM2COL == 64 * 32 * 32 * 4
-    inductor_runs_fx(monkeypatch)
+def compile_and_split(model: nn.Module, x: torch.Tensor) -> tuple[list[str], list[str]]:
+    """One training step of ``model`` under ``fp8-e5m2-sr``; the lines of the rewritten
+    graph that call ATen's convolution and those that call ``im2col_conv2d``."""
     records = Records()
     torch._dynamo.reset()
-    model = TwoSizes()
-    x = torch.rand(64, 1, 32, 32, generator=torch.Generator().manual_seed(4))
     compiled = torch.compile(model, backend="lowprec", options={"recipe": "fp8-e5m2-sr"})
     with torch._functorch.config.patch(enable_autograd_cache=False):
         step(model, lambda: compiled(x))
-    assert rewritten(records) == 1
     (record,) = [r for r in records.only().records if r.name == "use_im2col_convs"]
     lines = record.code_after.splitlines()
-    (conv,) = [line for line in lines if "torch.conv2d(" in line]
-    (im2col,) = [line for line in lines if "im2col_conv2d(" in line]
+    convs = [line for line in lines if "torch.conv2d(" in line]
+    return convs, [line for line in lines if "im2col_conv2d(" in line]
+
+
+def test_convolutions_whose_im2col_exceeds_the_limit_keep_atens(monkeypatch):
+    assert MAX_IM2COL == 64 * 32 * 32 * 4
+    inductor_runs_fx(monkeypatch)
+    x = torch.rand(64, 1, 32, 32, generator=torch.Generator().manual_seed(4))
+    (conv,), (im2col,) = compile_and_split(TwoSizes(), x)
     assert "large_parameters_bias" in conv and "at_limit_parameters_bias" in im2col
 
 
@@ -170,18 +174,9 @@ class Kernels(nn.Module):
 def test_kernels_of_more_positions_than_the_limit_keep_atens_unless_they_are_patches(monkeypatch):
     assert MAX_TAPS == 9
     inductor_runs_fx(monkeypatch)
-    records = Records()
-    torch._dynamo.reset()
-    model = Kernels()
     x = torch.rand(2, 1, 8, 8, generator=torch.Generator().manual_seed(4))
-    compiled = torch.compile(model, backend="lowprec", options={"recipe": "fp8-e5m2-sr"})
-    with torch._functorch.config.patch(enable_autograd_cache=False):
-        step(model, lambda: compiled(x))
-    assert rewritten(records) == 2
-    (record,) = [r for r in records.only().records if r.name == "use_im2col_convs"]
-    lines = record.code_after.splitlines()
-    (conv,) = [line for line in lines if "torch.conv2d(" in line]
-    assert "wide_parameters_bias" in conv
+    (conv,), im2col = compile_and_split(Kernels(), x)
+    assert "wide_parameters_bias" in conv and len(im2col) == 2
 
 
 def assert_close_steps(got, want) -> None:
