@@ -264,39 +264,22 @@ def compare_loss_scaling(
     schemes: Sequence[Scheme],
     model: Callable[[], nn.Module],
     errors: Mapping[str, Any],
-    seeds: Sequence[int] = (0,),
-    epochs: int = 8,
-    lr: float = 1e-3,
-    interval: int = 5,
-    batch_size: int = 128,
     data: Split | None = None,
-    executor: str = "eager",
-    options: Mapping[str, Any] | None = None,
-    fp32: bool = True,
     workers: int = 1,
+    **setting: Any,
 ) -> list[ScalingRun]:
     """FP32 (unless ``fp32=False``) and each scheme, trained with Adam on digits.
 
     ``model()`` builds a fresh model after the seed is set; ``errors`` are the lowprec
-    options of the format (a :data:`FORMATS` entry); ``options`` add to every lowprec
-    run's. Every lowprec run compiles with ``loss_scale="adaptive"`` and records the
-    statistics every ``interval`` calls, so each layer's underflow is measured the same
-    way whatever the scheme. Each seed sets the initialisation and the batch order of one
-    run of every scheme. ``workers``: see :func:`run_jobs` (``model`` must then pickle).
+    options of the format (a :data:`FORMATS` entry); ``setting`` (seeds, epochs, lr,
+    interval, batch size, executor, ``options`` added to every lowprec run's, ``fp32``) as
+    :func:`loss_scaling_jobs` takes it. Every lowprec run compiles with
+    ``loss_scale="adaptive"`` and records the statistics every ``interval`` calls, so each
+    layer's underflow is measured the same way whatever the scheme. Each seed sets the
+    initialisation and the batch order of one run of every scheme. ``workers``: see
+    :func:`run_jobs` (``model`` must then pickle).
     """
-    jobs = loss_scaling_jobs(
-        schemes,
-        model,
-        errors,
-        seeds=seeds,
-        epochs=epochs,
-        lr=lr,
-        interval=interval,
-        batch_size=batch_size,
-        executor=executor,
-        options=options,
-        fp32=fp32,
-    )
+    jobs = loss_scaling_jobs(schemes, model, errors, **setting)
     return list(run_jobs(jobs, load_digits() if data is None else data, workers))
 
 
