@@ -4,8 +4,8 @@ On small images oneDNN's fixed per-call cost dominates a convolution's time.
 ``im2col_conv2d`` writes such a convolution as ATen ops Inductor compiles: the
 quantized input, padded, is stored once channels-last; one strided slice per tap,
 stacked, makes the im2col matrix (output pixels x taps), or, for non-overlapping
-patches (stride equal to the kernel), a permutation of the input; one matmul with the weight
-gives the output (channels-last, copied to the contiguous layout ATen's convolution
+patches (stride equal to the kernel), a permutation of the input; one matmul with
+the weight gives the output (channels-last, copied to the contiguous layout ATen's convolution
 returns where Inductor does not fuse that away). Autograd turns the matmul into the
 weight-gradient matmul and the slices into sums of shifted windows (an input
 gradient, where one is needed).
@@ -13,9 +13,9 @@ gradient, where one is needed).
 Which convolutions: those whose im2col matrix has at most :data:`MAX_IM2COL`
 elements: larger ones, such as a 32x32 CNN's first and third, run faster on
 oneDNN; and of those, kernels of at most :data:`MAX_TAPS` positions, or
-non-overlapping patches of any size. The bf16 matmul kernel's ``MIN_MACS`` (``passes/joint/matmul.py``) keeps
-it off the GEMMs of the digits CNN's second convolution, whose short sides make
-the kernel lose to MKL.
+non-overlapping patches of any size. The bf16 matmul kernel's ``MIN_MACS``
+(``passes/joint/matmul.py``) keeps it off the GEMMs of the digits CNN's second
+convolution, whose short sides make the kernel lose to MKL.
 
 Not ``unfold`` views: their backward is an accumulating ``index_put``, which
 Inductor 2.13 writes for the CPU as atomic adds, slow and, in a 2-D tiled loop,
@@ -49,9 +49,14 @@ QUANTIZE = torch.ops.lowprec.quantize.default
 MAX_IM2COL = 1 << 18
 # Most taps (kernel positions) gathered one strided slice each: Inductor generates a loop
 # per tap in the forward and a shifted window per tap in the backward, so the compile grows
-# with them while the step gains no more (a 7x7 stem's 49 taps doubled an HF ResNet's
-# cold compile). Non-overlapping patches take no gather and have no such bound.
+# with them while the step gains no more (docs/fp8.md). Non-overlapping patches take no
+# gather and have no such bound.
 MAX_TAPS = 9
+
+
+def _is_patches(kernel: tuple[int, int], stride: tuple[int, int], dilation: tuple[int, int]) -> bool:
+    """Non-overlapping patches: the stride equals the kernel, no dilation."""
+    return stride == kernel and dilation == (1, 1)
 
 
 def _pads(padding: str | int | tuple[int, ...], kernel: tuple[int, int], dilation: tuple[int, int]):
@@ -89,7 +94,7 @@ def im2col_conv2d(
     padded = torch.ops.lowprec.realize(F.pad(x, (left, right, top, bottom)).permute(0, 2, 3, 1))
     n, height, width, _ = padded.shape
     out_h, out_w = _out_size(height, 0, kh, sh, dh), _out_size(width, 0, kw, sw, dw)
-    if (sh, sw, dh, dw) == (kh, kw, 1, 1):
+    if _is_patches((kh, kw), (sh, sw), (dh, dw)):
         # Non-overlapping patches (a ViT's patch embedding): the im2col matrix is a
         # permutation of the (cropped) input, with no gather per tap.
         patches = padded[:, : out_h * kh, : out_w * kw].reshape(n, out_h, kh, out_w, kw, in_channels)
@@ -138,7 +143,7 @@ def _rewritable(args: dict[str, object]) -> bool:
         return False  # dynamic shapes: the size limit needs sizes
     (sh, sw), (dh, dw) = _pair(args["stride"]), _pair(args["dilation"])
     _, in_channels, kh, kw = w.shape
-    if kh * kw > MAX_TAPS and (sh, sw, dh, dw) != (kh, kw, 1, 1):
+    if kh * kw > MAX_TAPS and not _is_patches((kh, kw), (sh, sw), (dh, dw)):
         return False
     left, right, top, bottom = _pads(args["padding"], (kh, kw), (dh, dw))
     rows = (
