@@ -7,7 +7,16 @@ import statistics
 import pytest
 
 from benchmarks.papers.common import mean_std, standard_error, within_spread, worse_by
-from benchmarks.papers.mellempudi import DIGITS_EPOCHS, LM_EVAL_EVERY, LM_STEPS, VARIANTS, run_digits, run_lm
+from benchmarks.papers.mellempudi import (
+    DIGITS_EPOCHS,
+    LM_EVAL_EVERY,
+    LM_FLOORS,
+    LM_STEPS,
+    VARIANTS,
+    run_digits,
+    run_lm,
+    scaler_options,
+)
 from examples.data import load_digits, load_stdlib_source
 from examples.train import train_digits
 
@@ -62,6 +71,16 @@ def test_fp8_without_loss_scaling_is_worse_than_the_full_recipe_on_the_lm(bits_p
     bpc = bits_per_char
     worse = worse_by(bpc["full, no loss scaling"], bpc["full recipe"], k=2.0, higher_is_better=False)
     assert worse, _report(bpc, "full, no loss scaling", "full recipe")
+
+
+def test_the_binding_floor_variant_raises_every_floor_one_binade_and_only_scaled_variants_get_one():
+    full = scaler_options(300, LM_FLOORS, VARIANTS["full recipe"])
+    binding = scaler_options(300, LM_FLOORS, VARIANTS["full, binding floor"])
+    assert full["min_scale"] == LM_FLOORS[0] and binding["min_scale"] == 2 * LM_FLOORS[0]
+    assert full["min_scale_schedule"] == {100: LM_FLOORS[1], 200: LM_FLOORS[2]}
+    assert binding["min_scale_schedule"] == {step: 2 * f for step, f in full["min_scale_schedule"].items()}
+    assert scaler_options(300, LM_FLOORS, VARIANTS["FP32"]) is None
+    assert scaler_options(300, LM_FLOORS, VARIANTS["full, no loss scaling"]) is None
 
 
 @pytest.mark.parametrize("kwargs", [{"epochs": 0}, {"batch_size": 0}, {"batch_size": 10**6}])
