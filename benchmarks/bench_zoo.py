@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -101,10 +102,41 @@ def measure(name: str, backend: object, device: str, steps: int) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+def spread(values: list[float], digits: int) -> str:
+    """The median of repeated measurements, with their range when there are several."""
+    median = statistics.median(values)
+    if len(values) == 1:
+        return f"{median:.{digits}f}"
+    return f"{median:.{digits}f} ({min(values):.{digits}f}-{max(values):.{digits}f})"
+
+
+def row(name: str, repeats: list[dict[str, dict]]) -> str:
+    """One model's line of the table from its repeats."""
+    errors = [f"{k}: {v['error']}" for r in repeats for k, v in r.items() if "error" in v]
+    if errors:
+        return f"| {name} | {errors[0]} |" + " |" * 9
+
+    def each(variant: str, key: str, scale: float = 1.0) -> list[float]:
+        return [r[variant][key] * scale for r in repeats]
+
+    step_ratio = [r["lowprec"]["step"] / r["inductor"]["step"] for r in repeats]
+    compile_ratio = [r["lowprec"]["first"] / r["inductor"]["first"] for r in repeats]
+    lp = repeats[0]["lowprec"]
+    return (
+        f"| {name} | {spread(each('eager', 'step', 1e3), 2)} | {spread(each('inductor', 'step', 1e3), 2)}"
+        f" | {spread(each('lowprec', 'step', 1e3), 2)} | {spread(step_ratio, 2)}"
+        f" | {spread(each('inductor', 'first'), 1)} | {spread(each('lowprec', 'first'), 1)}"
+        f" | {spread(compile_ratio, 2)} | {lp['rounded']} / {lp['kept']}"
+        f" | {max(each('inductor', 'peak_mb')):.0f} | {max(each('lowprec', 'peak_mb')):.0f} |"
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--models", nargs="*", default=list(ZOO))
-    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--repeats", type=int, default=1, help="processes per model and variant")
+    parser.add_argument("--name", default="zoo", help="results file: benchmarks/results/<name>.md")
     parser.add_argument("--device", default="cpu")
     args = parser.parse_args()
     rows = [
@@ -113,32 +145,26 @@ def main() -> None:
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name in args.models:
-        r = {
-            variant: measure(name, backend, args.device, args.steps) for variant, backend in VARIANTS.items()
-        }
-        print(name, json.dumps(r), flush=True)
-        if any("error" in v for v in r.values()):
-            errors = "; ".join(f"{k}: {v['error']}" for k, v in r.items() if "error" in v)
-            rows.append(f"| {name} | {errors} |" + " |" * 9)
-            continue
-        e, i, lp = r["eager"], r["inductor"], r["lowprec"]
-        rows.append(
-            f"| {name} | {e['step'] * 1e3:.2f} | {i['step'] * 1e3:.2f} | {lp['step'] * 1e3:.2f}"
-            f" | {lp['step'] / i['step']:.2f} | {i['first']:.1f} | {lp['first']:.1f}"
-            f" | {lp['first'] / i['first']:.2f}"
-            f" | {lp['rounded']} / {lp['kept']} | {i['peak_mb']:.0f} | {lp['peak_mb']:.0f} |"
-        )
+        # a repeat measures the three variants back to back: its ratios compare neighbours in time
+        repeats = [
+            {v: measure(name, backend, args.device, args.steps) for v, backend in VARIANTS.items()}
+            for _ in range(args.repeats)
+        ]
+        print(name, json.dumps(repeats), flush=True)
+        rows.append(row(name, repeats))
     command = "python -m benchmarks.bench_zoo " + " ".join(sys.argv[1:])
     body = "\n".join(rows) + (
         f"\n\nCommand: `{command}` (device {args.device}). One process per model and variant, each with an"
         " empty Inductor cache: the cold compile is the first training step (forward, backward, SGD),"
-        f" the step time the median of the {args.steps} steps after it. lowprec: `fp8-e5m2-sr`,"
+        f" the step time the median of the {args.steps} steps after it. With --repeats, each cell is"
+        " the median over the repeats (their range in brackets), a ratio taken within each repeat."
+        " lowprec: `fp8-e5m2-sr`,"
         ' `attention="operands"`, Inductor executor. Products: rows of `lpcompile.coverage`'
         " (a layer's product rounded, or kept in higher precision). Peak MB: the process's peak"
-        " resident memory, compile included. One run: this machine drifts by up to 60% between runs."
+        " resident memory, compile included. This machine drifts by up to 60% between runs."
     )
     print(body)
-    write_results("zoo", "Model zoo: step, compile, coverage, memory (bench_zoo.py)", body)
+    write_results(args.name, "Model zoo: step, compile, coverage, memory (bench_zoo.py)", body)
 
 
 if __name__ == "__main__":
