@@ -130,6 +130,25 @@ def test_dynamos_own_checkpoint_bodies_are_left_unchanged():
         assert "lowprec" not in body.code, body.code
 
 
+def test_aot_autograds_cache_keeps_a_checkpointed_graph():
+    """The passes' links from a body to its parent graph are cyclic: left in the body's meta,
+    AOT autograd could not pickle its cache key, logged the error and compiled again in every
+    process. A second compile of the model is now a cache hit."""
+    from torch._dynamo.utils import counters
+    from torch._inductor.utils import fresh_cache
+
+    options = {"recipe": "fp8-e5m2-sr", "executor": "inductor"}
+    counters.clear()
+    with fresh_cache():
+        for _ in range(2):
+            torch._dynamo.reset()  # a new compile, as in a new process
+            torch.compile(Checkpointed(), backend="lowprec", options=options)(
+                torch.randn(4, 8)
+            ).sum().backward()
+    aot = dict(counters["aot_autograd"])
+    assert aot.get("autograd_cache_bypass", 0) == 0 and aot.get("autograd_cache_hit", 0) == 1, aot
+
+
 def test_products_in_other_higher_order_subgraphs_warn_by_name():
     """torch.cond's branches are subgraphs the pass does not enter: never silently FP32."""
 

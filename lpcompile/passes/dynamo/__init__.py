@@ -9,7 +9,7 @@ from lpcompile.passes.dynamo.attention import MHA, SDPA, decompose_attention, de
 from lpcompile.passes.dynamo.conv import im2col_applies, use_im2col_convs
 from lpcompile.passes.dynamo.loss_scale import insert_loss_scale, loss_scale_applies
 from lpcompile.passes.dynamo.pipeline import insert_predict_weight, remove_pipe_splits, split_stages
-from lpcompile.passes.dynamo.quantize import insert_quantize
+from lpcompile.passes.dynamo.quantize import forget_checkpoint_parents, has_checkpoint_bodies, insert_quantize
 from lpcompile.passes.dynamo.recurrent import RECURRENT, decompose_recurrent_layers
 from lpcompile.passes.dynamo.saturation import counts_saturation, insert_saturation_counts
 from lpcompile.passes.stages import is_pipe_split
@@ -56,4 +56,5 @@ DYNAMO_PASSES = (
     Pass(insert_predict_weight, pipelined),
     Pass(remove_pipe_splits, has_stage_markers),
     Pass(insert_saturation_counts, counts_saturation),
+    Pass(forget_checkpoint_parents, has_checkpoint_bodies),
 )

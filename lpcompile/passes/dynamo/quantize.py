@@ -153,6 +153,23 @@ def checkpoint_bodies(gm: torch.fx.GraphModule) -> list[tuple[torch.fx.GraphModu
     return found
 
 
+def has_checkpoint_bodies(gm: torch.fx.GraphModule, ctx: CompileContext, kind: str) -> bool:
+    return bool(gm.graph.find_nodes(op="call_function", target=CHECKPOINT))
+
+
+def forget_checkpoint_parents(gm: torch.fx.GraphModule, ctx: CompileContext) -> None:
+    """Take off the bodies the marks :func:`checkpoint_bodies` and :func:`graph_input` left.
+
+    They point back into the parent graph, and AOT autograd keys its cache on a pickle of
+    every submodule's ``meta``: with a cycle there it logged a pickling error and compiled
+    the graph again in every process.
+    """
+    for module in gm.modules():
+        if isinstance(module, torch.fx.GraphModule):
+            module.meta.pop(CHECKPOINT_PARENT, None)
+            module.meta.pop(BODY_INPUTS, None)
+
+
 def _operands_to_args(call: torch.fx.Node) -> None:
     """Move operands passed by keyword (``F.linear(x, weight=w)``) to their positions."""
     args, kwargs = list(call.args), dict(call.kwargs)
