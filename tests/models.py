@@ -214,3 +214,18 @@ def inductor_runs_fx(monkeypatch) -> dict:
 
     stand_in_for_inductor(monkeypatch, inner)
     return received
+
+
+def aot_cache_counts(make_model: Callable[[], nn.Module], x: torch.Tensor, options: dict) -> dict[str, int]:
+    """AOT autograd's cache counters over two compiles of a fresh ``make_model()`` in an
+    empty Inductor cache (Dynamo reset between them, as in two processes): a graph the
+    cache keeps is saved once and then hit, one it cannot key is bypassed twice."""
+    from torch._dynamo.utils import counters
+    from torch._inductor.utils import fresh_cache
+
+    counters.clear()
+    with fresh_cache():
+        for _ in range(2):
+            torch._dynamo.reset()
+            torch.compile(make_model(), backend="lowprec", options=options)(x).sum().backward()
+    return dict(counters["aot_autograd"])

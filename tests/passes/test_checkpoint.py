@@ -8,7 +8,7 @@ from collections import defaultdict
 import pytest
 import torch
 from grid import grid_step, watched_backend
-from models import Records
+from models import Records, aot_cache_counts
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import checkpoint
@@ -134,18 +134,7 @@ def test_aot_autograds_cache_keeps_a_checkpointed_graph():
     """The passes' links from a body to its parent graph are cyclic: left in the body's meta,
     AOT autograd could not pickle its cache key, logged the error and compiled again in every
     process. A second compile of the model is now a cache hit."""
-    from torch._dynamo.utils import counters
-    from torch._inductor.utils import fresh_cache
-
-    options = {"recipe": "fp8-e5m2-sr", "executor": "inductor"}
-    counters.clear()
-    with fresh_cache():
-        for _ in range(2):
-            torch._dynamo.reset()  # a new compile, as in a new process
-            torch.compile(Checkpointed(), backend="lowprec", options=options)(
-                torch.randn(4, 8)
-            ).sum().backward()
-    aot = dict(counters["aot_autograd"])
+    aot = aot_cache_counts(Checkpointed, torch.randn(4, 8), {"recipe": "fp8-e5m2-sr", "executor": "inductor"})
     assert aot.get("autograd_cache_bypass", 0) == 0 and aot.get("autograd_cache_hit", 0) == 1, aot
 
 

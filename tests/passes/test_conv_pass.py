@@ -11,9 +11,10 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from models import Records, assert_close_through_rounding, inductor_runs_fx, step
+from models import Records, aot_cache_counts, assert_close_through_rounding, inductor_runs_fx, step
 from torch import nn
 
+from lpcompile.backend import CompiledGraph
 from lpcompile.passes.dynamo.conv import MAX_IM2COL, MAX_TAPS, im2col_conv2d
 
 # (batch, in_channels, height, width, out_channels, kernel, stride, padding, dilation)
@@ -92,11 +93,16 @@ def compiled_step(options: dict, x: torch.Tensor) -> tuple[torch.Tensor, list[to
 
 def rewritten(records: Records) -> int:
     """How many convolutions the pass rewrote (0 where the options leave it out)."""
-    found = [r for r in records.only().records if r.name == "use_im2col_convs"]
+    return rewritten_in(records.only())
+
+
+def rewritten_in(record: CompiledGraph) -> int:
+    """How many convolutions the pass rewrote in one compiled graph."""
+    found = [r for r in record.records if r.name == "use_im2col_convs"]
     if not found:
         return 0
     (record,) = found
-    assert record.nodes_removed == record.code_after.count("im2col_conv2d(")
+    assert record.nodes_removed == record.code_after.count("torch.ops.lowprec.realize(")  # one per im2col
     return record.nodes_removed
 
 
@@ -136,7 +142,8 @@ class TwoSizes(nn.Module):
 
 def compile_and_split(model: nn.Module, x: torch.Tensor) -> tuple[list[str], list[str]]:
     """One training step of ``model`` under ``fp8-e5m2-sr``; the lines of the rewritten
-    graph that call ATen's convolution and those that call ``im2col_conv2d``."""
+    graph that call ATen's convolution and those that store an im2col's input (one per
+    convolution rewritten)."""
     records = Records()
     torch._dynamo.reset()
     compiled = torch.compile(model, backend="lowprec", options={"recipe": "fp8-e5m2-sr"})
@@ -145,7 +152,7 @@ def compile_and_split(model: nn.Module, x: torch.Tensor) -> tuple[list[str], lis
     (record,) = [r for r in records.only().records if r.name == "use_im2col_convs"]
     lines = record.code_after.splitlines()
     convs = [line for line in lines if "torch.conv2d(" in line]
-    return convs, [line for line in lines if "im2col_conv2d(" in line]
+    return convs, [line for line in lines if "torch.ops.lowprec.realize(" in line]
 
 
 def test_convolutions_whose_im2col_exceeds_the_limit_keep_atens(monkeypatch):
@@ -153,7 +160,7 @@ def test_convolutions_whose_im2col_exceeds_the_limit_keep_atens(monkeypatch):
     inductor_runs_fx(monkeypatch)
     x = torch.rand(64, 1, 32, 32, generator=torch.Generator().manual_seed(4))
     (conv,), (im2col,) = compile_and_split(TwoSizes(), x)
-    assert "large_parameters_bias" in conv and "at_limit_parameters_bias" in im2col
+    assert "large_parameters_bias" in conv and im2col
 
 
 class Kernels(nn.Module):
@@ -169,6 +176,15 @@ class Kernels(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.patches(self.small(self.wide(x).relu()).relu()).sum((2, 3))
+
+
+def test_aot_autograds_cache_keeps_a_graph_with_rewritten_convolutions():
+    """The rewrite is inlined as torch's own functions: a call of lowprec's Python function
+    in the graph made AOT autograd bypass its cache ("Unsupported call_function target")."""
+    records = Records()
+    aot = aot_cache_counts(FirstConv, digits_like(), {"recipe": "fp8-e5m2-sr"})
+    assert [rewritten_in(record) for record in records.new] == [3, 3]
+    assert aot.get("autograd_cache_bypass", 0) == 0 and aot.get("autograd_cache_hit", 0) == 1, aot
 
 
 def test_kernels_of_more_positions_than_the_limit_keep_atens_unless_they_are_patches(monkeypatch):

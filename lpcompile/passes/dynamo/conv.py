@@ -32,12 +32,15 @@ of the FP32 additions differs from oneDNN's.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.fx
 import torch.nn.functional as F
 from torch.nn.modules.utils import _pair
 
 from lpcompile.passes.driver import CompileContext
+from lpcompile.passes.graph import inline
 
 CONV2D_TARGETS = (torch.conv2d, F.conv2d)
 CONV2D_PARAMS = ("input", "weight", "bias", "stride", "padding", "dilation", "groups")
@@ -84,15 +87,20 @@ def im2col_conv2d(
     stride: int | tuple[int, int] = 1,
     padding: str | int | tuple[int, int] = 0,
     dilation: int | tuple[int, int] = 1,
+    *,
+    sizes: tuple[Sequence[int], Sequence[int]] | None = None,
 ) -> torch.Tensor:
-    """``F.conv2d`` of a batch ``x`` (one group) as an im2col matrix times the weight."""
+    """``F.conv2d`` of a batch ``x`` (one group) as an im2col matrix times the weight.
+
+    ``sizes``: those of ``x`` and ``weight``, where they are FX proxies (the pass inlines
+    this function into the graph)."""
     (sh, sw), (dh, dw) = _pair(stride), _pair(dilation)
-    out_channels, in_channels, kh, kw = weight.shape
+    (n, _, in_height, in_width), (out_channels, in_channels, kh, kw) = sizes or (x.shape, weight.shape)
     left, right, top, bottom = _pads(padding, (kh, kw), (dh, dw))
     # Stored once, channels-last: the gather below would otherwise recompute a
     # quantize per tap, and a tap's channels are then adjacent.
     padded = torch.ops.lowprec.realize(F.pad(x, (left, right, top, bottom)).permute(0, 2, 3, 1))
-    n, height, width, _ = padded.shape
+    height, width = in_height + top + bottom, in_width + left + right
     out_h, out_w = _out_size(height, 0, kh, sh, dh), _out_size(width, 0, kw, sw, dw)
     if _is_patches((kh, kw), (sh, sw), (dh, dw)):
         # Non-overlapping patches (a ViT's patch embedding): the im2col matrix is a
@@ -164,18 +172,16 @@ def im2col_applies(gm: torch.fx.GraphModule, ctx: CompileContext, kind: str) -> 
 
 def use_im2col_convs(gm: torch.fx.GraphModule, ctx: CompileContext) -> None:
     """Replace quantized CPU conv2d calls whose im2col matrix has at most
-    :data:`MAX_IM2COL` elements by :func:`im2col_conv2d` (Inductor compiles
-    without pipelining, ``conv="auto"``)."""
+    :data:`MAX_IM2COL` elements by the ops of :func:`im2col_conv2d` (Inductor compiles
+    without pipelining, ``conv="auto"``). Inlined, not called: AOT autograd caches only
+    graphs of torch's own functions."""
     for node in list(gm.graph.nodes):
         args = _conv2d_args(node)
         if args is None or not _rewritable(args):
             continue
-        with gm.graph.inserting_before(node):
-            call = gm.graph.call_function(
-                im2col_conv2d,
-                (args["input"], args["weight"], args["bias"]),
-                {key: args[key] for key in GEOMETRY},
-            )
-        call.meta = dict(node.meta)
-        node.replace_all_uses_with(call)
+        x, weight = args["input"], args["weight"]
+        sizes = (tuple(x.meta["example_value"].shape), tuple(weight.meta["example_value"].shape))
+        operands = {"x": x, "weight": weight, "bias": args["bias"], "sizes": sizes}
+        out = inline(gm, node, im2col_conv2d, {**operands, **{key: args[key] for key in GEOMETRY}})
+        node.replace_all_uses_with(out)
         gm.graph.erase_node(node)
