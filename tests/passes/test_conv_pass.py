@@ -101,9 +101,9 @@ def rewritten_in(record: CompiledGraph) -> int:
     found = [r for r in record.records if r.name == "use_im2col_convs"]
     if not found:
         return 0
-    (record,) = found
-    assert record.nodes_removed == record.code_after.count("torch.ops.lowprec.realize(")  # one per im2col
-    return record.nodes_removed
+    (rewrite,) = found
+    assert rewrite.nodes_removed == rewrite.code_after.count("torch.ops.lowprec.realize(")  # one per im2col
+    return rewrite.nodes_removed
 
 
 @pytest.mark.parametrize(
