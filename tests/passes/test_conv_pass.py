@@ -96,12 +96,18 @@ def rewritten(records: Records) -> int:
     return rewritten_in(records.only())
 
 
+def im2col_record(record: CompiledGraph):
+    """The pass's record in one compiled graph, or ``None`` where it did not run."""
+    found = [r for r in record.records if r.name == "use_im2col_convs"]
+    assert len(found) <= 1, found
+    return found[0] if found else None
+
+
 def rewritten_in(record: CompiledGraph) -> int:
     """How many convolutions the pass rewrote in one compiled graph."""
-    found = [r for r in record.records if r.name == "use_im2col_convs"]
-    if not found:
+    rewrite = im2col_record(record)
+    if rewrite is None:
         return 0
-    (rewrite,) = found
     assert rewrite.nodes_removed == rewrite.code_after.count("torch.ops.lowprec.realize(")  # one per im2col
     return rewrite.nodes_removed
 
@@ -149,8 +155,7 @@ def compile_and_split(model: nn.Module, x: torch.Tensor) -> tuple[list[str], lis
     compiled = torch.compile(model, backend="lowprec", options={"recipe": "fp8-e5m2-sr"})
     with torch._functorch.config.patch(enable_autograd_cache=False):
         step(model, lambda: compiled(x))
-    (record,) = [r for r in records.only().records if r.name == "use_im2col_convs"]
-    lines = record.code_after.splitlines()
+    lines = im2col_record(records.only()).code_after.splitlines()
     convs = [line for line in lines if "torch.conv2d(" in line]
     return convs, [line for line in lines if "torch.ops.lowprec.realize(" in line]
 
