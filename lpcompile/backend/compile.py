@@ -182,7 +182,7 @@ def _execute(
         }
         # An observer of Inductor's graphs needs them compiled: a cache hit would skip that.
         uncached = torch._functorch.config.patch(enable_autograd_cache=False)
-        with uncached if observers else contextlib.nullcontext(), lowering.grid_marks():
+        with uncached if observers else contextlib.nullcontext():
             compiled = compile_fx(
                 gm,
                 example_inputs,

@@ -6,20 +6,20 @@ so nothing imports it at ``import lpcompile``: the backend imports it, and
 Inductor itself is imported (a plain ``torch.compile`` of code that calls
 ``lpcompile.quantize`` fuses the operators as well).
 
-* ``quantize``, ``predict_weight``: their reference implementations, traced
-  into Inductor's own kernels. Inside :func:`grid_marks` an unscaled quantize
-  ends in ``lowprec::on_grid`` (the joint-graph passes read and remove it).
+* ``quantize``: lowered as one pointwise node (:func:`_lower_quantize`) that
+  issues the rounding's and the generator's ops once each. Decomposed into ATen
+  ops, every value read twice (``x ^ (x >> s)``, ``where(c, a, a)``) was
+  re-traced once per read: an E5M2 rounding cost Inductor hundreds of op calls
+  per kernel body, a stochastic one's key thousands, and compile time grew with
+  them. A scaled quantize decomposes into an unscaled one between the multiply
+  and the divide.
+* ``predict_weight``: its reference implementation, traced into Inductor's kernels.
 * ``quantize_grad``, ``scale_grad``: the identity in the forward (their
   backward nodes come from autograd).
-* ``counter_bits``: a lowering of its own, see :func:`_lower_counter_bits`.
-* ``on_grid``: nothing; ``realize``: computed once into a buffer.
+* ``realize``: computed once into a buffer.
 """
 
 from __future__ import annotations
-
-import contextlib
-import contextvars
-from collections.abc import Iterator
 
 import torch
 from torch._inductor import decomposition, ir
@@ -29,31 +29,18 @@ from torch._inductor.utils import sympy_product
 from torch._inductor.virtualized import V, ops
 
 from lpcompile.numerics import predict, rng, scale_grad  # noqa: F401  (defines their operators)
-from lpcompile.numerics.quantize import quantize_reference
-
-# Set while the lowprec backend has Inductor compile its graphs: only there do the
-# joint-graph passes read the marks and take them out again. A plain torch.compile
-# that meets lowprec::quantize gets no marks.
-_GRID_MARKS = contextvars.ContextVar("lowprec_grid_marks", default=False)
-
-
-@contextlib.contextmanager
-def grid_marks() -> Iterator[None]:
-    """Inductor's decomposition of an unscaled quantize ends in ``lowprec::on_grid`` here."""
-    token = _GRID_MARKS.set(True)
-    try:
-        yield
-    finally:
-        _GRID_MARKS.reset(token)
+from lpcompile.numerics.quantize import check_args, round_value
 
 
 @register_decomposition(torch.ops.lowprec.quantize.default)
 def _decompose_quantize(x, fmt, rounding, overflow, seed, offset, scale):
-    out = quantize_reference(x, fmt, rounding, overflow, seed, offset, scale)
-    # Unscaled, every value is on fmt's grid: lpcompile.passes.joint.matmul reads the mark.
-    if scale is None and _GRID_MARKS.get():
-        return torch.ops.lowprec.on_grid(out, fmt)
-    return out
+    if scale is not None:  # the reference's steps around an unscaled quantize
+        xf = x.to(torch.float32) * scale
+        rounded = torch.ops.lowprec.quantize(xf, fmt, rounding, overflow, seed, offset, None)
+        return (rounded / scale).to(x.dtype)
+    if seed is not None and seed.device != x.device:
+        return torch.ops.lowprec.quantize(x, fmt, rounding, overflow, seed.to(x.device), offset, None)
+    return NotImplemented  # lowered by _lower_quantize
 
 
 @register_decomposition(torch.ops.lowprec.quantize_grad.default)
@@ -71,37 +58,55 @@ def _decompose_predict_weight(w, buf, lr, delay, mode):
     return predict.predict_weight_reference(w, buf, lr, delay, mode)
 
 
-@register_lowering(torch.ops.lowprec.counter_bits.default, type_promotion_kind=None)
-def _lower_counter_bits(key: ir.TensorBox, shape: list) -> ir.TensorBox:
-    """The hash as one Inductor pointwise node, each step's value built once.
+def _stream_key(seed: ir.TensorBox, offset) -> ir.TensorBox:
+    """The 0-dim int32 key of ``seed`` and ``offset`` (:func:`rng.key_value`), computed
+    once into its own buffer."""
+    load_seed = seed.make_loader()
 
-    Decomposed into ATen ops, every xor-shift ``x ^ (x >> s)`` reads ``x``
-    twice, and Inductor re-traces an inlined value once per read: 2^6 traces
-    of the hash per kernel body, and stochastic rounding compiled several
-    times slower than round-to-nearest. Here the ops are issued once, from
-    ``MIX_STEPS``.
-    """
-    numel = sympy_product(shape)
-    rng.check_numel(V.graph.sizevars.optimization_hint(numel))
-    V.graph.sizevars.check_lt(numel, 1 << 31)  # a dynamic size: guarded
-    key.realize()  # the 0-dim key: computed once, in its own kernel
-    load_key = key.make_loader()
+    def inner_fn(index):
+        if isinstance(offset, int):
+            low_bits = ops.constant(rng.to_int32(offset), torch.int32)
+        else:  # symbolic (the direct API's compiled kernel): below 2**32, its low 32 bits
+            sign = ops.constant(1 << 31, torch.int64)
+            wide = ops.index_expr(offset, torch.int64)
+            low_bits = ops.to_dtype(ops.sub(ops.bitwise_xor(wide, sign), sign), torch.int32)
+        return rng.key_value(ops.to_dtype(load_seed([]), torch.int64), low_bits, ops)
+
+    key = ir.Pointwise.create(device=seed.get_device(), dtype=torch.int32, inner_fn=inner_fn, ranges=[])
+    key.realize()
+    return key
+
+
+@register_lowering(torch.ops.lowprec.quantize.default, type_promotion_kind=None)
+def _lower_quantize(x: ir.TensorBox, fmt, rounding, overflow, seed, offset, scale=None) -> ir.TensorBox:
+    """An unscaled quantize as one pointwise node, each op of :func:`round_value` (and,
+    for stochastic rounding, of the generator) issued once per kernel body."""
+    dtype = x.get_dtype()
+    target = check_args(torch.empty((), dtype=dtype, device="meta"), fmt, rounding, overflow)
+    shape = list(x.get_size())
+    load_x = x.make_loader()
+    load_key = None
+    if rounding == "stochastic":
+        if seed is None:
+            raise ValueError("stochastic rounding needs a seed")
+        numel = sympy_product(shape)
+        rng.check_numel(V.graph.sizevars.optimization_hint(numel))
+        V.graph.sizevars.check_lt(numel, 1 << 31)  # a dynamic size: guarded
+        load_key = _stream_key(seed, offset).make_loader()
     strides = ir.FlexibleLayout.contiguous_strides(shape)
 
     def inner_fn(index):
-        row_major = sum((i * stride for i, stride in zip(index, strides, strict=True)), 0)
-        k = load_key([])
-        mixed = rng.mix_ops(ops.bitwise_xor(ops.index_expr(row_major, torch.int32), k), ops)
-        return rng.mix_ops(ops.add(mixed, k), ops)
+        xf = load_x(index)
+        if dtype != torch.float32:
+            xf = ops.to_dtype(xf, torch.float32)
+        random = None
+        if load_key is not None:  # element indices are row-major, whatever the layout
+            row_major = sum((i * stride for i, stride in zip(index, strides, strict=True)), 0)
+            random = rng.bits_from_index(ops.index_expr(row_major, torch.int32), load_key([]), ops)
+        out = round_value(xf, target, rounding, overflow, random, ops)
+        return out if dtype == torch.float32 else ops.to_dtype(out, dtype)
 
-    return ir.Pointwise.create(
-        device=key.get_device(), dtype=torch.int32, inner_fn=inner_fn, ranges=list(shape)
-    )
-
-
-@register_lowering(torch.ops.lowprec.on_grid.default, type_promotion_kind=None)
-def _lower_on_grid(x: ir.TensorBox, fmt: str) -> ir.TensorBox:
-    return x  # a mark the joint-graph passes did not remove costs nothing
+    return ir.Pointwise.create(device=x.get_device(), dtype=dtype, inner_fn=inner_fn, ranges=shape)
 
 
 @register_lowering(torch.ops.lowprec.realize.default, type_promotion_kind=None)

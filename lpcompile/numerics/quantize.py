@@ -7,18 +7,16 @@
   identity in the forward; its gradient is ``quantize`` of the incoming
   gradient. This is how errors and weight gradients get quantize nodes in the
   backward graph: autograd places them.
-* ``lowprec::counter_bits(key, shape)``: stochastic rounding's random bits
-  (:mod:`lpcompile.numerics.rng`).
-* ``lowprec::on_grid(x, fmt)``: the identity, marking ``x`` as lying on
-  ``fmt``'s grid for the joint-graph passes (``lpcompile.passes.joint.matmul``).
 * ``lowprec::realize(x)``: the identity, whose Inductor lowering stores ``x``
   in a buffer rather than recomputing it wherever it is read
   (``lpcompile.passes.dynamo.conv``, ``lpcompile.passes.aot.layout``).
 
-The reference implementations are plain torch ops on the FP32 bit pattern, in
-32-bit integers. They are the eager kernels, the decompositions Inductor
-compiles (:mod:`lpcompile.numerics.lowering`), and the oracle the generated
-Triton is tested against.
+The rounding works on the FP32 bit pattern, in 32-bit integers, and is written
+once against Inductor's ops-handler names (:func:`round_bits`, with
+:class:`lpcompile.numerics.rng.TorchOps`): run on torch tensors it is the
+reference implementation (the eager kernel, and the oracle the generated Triton
+is tested against); run by Inductor it is the operator's lowering
+(:mod:`lpcompile.numerics.lowering`).
 """
 
 from __future__ import annotations
@@ -73,11 +71,10 @@ def exact_power_steps(exponent: int) -> list[int]:
     return [*steps, exponent]
 
 
-def round_bits(
-    bits: torch.Tensor, fmt: FloatFormat, rounding: str, overflow: str, random: torch.Tensor | None
-) -> torch.Tensor:
+def round_bits(bits, fmt: FloatFormat, rounding: str, overflow: str, random, ops=rng.TorchOps):
     """Round FP32 bit patterns (int32) onto ``fmt``'s grid; return the bit
-    patterns of the rounded magnitudes (sign bit clear).
+    patterns of the rounded magnitudes (sign bit clear). In ``ops``' terms
+    (:class:`lpcompile.numerics.rng.TorchOps`, or Inductor's ops handler).
 
     Normal range: add a rounding increment below the kept mantissa bits and
     truncate (the carry moves into the exponent by itself). Below the smallest
@@ -86,42 +83,59 @@ def round_bits(
     ulp is that spacing; stochastic rounding compares the fraction of a
     spacing with 24 random bits.
     """
+    i32, f32 = torch.int32, torch.float32
+
+    def bits_const(value: int):
+        return ops.constant(value, i32)
+
+    def float_const(value: float):
+        return ops.constant(value, f32)
+
     drop = 23 - fmt.man_bits
-    mag = torch.bitwise_and(bits, _ABS_MASK)
+    mag = ops.bitwise_and(bits, bits_const(_ABS_MASK))
     if drop == 0:
         out = mag
     else:
         low = (1 << drop) - 1
         if rounding == "nearest":
-            odd = torch.bitwise_and(torch.bitwise_right_shift(mag, drop), 1)
-            inc = odd + ((1 << (drop - 1)) - 1)
+            odd = ops.bitwise_and(ops.bitwise_right_shift(mag, bits_const(drop)), bits_const(1))
+            inc = ops.add(odd, bits_const((1 << (drop - 1)) - 1))
         else:
-            inc = torch.bitwise_and(torch.bitwise_right_shift(random, 32 - drop), low)
-        out = torch.bitwise_and(mag + inc, ~low)
+            inc = ops.bitwise_and(ops.bitwise_right_shift(random, bits_const(32 - drop)), bits_const(low))
+        out = ops.bitwise_and(ops.add(mag, inc), bits_const(~low))
     if fmt.min_exp > -126:  # fmt's subnormals are FP32 normals: constant spacing there
-        absx = mag.view(torch.float32)
+        absx = ops.to_dtype_bitcast(mag, f32, i32)
         spacing_exp = fmt.min_exp - fmt.man_bits
         if rounding == "nearest":
-            magic = 2.0 ** (spacing_exp + 23)
-            sub = (absx + magic) - magic
+            magic = float_const(2.0 ** (spacing_exp + 23))
+            sub = ops.sub(ops.add(absx, magic), magic)
         else:
             units = absx
             for step in exact_power_steps(-spacing_exp):
-                units = units * 2.0**step
-            whole = torch.floor(units)
-            uniform = torch.bitwise_and(torch.bitwise_right_shift(random, 8), 0xFFFFFF)
-            up = (units - whole) > uniform.to(torch.float32) * 2.0**-24
-            sub = (whole + up.to(torch.float32)) * 2.0**spacing_exp
-        tiny = mag < ((fmt.min_exp + 127) << 23)
-        out = torch.where(tiny, sub.view(torch.int32), out)
+                units = ops.mul(units, float_const(2.0**step))
+            whole = ops.floor(units)
+            uniform = ops.bitwise_and(ops.bitwise_right_shift(random, bits_const(8)), bits_const(0xFFFFFF))
+            threshold = ops.mul(ops.to_dtype(uniform, f32), float_const(2.0**-24))
+            up = ops.gt(ops.sub(units, whole), threshold)
+            sub = ops.mul(ops.add(whole, ops.to_dtype(up, f32)), float_const(2.0**spacing_exp))
+        tiny = ops.lt(mag, bits_const((fmt.min_exp + 127) << 23))
+        out = ops.where(tiny, ops.to_dtype_bitcast(sub, i32, f32), out)
     max_bits = _f32_bits(fmt.max)
     if overflow == "saturate" or not (fmt.has_inf or fmt.has_nan):
         over_bits = max_bits
     else:
         over_bits = _EXP_MASK if fmt.has_inf else _NAN_BITS
     # Finite overflow and infinite inputs alike go to over_bits; NaN stays NaN.
-    out = torch.where(out > max_bits, over_bits, out)
-    return torch.where(mag > _EXP_MASK, _NAN_BITS, out)
+    out = ops.where(ops.gt(out, bits_const(max_bits)), bits_const(over_bits), out)
+    return ops.where(ops.gt(mag, bits_const(_EXP_MASK)), bits_const(_NAN_BITS), out)
+
+
+def round_value(xf, fmt: FloatFormat, rounding: str, overflow: str, random, ops=rng.TorchOps):
+    """``xf`` (FP32) rounded onto ``fmt``'s grid, in FP32, its sign put back with
+    ``copysign``; in ``ops``' terms (see :func:`round_bits`)."""
+    i32, f32 = torch.int32, torch.float32
+    mag = round_bits(ops.to_dtype_bitcast(xf, i32, f32), fmt, rounding, overflow, random, ops)
+    return ops.copysign(ops.to_dtype_bitcast(mag, f32, i32), xf)
 
 
 def quantize_reference(
@@ -144,35 +158,11 @@ def quantize_reference(
     if rounding == "stochastic":
         if seed is None:
             raise ValueError("stochastic rounding needs a seed")
-        key = rng.key_tensor(seed.to(x.device), offset)
-        random = torch.ops.lowprec.counter_bits(key, list(x.shape))
-    # The sign goes back on as a float op, not as bits: Inductor stores the input of a
-    # final int32 -> float32 view in the default (contiguous) layout, so a quantize
-    # feeding a channels-last convolution wrote its bits and transposed them back.
-    # With copysign the output is a float node that Inductor lays out for its consumer.
-    mag = round_bits(xf.view(torch.int32), target, rounding, overflow, random)
-    out = torch.copysign(mag.view(torch.float32), xf)
+        random = rng.index_bits(x.shape, rng.key_tensor(seed.to(x.device), offset))
+    out = round_value(xf, target, rounding, overflow, random)
     if scale is not None:
         out = out / scale
     return out.to(x.dtype)
-
-
-def _check_key(key: torch.Tensor) -> None:
-    if key.dim() != 0 or key.dtype != torch.int32:
-        got = f"{key.dtype} {tuple(key.shape)}"
-        raise ValueError(f"counter_bits takes a 0-dim int32 key (rng.key_tensor), got {got}")
-
-
-@torch.library.custom_op("lowprec::counter_bits", mutates_args=())
-def counter_bits_op(key: torch.Tensor, shape: list[int]) -> torch.Tensor:
-    _check_key(key)
-    return rng.index_bits(shape, key)
-
-
-@counter_bits_op.register_fake
-def _(key, shape):
-    _check_key(key)
-    return key.new_empty(shape, dtype=torch.int32)
 
 
 @torch.library.custom_op("lowprec::quantize", mutates_args=())
@@ -232,17 +222,6 @@ def _quantize_incoming(ctx, grad):
 
 
 quantize_grad_op.register_autograd(_quantize_incoming, setup_context=_save_grad_spec)
-
-
-@torch.library.custom_op("lowprec::on_grid", mutates_args=())
-def on_grid_op(x: torch.Tensor, fmt: str) -> torch.Tensor:
-    """The identity, marking ``x`` as a tensor on ``fmt``'s grid for the joint-graph passes."""
-    return x.clone()
-
-
-@on_grid_op.register_fake
-def _(x, fmt):
-    return torch.empty_like(x)
 
 
 @torch.library.custom_op("lowprec::realize", mutates_args=())

@@ -2,11 +2,11 @@
 
 The generator is a stateless integer hash (Wellons' ``lowbias32``: xor-shift,
 multiply, xor-shift, multiply, xor-shift), applied twice per element. It is
-defined once, as the data in :data:`MIX_STEPS`, and executed four ways from
-that data: on Python ints (for host-side keys and tests), on torch int32
-tensors (the reference and eager kernel), in Inductor's ops handler (the
-lowering of ``lowprec::counter_bits``, compiled to vectorised C++), and in
-generated Triton (``lpcompile.codegen``). All give the same bits.
+defined once, as the data in :data:`MIX_STEPS`, and executed from that data on
+Python ints (for host-side keys and tests), in the ops of :class:`TorchOps` or
+of Inductor's ops handler (the reference on torch tensors, and the lowering of
+``lowprec::quantize``, compiled to vectorised C++ or Triton), and in generated
+Triton (``lpcompile.codegen``). All give the same bits.
 
 Only 32-bit integer operations are used: 64-bit integer multiplies vectorise
 poorly on CPUs. Torch has no logical right shift for int32, so a shift by
@@ -51,18 +51,54 @@ def mix_int(x: int) -> int:
     return x
 
 
-def _shr(x: torch.Tensor, s: int) -> torch.Tensor:
+class TorchOps:
+    """Inductor's ops-handler names (``torch._inductor.virtualized.ops``) over torch tensors.
+
+    The generator here and the rounding in :mod:`lpcompile.numerics.quantize` are
+    written once against these names: run with this class they are the reference
+    (eager) implementation; run with Inductor's ``ops`` they are its lowering, each
+    step issued once per kernel body. Constants stay Python numbers, which torch
+    broadcasts in the tensor's dtype.
+    """
+
+    bitwise_and = staticmethod(torch.bitwise_and)
+    bitwise_xor = staticmethod(torch.bitwise_xor)
+    bitwise_right_shift = staticmethod(torch.bitwise_right_shift)
+    add = staticmethod(torch.add)
+    sub = staticmethod(torch.sub)
+    mul = staticmethod(torch.mul)
+    lt = staticmethod(torch.lt)
+    gt = staticmethod(torch.gt)
+    where = staticmethod(torch.where)
+    floor = staticmethod(torch.floor)
+    copysign = staticmethod(torch.copysign)
+
+    @staticmethod
+    def constant(value: int | float, dtype: torch.dtype) -> int | float:
+        return value
+
+    @staticmethod
+    def to_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        return x.to(dtype)
+
+    @staticmethod
+    def to_dtype_bitcast(x: torch.Tensor, dtype: torch.dtype, src_dtype: torch.dtype) -> torch.Tensor:
+        return x.view(dtype)
+
+
+def _shr(x, s: int, ops):
     """Logical right shift of int32 ``x`` by ``s``."""
-    return torch.bitwise_and(torch.bitwise_right_shift(x, s), (1 << (32 - s)) - 1)
+    shifted = ops.bitwise_right_shift(x, ops.constant(s, torch.int32))
+    return ops.bitwise_and(shifted, ops.constant((1 << (32 - s)) - 1, torch.int32))
 
 
-def mix(x: torch.Tensor) -> torch.Tensor:
-    """One hash round on an int32 tensor (wrapping arithmetic)."""
+def mix(x, ops=TorchOps):
+    """One hash round on int32 values (wrapping arithmetic), in ``ops``' terms."""
     for op, c in MIX_STEPS:
         if op == "xorshr":
-            x = torch.bitwise_xor(x, _shr(x, c))
+            x = ops.bitwise_xor(x, _shr(x, c, ops))
         else:
-            x = x * to_int32(c)
+            x = ops.mul(x, ops.constant(to_int32(c), torch.int32))
     return x
 
 
@@ -72,26 +108,32 @@ def key_int(seed: int, offset: int) -> int:
     return mix_int(mix_int(lo ^ mix_int(hi ^ SEED_HI_SALT)) ^ (offset & MASK32))
 
 
+def key_value(seed, offset, ops=TorchOps):
+    """The 32-bit key (int32) of an int64 ``seed`` value and an int32 ``offset`` value
+    (the stream offset's low 32 bits), in ``ops``' terms."""
+    i64, i32 = torch.int64, torch.int32
+    low32 = ops.constant(MASK32, i64)
+    sign = ops.constant(1 << 31, i64)
+    lo = ops.bitwise_and(seed, low32)
+    hi = ops.bitwise_and(ops.bitwise_right_shift(seed, ops.constant(32, i64)), low32)
+    # Both halves into int32 range with the same low 32 bits, so the cast is exact.
+    lo = ops.to_dtype(ops.sub(ops.bitwise_xor(lo, sign), sign), i32)
+    hi = ops.to_dtype(ops.sub(ops.bitwise_xor(hi, sign), sign), i32)
+    salted = ops.bitwise_xor(hi, ops.constant(to_int32(SEED_HI_SALT), i32))
+    inner = mix(ops.bitwise_xor(lo, mix(salted, ops)), ops)
+    return mix(ops.bitwise_xor(inner, offset), ops)
+
+
 def key_tensor(seed: torch.Tensor, offset: int) -> torch.Tensor:
-    """The key as a 0-dim int32 tensor, for a 0-dim int64 ``seed`` tensor."""
-    seed = seed.to(torch.int64)
-    lo = torch.bitwise_and(seed, MASK32)
-    hi = torch.bitwise_and(torch.bitwise_right_shift(seed, 32), MASK32)
-    # Bring both halves into int32 range with the same low 32 bits.
-    lo = (torch.bitwise_xor(lo, 1 << 31) - (1 << 31)).to(torch.int32)
-    hi = (torch.bitwise_xor(hi, 1 << 31) - (1 << 31)).to(torch.int32)
-    inner = mix(torch.bitwise_xor(lo, mix(torch.bitwise_xor(hi, to_int32(SEED_HI_SALT)))))
-    # The offset as a tensor, its low 32 bits: an offset Dynamo made symbolic (an argument
-    # of a compiled function) entered Inductor's C++ as a float ("float ^ float", no build).
-    offset_t = torch.full((), offset, dtype=torch.int64, device=seed.device).to(torch.int32)
-    return mix(torch.bitwise_xor(inner, offset_t))
+    """The key as a 0-dim int32 tensor, for a 0-dim integer ``seed`` tensor."""
+    return key_value(seed.to(torch.int64), to_int32(offset))
 
 
-def bits_from_index(index: torch.Tensor, key: torch.Tensor | int) -> torch.Tensor:
-    """32 random bits (int32) for each int32 element index under ``key``."""
+def bits_from_index(index, key, ops=TorchOps):
+    """32 random bits (int32) for each int32 element index under an int32 ``key``."""
     if isinstance(key, int):
-        key = to_int32(key)
-    return mix(mix(torch.bitwise_xor(index, key)) + key)
+        key = ops.constant(to_int32(key), torch.int32)
+    return mix(ops.add(mix(ops.bitwise_xor(index, key), ops), key), ops)
 
 
 def check_numel(numel: int) -> None:
@@ -120,18 +162,3 @@ def random_bits(
     else:
         key = torch.tensor(to_int32(key_int(int(seed), offset)), dtype=torch.int32, device=device)
     return index_bits(shape, key)
-
-
-def mix_ops(x, ops):
-    """One hash round in Inductor's ops handler (``torch._inductor.virtualized.ops``).
-
-    ``x`` is an int32 value of that handler; the round is built once per kernel
-    body, each step's value reused (see ``lpcompile.numerics.quantize._lower_counter_bits``).
-    """
-    for op, c in MIX_STEPS:
-        if op == "xorshr":
-            shifted = ops.bitwise_right_shift(x, ops.constant(c, torch.int32))
-            x = ops.bitwise_xor(x, ops.bitwise_and(shifted, ops.constant((1 << (32 - c)) - 1, torch.int32)))
-        else:
-            x = ops.mul(x, ops.constant(to_int32(c), torch.int32))
-    return x

@@ -94,7 +94,7 @@ GRAPH_ORDER = ("dynamo", "joint", "forward", "backward", "inference")
 KERNEL_NOTES = {
     "inductor": (
         "No lowprec kernels: this graph was compiled with codegen='inductor', so Inductor fused the "
-        "decomposed operators into kernels of its own (TORCH_COMPILE_DEBUG=1 writes them). "
+        "operators into kernels of its own (TORCH_COMPILE_DEBUG=1 writes them). "
         "With codegen='triton' the generated Triton kernels are written here."
     ),
     "eager": (
@@ -107,8 +107,10 @@ KERNEL_NOTES = {
     ),
 }
 DECOMPOSED_NOTE = (
-    "Inductor's ATen graph, as its inner compiler receives it: the lowprec operators are already "
-    "decomposed into ATen operations, so they are not marked here; see the dynamo graph."
+    "Inductor's ATen graph, as its inner compiler receives it: each unscaled lowprec::quantize is "
+    "one node (Inductor lowers it), marked here; the other lowprec operators are already "
+    "decomposed into ATen operations (quantize_grad and scale_grad into the identity, a scaled "
+    "quantize around an unscaled one), so they are not; see the dynamo graph."
 )
 PY_HEADER = """\
 # lowprec dump: {title}

@@ -750,7 +750,6 @@ def test_inductor_gets_the_saved_weight_without_the_transpose_pair(monkeypatch):
     record = records.only()
     assert {(r.name, r.graph): r.nodes_removed for r in record.records if r.graph != "dynamo"} == {
         ("use_bf16_matmuls", "joint"): 0,  # matmuls this small stay ATen's
-        ("remove_grid_marks", "joint"): 8,  # one per quantize
         ("recompute_bool_masks", "joint"): 0,
         ("remove_permute_pairs", "forward"): 1,
         ("remove_permute_pairs", "backward"): 0,

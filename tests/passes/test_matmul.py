@@ -201,8 +201,7 @@ def test_quantized_matmuls_run_on_the_kernel_in_the_graphs_inductor_gets(monkeyp
     rewritten = {(r.name, r.graph): r.nodes_removed for r in record.records}
     assert rewritten[("use_bf16_matmuls", "joint")] == 5
     assert count(received["forward"], MM_BF16) == 2 and count(received["backward"], MM_BF16) == 3
-    for gm in received.values():  # the marks are gone, and so are the FP32 GEMMs
-        assert count(gm, torch.ops.lowprec.on_grid.default) == 0
+    for gm in received.values():  # no FP32 GEMM is left
         assert count(gm, torch.ops.aten.mm.default) == count(gm, torch.ops.aten.addmm.default) == 0
     ref = Ref.for_recipe("fp8-e5m2-sr", step_seed(0, 0), record.stream)
     assert_close_step(got, step(model, lambda: mlp_ref(model, wide_input(), ref)))
@@ -317,25 +316,27 @@ def test_the_kernel_under_real_inductor():
     assert_close_step(got, want)
 
 
-def test_quantize_decomposes_to_a_grid_mark_only_in_lowprec_compiles():
+@pytest.mark.parametrize("scale", [None, 8.0])
+def test_only_an_unscaled_quantize_names_a_grid(scale):
+    """Inductor's table keeps an unscaled quantize one node (its values lie on the format's
+    grid); a scaled one decomposes around an unscaled one, and its values are grid / scale."""
     from torch._inductor.decomposition import select_decomp_table
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    from lpcompile.numerics import lowering
-    from lpcompile.numerics import quantize as ops
+    from lpcompile.numerics import lowering  # noqa: F401  (registers the decompositions)
+    from lpcompile.passes.joint.matmul import grid_of
 
-    def marks(scale: torch.Tensor | None) -> list[str]:
-        def fn(x):
-            return torch.ops.lowprec.quantize(x, "e4m3", "nearest", "saturate", None, 0, scale)
+    def fn(x):
+        return torch.ops.lowprec.quantize(x, "e4m3", "nearest", "saturate", None, 0, scale)
 
-        gm = make_fx(fn, decomposition_table=select_decomp_table())(torch.randn(4))
-        return [n.args[1] for n in gm.graph.find_nodes(op="call_function", target=ops.on_grid_op._opoverload)]
-
-    assert marks(None) == []  # a plain torch.compile meeting lowprec::quantize
-    with lowering.grid_marks():
-        assert marks(None) == ["e4m3"]
-        assert marks(torch.tensor(8.0)) == []  # scaled: the values are grid / scale
-    assert marks(None) == []
+    if scale is not None:
+        scale = torch.tensor(scale)
+    gm = make_fx(fn, decomposition_table=select_decomp_table())(torch.randn(4))
+    output = gm.graph.find_nodes(op="output")[0].args[0]
+    output = output[0] if isinstance(output, (tuple, list)) else output
+    quantizes = gm.graph.find_nodes(op="call_function", target=torch.ops.lowprec.quantize.default)
+    assert len(quantizes) == 1
+    assert grid_of(output) == (parse_format("e4m3") if scale is None else None)
 
 
 def test_a_damaged_cached_kernel_is_rebuilt(tmp_path, monkeypatch):

@@ -457,8 +457,12 @@ def test_inductor_dump_end_to_end(dump_to):
     assert manifest["executor"] == "inductor"
     assert manifest["graphs"]["forward"]["decomposed"] and manifest["graphs"]["backward"]["decomposed"]
     assert len([n for n in manifest["inserted"] if n["graph"] == "dynamo"]) == 8
+    # Inductor lowers quantize itself: the inputs' quantizes in the forward, the errors' and
+    # weight gradients' (quantize_grad's backward) in the backward.
+    assert manifest["graphs"]["forward"]["lowprec_nodes"] == {"quantize": 4}
+    assert manifest["graphs"]["backward"]["lowprec_nodes"] == {"quantize": 4}
     # The joint graph AOT partitions, before and after the pass that steers the partitioner.
-    assert manifest["graphs"]["joint"]["final"] == "joint/03_recompute_bool_masks.py"
+    assert manifest["graphs"]["joint"]["final"] == "joint/02_recompute_bool_masks.py"
     assert (dump_to / "Sequential_0" / "joint" / "00_captured.py").exists()
 
 

@@ -11,7 +11,7 @@ import torch.fx
 
 from lpcompile.passes.driver import CompileContext, Pass
 from lpcompile.passes.joint.masks import masks_apply, recompute_bool_masks
-from lpcompile.passes.joint.matmul import remove_grid_marks, use_bf16_matmuls, uses_bf16_kernel
+from lpcompile.passes.joint.matmul import use_bf16_matmuls, uses_bf16_kernel
 
 
 def bf16_applies(gm: torch.fx.GraphModule, ctx: CompileContext, kind: str) -> bool:
@@ -20,6 +20,5 @@ def bf16_applies(gm: torch.fx.GraphModule, ctx: CompileContext, kind: str) -> bo
 
 JOINT_PASSES = (
     Pass(use_bf16_matmuls, bf16_applies),
-    Pass(remove_grid_marks),
     Pass(recompute_bool_masks, masks_apply),
 )

@@ -6,11 +6,10 @@ format can run on AVX512-BF16 instructions (``lowprec::mm_bf16``, ``bmm_bf16``) 
 accumulation and give what an FP32 GEMM gives, up to the order of the FP32
 additions, and faster: each such instruction does twice the multiply-adds of an FP32 FMA.
 
-Inductor's decomposition of an unscaled ``quantize`` ends in a
-``lowprec::on_grid`` mark naming the format (``lpcompile.numerics.quantize``).
-``use_bf16_matmuls`` follows each ``mm``/``addmm``/``bmm`` operand back through views to
-such a mark; ``remove_grid_marks`` then takes the marks out, so the partitioner
-and Inductor see the graph without them.
+An unscaled ``lowprec::quantize`` stays one node of the joint graph (Inductor
+lowers it, :mod:`lpcompile.numerics.lowering`); a scaled one decomposes, its result
+divided by the scale. ``use_bf16_matmuls`` follows each ``mm``/``addmm``/``bmm``
+operand back through views to an unscaled quantize, which names the format.
 """
 
 from __future__ import annotations
@@ -25,7 +24,7 @@ from lpcompile.numerics.formats import FloatFormat, parse_format
 from lpcompile.passes.driver import CompileContext
 
 aten = torch.ops.aten
-ON_GRID = torch.ops.lowprec.on_grid.default
+QUANTIZE = torch.ops.lowprec.quantize.default
 # What each matmul becomes when both operands qualify.
 KERNELS = {
     aten.mm.default: torch.ops.lowprec.mm_bf16.default,
@@ -68,8 +67,9 @@ def exact_in_bf16_products(fmt: FloatFormat) -> bool:
 def grid_of(node: object) -> FloatFormat | None:
     """The format whose grid ``node``'s values lie on, following value-preserving ops."""
     while isinstance(node, torch.fx.Node) and node.op == "call_function":
-        if node.target is ON_GRID:
-            return parse_format(node.args[1])
+        if node.target is QUANTIZE:
+            scaled = node.args[6] if len(node.args) > 6 else node.kwargs.get("scale")
+            return None if scaled is not None else parse_format(node.args[1])
         if node.target not in VALUE_PRESERVING:
             return None
         node = node.args[0]
@@ -124,10 +124,3 @@ def use_bf16_matmuls(gm: torch.fx.GraphModule, ctx: CompileContext) -> None:
                     result.meta = dict(node.meta)
             node.replace_all_uses_with(result)
             graph.erase_node(node)
-
-
-def remove_grid_marks(gm: torch.fx.GraphModule, ctx: CompileContext) -> None:
-    """Replace every ``lowprec::on_grid`` mark by the tensor it marks."""
-    for node in list(gm.graph.find_nodes(op="call_function", target=ON_GRID)):
-        node.replace_all_uses_with(node.args[0])
-        gm.graph.erase_node(node)
