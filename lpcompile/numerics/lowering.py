@@ -78,9 +78,14 @@ def _stream_key(seed: ir.TensorBox, offset) -> ir.TensorBox:
 
 
 @register_lowering(torch.ops.lowprec.quantize.default, type_promotion_kind=None)
-def _lower_quantize(x: ir.TensorBox, fmt, rounding, overflow, seed, offset, scale=None) -> ir.TensorBox:
+def _lower_quantize(x: ir.TensorBox, fmt, rounding, overflow, seed, offset, scale) -> ir.TensorBox:
     """An unscaled quantize as one pointwise node, each op of :func:`round_value` (and,
     for stochastic rounding, of the generator) issued once per kernel body."""
+    if scale is not None:  # _decompose_quantize takes the scale out first
+        raise NotImplementedError(
+            "a scaled lowprec::quantize reached Inductor's lowering: Inductor's decomposition table"
+            " lacks lpcompile.numerics.lowering's (see refresh_inductor_decompositions)"
+        )
     dtype = x.get_dtype()
     target = check_args(torch.empty((), dtype=dtype, device="meta"), fmt, rounding, overflow)
     shape = list(x.get_size())

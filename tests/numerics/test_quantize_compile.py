@@ -185,6 +185,15 @@ def test_inductor_builds_each_rounding_op_once(monkeypatch, rounding):
     assert 0 < len(calls) < (150 if rounding == "nearest" else 600), len(calls)
 
 
+def test_the_lowering_refuses_a_scale():
+    """A scale is taken out by the decomposition; a scaled quantize reaching the lowering
+    (a decomposition table without lowprec's) must fail, not drop the scale."""
+    from lpcompile.numerics import lowering
+
+    with pytest.raises(NotImplementedError, match="scaled lowprec::quantize"):
+        lowering._lower_quantize(None, "e5m2", "nearest", "saturate", None, 0, torch.tensor(2.0))
+
+
 @pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
 def test_quantize_into_a_convolution_stores_no_bit_patterns(rounding):
     """GroupNorm, ReLU and a quantize feeding a convolution that Inductor runs
