@@ -71,6 +71,11 @@ def _rank_main(rank: int, fn: Callable, world: int, out: str, timeout: float, ar
         sys.stdout.flush()
         os._exit(1)  # no process-group teardown waiting on a dead peer
     dist.destroy_process_group()
+    # No interpreter teardown either: a C++ thread still joinable at exit aborted a rank
+    # whose result was saved ("terminate called without an active exception", FSDP2 + DCP).
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def run_ranks(
