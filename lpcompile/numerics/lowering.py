@@ -58,10 +58,33 @@ def _decompose_predict_weight(w, buf, lr, delay, mode):
     return predict.predict_weight_reference(w, buf, lr, delay, mode)
 
 
+def _scalar_buffer(device: torch.device, inner_fn) -> ir.TensorBox:
+    """A 0-dim int32 value computed once into its own buffer."""
+    value = ir.Pointwise.create(device=device, dtype=torch.int32, inner_fn=inner_fn, ranges=[])
+    value.realize()
+    return value
+
+
+def _seed_digest(seed: ir.TensorBox) -> ir.TensorBox:
+    """The :func:`rng.seed_digest` of ``seed``, one buffer per seed and graph.
+
+    Every stochastic site of a graph reads the same seed: its keys share this part,
+    so each key costs one hash round instead of three (kernel code, compile time).
+    """
+    digests = V.graph.__dict__.setdefault("_lowprec_seed_digests", {})
+    name = seed.realize()
+    if name not in digests:
+        load_seed = seed.make_loader()
+        digests[name] = _scalar_buffer(
+            seed.get_device(), lambda index: rng.seed_digest(ops.to_dtype(load_seed([]), torch.int64), ops)
+        )
+    return digests[name]
+
+
 def _stream_key(seed: ir.TensorBox, offset) -> ir.TensorBox:
     """The 0-dim int32 key of ``seed`` and ``offset`` (:func:`rng.key_value`), computed
     once into its own buffer."""
-    load_seed = seed.make_loader()
+    load_digest = _seed_digest(seed).make_loader()
 
     def inner_fn(index):
         if isinstance(offset, int):
@@ -70,11 +93,9 @@ def _stream_key(seed: ir.TensorBox, offset) -> ir.TensorBox:
             sign = ops.constant(1 << 31, torch.int64)
             wide = ops.index_expr(offset, torch.int64)
             low_bits = ops.to_dtype(ops.sub(ops.bitwise_xor(wide, sign), sign), torch.int32)
-        return rng.key_value(ops.to_dtype(load_seed([]), torch.int64), low_bits, ops)
+        return rng.key_from_digest(load_digest([]), low_bits, ops)
 
-    key = ir.Pointwise.create(device=seed.get_device(), dtype=torch.int32, inner_fn=inner_fn, ranges=[])
-    key.realize()
-    return key
+    return _scalar_buffer(seed.get_device(), inner_fn)
 
 
 @register_lowering(torch.ops.lowprec.quantize.default, type_promotion_kind=None)

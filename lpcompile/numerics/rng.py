@@ -13,7 +13,9 @@ poorly on CPUs. Torch has no logical right shift for int32, so a shift by
 ``s`` is an arithmetic shift followed by a mask of the low ``32 - s`` bits.
 
 * ``key(seed, offset)`` mixes a 64-bit seed and a 32-bit stream offset into a
-  32-bit key (a scalar; cheap).
+  32-bit key (a scalar; cheap): two hash rounds digest the seed
+  (:func:`seed_digest`, shared by all of a graph's streams), a third mixes in the
+  offset (:func:`key_from_digest`).
 * ``bits[i] = mix(mix(i ^ key) + key)`` for the element's row-major index
   ``i`` (so results do not depend on memory layout).
 """
@@ -108,9 +110,9 @@ def key_int(seed: int, offset: int) -> int:
     return mix_int(mix_int(lo ^ mix_int(hi ^ SEED_HI_SALT)) ^ (offset & MASK32))
 
 
-def key_value(seed, offset, ops=TorchOps):
-    """The 32-bit key (int32) of an int64 ``seed`` value and an int32 ``offset`` value
-    (the stream offset's low 32 bits), in ``ops``' terms."""
+def seed_digest(seed, ops=TorchOps):
+    """The part of the key that depends on the seed alone: an int32 digest of an int64
+    ``seed`` value, in ``ops``' terms (computed once for all of a graph's streams)."""
     i64, i32 = torch.int64, torch.int32
     low32 = ops.constant(MASK32, i64)
     sign = ops.constant(1 << 31, i64)
@@ -120,8 +122,19 @@ def key_value(seed, offset, ops=TorchOps):
     lo = ops.to_dtype(ops.sub(ops.bitwise_xor(lo, sign), sign), i32)
     hi = ops.to_dtype(ops.sub(ops.bitwise_xor(hi, sign), sign), i32)
     salted = ops.bitwise_xor(hi, ops.constant(to_int32(SEED_HI_SALT), i32))
-    inner = mix(ops.bitwise_xor(lo, mix(salted, ops)), ops)
-    return mix(ops.bitwise_xor(inner, offset), ops)
+    return mix(ops.bitwise_xor(lo, mix(salted, ops)), ops)
+
+
+def key_from_digest(digest, offset, ops=TorchOps):
+    """The 32-bit key (int32) of a stream: its seed's :func:`seed_digest` and an int32
+    ``offset`` value (the stream offset's low 32 bits), in ``ops``' terms."""
+    return mix(ops.bitwise_xor(digest, offset), ops)
+
+
+def key_value(seed, offset, ops=TorchOps):
+    """The 32-bit key (int32) of an int64 ``seed`` value and an int32 ``offset`` value
+    (the stream offset's low 32 bits), in ``ops``' terms."""
+    return key_from_digest(seed_digest(seed, ops), offset, ops)
 
 
 def key_tensor(seed: torch.Tensor, offset: int) -> torch.Tensor:

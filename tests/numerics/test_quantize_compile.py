@@ -185,6 +185,26 @@ def test_inductor_builds_each_rounding_op_once(monkeypatch, rounding):
     assert 0 < len(calls) < (150 if rounding == "nearest" else 600), len(calls)
 
 
+def test_stochastic_sites_share_their_seeds_digest():
+    """A key is two hash rounds of the seed alone (the only code that reads the seed salt)
+    and one of the offset. Each stochastic site of a model's backward once computed all
+    three into a 0-dim buffer of its own; the seed is now digested once per graph."""
+    from models import mlp, mlp_input
+
+    from lpcompile.numerics.rng import SEED_HI_SALT, to_int32
+
+    model, x = mlp(), mlp_input()
+    compiled = torch.compile(model, backend="lowprec", options={"recipe": "fp8-e5m2-sr"})
+    with (
+        torch._inductor.config.patch(fx_graph_cache=False),
+        torch._functorch.config.patch(enable_autograd_cache=False),
+    ):
+        _, (forward, backward) = run_and_get_code(lambda: compiled(x).sum().backward())
+    salt = str(to_int32(SEED_HI_SALT))
+    assert backward.count(salt) == 1, backward.count(salt)
+    assert forward.count(salt) == 0  # the recipe rounds weights and activations to nearest
+
+
 def test_the_lowering_refuses_a_scale():
     """A scale is taken out by the decomposition; a scaled quantize reaching the lowering
     (a decomposition table without lowprec's) must fail, not drop the scale."""
