@@ -16,7 +16,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import zlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -150,9 +150,38 @@ def _inductor_compiler(ctx: CompileContext, record: CompiledGraph, tag: str, obs
         # variant's tag (the module's dict is in the key), the second is a cache hit.
         del gm.meta["lowprec_graph"]
         name_canonically(gm)
-        return compile_fx_inner(gm, example_inputs, *args, **kwargs)
+        with cpp_opt_level(ctx.config.cpp_opt_level):  # a backward compiles at its first call
+            return compile_fx_inner(gm, example_inputs, *args, **kwargs)
 
     return inner_compile
+
+
+@contextlib.contextmanager
+def cpp_opt_level(level: str) -> Iterator[None]:
+    """Inductor builds the C++ it compiles or loads inside at ``-{level}``.
+
+    Inductor builds at -O3 and has no setting for it; its builds take extra flags,
+    and the compiler takes the last level it is given. The flags are in the key of a
+    built library, so a graph loaded from Inductor's caches finds the build made at
+    this level. Inside itself (a backward compiled at its first call, inside the
+    graph's compile) it changes nothing.
+    """
+    from torch._inductor.codecache import CppPythonBindingsCodeCache as cache
+
+    inductors = cache.__dict__["load_pybinding_async"]
+    if getattr(inductors.__func__, "opt_level", None) == level:
+        yield
+        return
+
+    def load_at_level(cls, *args: Any, extra_flags: Sequence[str] = (), **kwargs: Any):
+        return inductors.__func__(cls, *args, extra_flags=(*extra_flags, f"-{level}"), **kwargs)
+
+    load_at_level.opt_level = level
+    cache.load_pybinding_async = classmethod(load_at_level)
+    try:
+        yield
+    finally:
+        cache.load_pybinding_async = inductors
 
 
 def _execute(
@@ -182,7 +211,7 @@ def _execute(
         }
         # An observer of Inductor's graphs needs them compiled: a cache hit would skip that.
         uncached = torch._functorch.config.patch(enable_autograd_cache=False)
-        with uncached if observers else contextlib.nullcontext():
+        with uncached if observers else contextlib.nullcontext(), cpp_opt_level(ctx.config.cpp_opt_level):
             compiled = compile_fx(
                 gm,
                 example_inputs,

@@ -898,6 +898,48 @@ def test_wrapper_option_sets_inductors_cpp_wrapper_and_changes_no_number(monkeyp
     assert_same_step(results["auto"], results["python"], "the same kernels called from C++")
 
 
+def test_cpp_opt_level_is_the_level_the_compiler_builds_at_and_changes_no_number(monkeypatch):
+    """Forward and backward build at the level; compiled again from the caches (as in a new
+    process), the graphs load those builds instead of building at Inductor's -O3."""
+    import re
+
+    import torch._inductor.cpp_builder as cpp_builder
+    from torch._inductor.utils import clear_caches, fresh_cache
+
+    commands = []
+    run_compile_cmd = cpp_builder.run_compile_cmd
+
+    def spy(cmd_line, cwd):
+        commands.append(cmd_line)
+        return run_compile_cmd(cmd_line, cwd)
+
+    monkeypatch.setattr(cpp_builder, "run_compile_cmd", spy)
+    results, levels = [], {}
+    for level in ("O1", "O3"):
+        options = {"recipe": "fp8-e5m2-sr", "executor": "inductor", "cpp_opt_level": level}
+        with fresh_cache():  # no build of an earlier test's
+            for compile_ in ("cold", "cached"):
+                torch._dynamo.reset()
+                clear_caches()  # the loaded graphs and libraries: only the caches on disk stay
+                commands.clear()
+                torch.manual_seed(0)
+                model, x = mlp(), mlp_input()
+                compiled = torch.compile(model, backend="lowprec", options=options)
+                results.append(step(model, lambda c=compiled, x=x: c(x)))
+                # a graph's build (C++ wrapper); not Inductor's probes of the CPU's vector ISA
+                builds = [cmd for cmd in commands if cmd.split()[1].endswith(".main.cpp")]
+                # the compiler takes the last level of its command line
+                levels[level, compile_] = [re.findall(r"(?<!\S)-(O\d)\b", cmd)[-1] for cmd in builds]
+    assert levels == {
+        ("O1", "cold"): ["O1", "O1"],  # forward and backward
+        ("O1", "cached"): [],
+        ("O3", "cold"): ["O3", "O3"],
+        ("O3", "cached"): [],
+    }
+    for got in results[1:]:
+        assert_same_step(got, results[0], "the same kernels built at another level")
+
+
 def test_auto_wrapper_is_cpp_for_cpu_graphs_only():
     cpu, meta = torch.ones(2), torch.ones(2, device="meta")
     assert uses_cpp_wrapper("auto", [cpu, 3]) and not uses_cpp_wrapper("auto", [cpu, meta])
