@@ -209,8 +209,8 @@ class LowPrecConfig:
     Python elsewhere, ``"cpp"`` or ``"python"`` for every graph (these two need
     ``executor="inductor"`` and ``codegen="inductor"``). ``cpp_opt_level`` is the
     compiler's optimization level for the C++ Inductor builds for CPU graphs (kernels
-    and wrapper): ``"O2"`` builds in about half the time of Inductor's own ``"O3"``
-    (stochastic rounding's integer hash makes long kernel bodies) and runs as fast. ``conv="auto"`` lets
+    and wrapper; Inductor's own is ``"O3"``): ``"O2"`` and ``"O1"`` build faster and
+    run slower. ``conv="auto"`` lets
     Inductor compiles for the CPU run small quantized 2-D convolutions (an im2col
     matrix of at most 2^18 elements) as that matrix, which Inductor writes, and a
     matmul (``lpcompile.passes.dynamo.conv``); ``"aten"`` keeps ATen's convolution
@@ -243,7 +243,7 @@ class LowPrecConfig:
     pipeline: PipelineConfig | None = None
     matmul: str = "auto"
     wrapper: str = "auto"
-    cpp_opt_level: str = "O2"
+    cpp_opt_level: str = "O3"
     conv: str = "auto"
     attention: str = "operands"
     saturation: str = "off"
@@ -281,7 +281,7 @@ class LowPrecConfig:
                 f"wrapper={self.wrapper!r} picks Inductor's wrapper code: it needs executor='inductor'"
                 f" and codegen='inductor', got executor={self.executor!r}, codegen={self.codegen!r}"
             )
-        if self.cpp_opt_level != "O2" and (self.executor != "inductor" or self.codegen != "inductor"):
+        if self.cpp_opt_level != "O3" and (self.executor != "inductor" or self.codegen != "inductor"):
             raise ValueError(
                 f"cpp_opt_level={self.cpp_opt_level!r} is for the C++ Inductor builds: it needs"
                 f" executor='inductor' and codegen='inductor', got executor={self.executor!r},"

@@ -150,34 +150,49 @@ def _inductor_compiler(ctx: CompileContext, record: CompiledGraph, tag: str, obs
         # variant's tag (the module's dict is in the key), the second is a cache hit.
         del gm.meta["lowprec_graph"]
         name_canonically(gm)
-        with cpp_opt_level(ctx.config.cpp_opt_level):  # a backward compiles at its first call
+        with lowprec_cpp_builds(ctx.config.cpp_opt_level):  # a backward compiles at its first call
             return compile_fx_inner(gm, example_inputs, *args, **kwargs)
 
     return inner_compile
 
 
-@contextlib.contextmanager
-def cpp_opt_level(level: str) -> Iterator[None]:
-    """Inductor builds the C++ it compiles or loads inside at ``-{level}``.
+# GCC's value numbering walks the stores of a kernel body for each load it looks at:
+# on the long bodies of stochastic rounding's hash, half of an -O3 build. Bounded,
+# builds take half the time and the kernels run as fast.
+GCC_ALIAS_WALK_BOUND = "--param=sccvn-max-alias-queries-per-access=100"
 
-    Inductor builds at -O3 and has no setting for it; its builds take extra flags,
+
+def cpp_flags(level: str) -> tuple[str, ...]:
+    """The flags lowprec adds to Inductor's C++ builds: the optimization level, and on
+    GCC the bound of its alias walk."""
+    from torch._inductor.cpp_builder import is_gcc
+
+    return (f"-{level}", GCC_ALIAS_WALK_BOUND) if is_gcc() else (f"-{level}",)
+
+
+@contextlib.contextmanager
+def lowprec_cpp_builds(level: str) -> Iterator[None]:
+    """Inductor builds the C++ it compiles or loads inside with :func:`cpp_flags`.
+
+    Inductor has no setting for its compiler's flags; its builds take extra flags,
     and the compiler takes the last level it is given. The flags are in the key of a
-    built library, so a graph loaded from Inductor's caches finds the build made at
-    this level. Inside itself (a backward compiled at its first call, inside the
-    graph's compile) it changes nothing.
+    built library, so a graph loaded from Inductor's caches finds the build made with
+    them. Inside itself (a backward compiled at its first call, inside the graph's
+    compile) it changes nothing.
     """
     from torch._inductor.codecache import CppPythonBindingsCodeCache as cache
 
     inductors = cache.__dict__["load_pybinding_async"]
-    if getattr(inductors.__func__, "opt_level", None) == level:
+    flags = cpp_flags(level)
+    if getattr(inductors.__func__, "lowprec_flags", None) == flags:
         yield
         return
 
-    def load_at_level(cls, *args: Any, extra_flags: Sequence[str] = (), **kwargs: Any):
-        return inductors.__func__(cls, *args, extra_flags=(*extra_flags, f"-{level}"), **kwargs)
+    def load_with_flags(cls, *args: Any, extra_flags: Sequence[str] = (), **kwargs: Any):
+        return inductors.__func__(cls, *args, extra_flags=(*extra_flags, *flags), **kwargs)
 
-    load_at_level.opt_level = level
-    cache.load_pybinding_async = classmethod(load_at_level)
+    load_with_flags.lowprec_flags = flags
+    cache.load_pybinding_async = classmethod(load_with_flags)
     try:
         yield
     finally:
@@ -211,7 +226,10 @@ def _execute(
         }
         # An observer of Inductor's graphs needs them compiled: a cache hit would skip that.
         uncached = torch._functorch.config.patch(enable_autograd_cache=False)
-        with uncached if observers else contextlib.nullcontext(), cpp_opt_level(ctx.config.cpp_opt_level):
+        with (
+            uncached if observers else contextlib.nullcontext(),
+            lowprec_cpp_builds(ctx.config.cpp_opt_level),
+        ):
             compiled = compile_fx(
                 gm,
                 example_inputs,

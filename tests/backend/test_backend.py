@@ -899,12 +899,15 @@ def test_wrapper_option_sets_inductors_cpp_wrapper_and_changes_no_number(monkeyp
 
 
 def test_cpp_opt_level_is_the_level_the_compiler_builds_at_and_changes_no_number(monkeypatch):
-    """Forward and backward build at the level; compiled again from the caches (as in a new
-    process), the graphs load those builds instead of building at Inductor's -O3."""
+    """Forward and backward build at the level (on GCC with the alias walk bounded);
+    compiled again from the caches (as in a new process), the graphs load those builds
+    instead of building with Inductor's own flags."""
     import re
 
     import torch._inductor.cpp_builder as cpp_builder
     from torch._inductor.utils import clear_caches, fresh_cache
+
+    from lpcompile.backend.compile import GCC_ALIAS_WALK_BOUND
 
     commands = []
     run_compile_cmd = cpp_builder.run_compile_cmd
@@ -915,7 +918,7 @@ def test_cpp_opt_level_is_the_level_the_compiler_builds_at_and_changes_no_number
 
     monkeypatch.setattr(cpp_builder, "run_compile_cmd", spy)
     results, levels = [], {}
-    for level in ("O1", "O3"):
+    for level in ("O1", "O3"):  # another level, and the default
         options = {"recipe": "fp8-e5m2-sr", "executor": "inductor", "cpp_opt_level": level}
         with fresh_cache():  # no build of an earlier test's
             for compile_ in ("cold", "cached"):
@@ -930,6 +933,8 @@ def test_cpp_opt_level_is_the_level_the_compiler_builds_at_and_changes_no_number
                 builds = [cmd for cmd in commands if cmd.split()[1].endswith(".main.cpp")]
                 # the compiler takes the last level of its command line
                 levels[level, compile_] = [re.findall(r"(?<!\S)-(O\d)\b", cmd)[-1] for cmd in builds]
+                if cpp_builder.is_gcc():
+                    assert all(GCC_ALIAS_WALK_BOUND in cmd for cmd in builds), builds
     assert levels == {
         ("O1", "cold"): ["O1", "O1"],  # forward and backward
         ("O1", "cached"): [],

@@ -87,7 +87,7 @@ def test_unknown_option_key_names_it_and_lists_valid_ones():
         ({"wrapper": "c"}, "'c'", "python"),
         ({"conv": "onednn"}, "'onednn'", "aten"),
         ({"cpp_opt_level": "O4"}, "'O4'", "O3"),
-        ({"cpp_opt_level": "O3", "executor": "eager"}, "eager", "inductor"),
+        ({"cpp_opt_level": "O2", "executor": "eager"}, "eager", "inductor"),
         ({"wrapper": "cpp", "executor": "eager"}, "eager", "inductor"),
         ({"wrapper": "python", "codegen": "triton"}, "triton", "inductor"),
         ({"recipe": "fp8-e5m2", "matmul": "bf16", "executor": "eager"}, "eager", "inductor"),
