@@ -5,7 +5,9 @@ the Inductor executor and attention quantized), a fresh Python process with an e
 Inductor cache times the first training step (forward, backward, SGD: the cold
 compile) and then the median of later steps. The lowprec process also reports the
 products ``lpcompile.coverage`` lists as rounded and as kept; every process its peak
-resident memory. The script runs unchanged on a GPU host (``--device cuda``).
+resident memory. ``--interleaved`` compiles fp32 Inductor and lowprec in one process
+instead and alternates their steps, so that both see the same drift of the machine
+(step times only). The script runs unchanged on a GPU host (``--device cuda``).
 """
 
 from __future__ import annotations
@@ -34,71 +36,85 @@ import torch
 import lpcompile
 from examples.zoo import zoo_model
 
-name, backend, device, steps = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3], int(sys.argv[4])
+name, backends, device, steps = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3], int(sys.argv[4])
 warnings.simplefilter("ignore")
 torch._dynamo.config.allow_rnn = True  # as the lowprec backend sets it: fp32 Inductor compiles RNNs too
-torch.manual_seed(0)
-model, inputs = zoo_model(name)
-model = model.to(device)
-inputs = {k: v.to(device) for k, v in inputs.items()}
-if backend is None:
-    run = model
-elif backend == "inductor":
-    run = torch.compile(model)
-else:
-    run = torch.compile(model, backend="lowprec", options=backend)
-optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
-config = lpcompile.LowPrecConfig.from_options(backend) if isinstance(backend, dict) else None
-adaptive = config is not None and config.loss_scale == "adaptive"
-scaler = lpcompile.LossScaler("adaptive" if adaptive else "static", enabled=adaptive)
 sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
 
-def step():
-    out = run(**inputs)
-    out = out.logits if hasattr(out, "logits") else out
-    loss = out.float().square().mean()
-    optimizer.zero_grad()
-    scaler.scale(loss).backward()
-    scaler.step(optimizer)
-    scaler.update()
-    sync()
+def training_step(backend):
+    torch.manual_seed(0)
+    model, inputs = zoo_model(name)
+    model = model.to(device)
+    inputs = {k: v.to(device) for k, v in inputs.items()}
+    if backend is None:
+        run = model
+    elif backend == "inductor":
+        run = torch.compile(model)
+    else:
+        run = torch.compile(model, backend="lowprec", options=backend)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    config = lpcompile.LowPrecConfig.from_options(backend) if isinstance(backend, dict) else None
+    adaptive = config is not None and config.loss_scale == "adaptive"
+    scaler = lpcompile.LossScaler("adaptive" if adaptive else "static", enabled=adaptive)
 
-start = time.perf_counter()
-step()
-first = time.perf_counter() - start
-times = []
-for _ in range(steps):
+    def step():
+        out = run(**inputs)
+        out = out.logits if hasattr(out, "logits") else out
+        loss = out.float().square().mean()
+        optimizer.zero_grad()
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)
+        scaler.update()
+        sync()
+
+    return model, step
+
+models, runs, firsts = [], [], []
+for backend in backends:  # each compiled and run once (its cold compile) before the next
+    model, step = training_step(backend)
     start = time.perf_counter()
     step()
-    times.append(time.perf_counter() - start)
-rows = lpcompile.coverage(model) if isinstance(backend, dict) else []
+    firsts.append(time.perf_counter() - start)
+    models.append(model)
+    runs.append(step)
+times = [[] for _ in runs]
+for _ in range(steps):  # several backends: their steps alternate
+    for step, taken in zip(runs, times):
+        start = time.perf_counter()
+        step()
+        taken.append(time.perf_counter() - start)
 usage = [resource.getrusage(who) for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)]
-print(json.dumps({
-    "first": first,
-    # every step's time beyond the median: compiles that happen after the first step too
-    "compile": first + sum(times) - (steps + 1) * statistics.median(times),
-    "cpu": sum(u.ru_utime + u.ru_stime for u in usage),
-    "step": statistics.median(times),
-    "rounded": sum(1 for r in rows if r.quantized),
-    "kept": sum(1 for r in rows if r.kept),
-    "peak_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-}))
+results = []
+for backend, model, first, taken in zip(backends, models, firsts, times):
+    rows = lpcompile.coverage(model) if isinstance(backend, dict) else []
+    results.append({
+        "first": first,
+        # every step's time beyond the median: compiles that happen after the first step too
+        "compile": first + sum(taken) - (steps + 1) * statistics.median(taken),
+        "cpu": sum(u.ru_utime + u.ru_stime for u in usage),  # the process's
+        "step": statistics.median(taken),
+        "rounded": sum(1 for r in rows if r.quantized),
+        "kept": sum(1 for r in rows if r.kept),
+        "peak_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,  # the process's
+    })
+print(json.dumps(results))
 """
 
 
-def measure(name: str, backend: object, device: str, steps: int) -> dict:
+def measure(name: str, backends: list, device: str, steps: int) -> list[dict]:
+    """One process: each backend's first step (cold compile), then their steps alternating."""
     root = Path(__file__).resolve().parent.parent
     with tempfile.TemporaryDirectory() as cache:
         env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache, "PYTHONPATH": str(root)}
         out = subprocess.run(
-            [sys.executable, "-c", CHILD, name, json.dumps(backend), device, str(steps)],
+            [sys.executable, "-c", CHILD, name, json.dumps(backends), device, str(steps)],
             env=env,
             cwd=root,
             capture_output=True,
             text=True,
         )
     if out.returncode != 0:
-        return {"error": out.stderr.strip().splitlines()[-1][:120]}
+        return [{"error": out.stderr.strip().splitlines()[-1][:120]}] * len(backends)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -131,14 +147,30 @@ def row(name: str, repeats: list[dict[str, dict]]) -> str:
     )
 
 
+def interleaved_row(name: str, repeats: list[dict[str, dict]]) -> str:
+    """One model's line of the --interleaved table from its repeats."""
+    errors = [f"{k}: {v['error']}" for r in repeats for k, v in r.items() if "error" in v]
+    if errors:
+        return f"| {name} | {errors[0]} |" + " |" * 2
+    ratio = [r["lowprec"]["step"] / r["inductor"]["step"] for r in repeats]
+    inductor, lowprec = ([r[v]["step"] * 1e3 for r in repeats] for v in ("inductor", "lowprec"))
+    return f"| {name} | {spread(inductor, 2)} | {spread(lowprec, 2)} | {spread(ratio, 2)} |"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--models", nargs="*", default=list(ZOO))
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--repeats", type=int, default=1, help="processes per model and variant")
-    parser.add_argument("--name", default="zoo", help="results file: benchmarks/results/<name>.md")
+    parser.add_argument("--name", help="results file: benchmarks/results/<name>.md")
     parser.add_argument("--device", default="cpu")
+    parser.add_argument(
+        "--interleaved", action="store_true", help="fp32 Inductor and lowprec in one process, alternating"
+    )
     args = parser.parse_args()
+    if args.interleaved:
+        interleaved(args)
+        return
     rows = [
         "| model | step ms: eager | inductor | lowprec | lowprec / inductor | cold compile s: inductor"
         " | lowprec | ratio | products rounded / kept | peak MB: inductor | lowprec |",
@@ -147,7 +179,7 @@ def main() -> None:
     for name in args.models:
         # a repeat measures the three variants back to back: its ratios compare neighbours in time
         repeats = [
-            {v: measure(name, backend, args.device, args.steps) for v, backend in VARIANTS.items()}
+            {v: measure(name, [backend], args.device, args.steps)[0] for v, backend in VARIANTS.items()}
             for _ in range(args.repeats)
         ]
         print(name, json.dumps(repeats), flush=True)
@@ -164,7 +196,33 @@ def main() -> None:
         " resident memory, compile included. This machine drifts by up to 60% between runs."
     )
     print(body)
-    write_results(args.name, "Model zoo: step, compile, coverage, memory (bench_zoo.py)", body)
+    write_results(args.name or "zoo", "Model zoo: step, compile, coverage, memory (bench_zoo.py)", body)
+
+
+def interleaved(args: argparse.Namespace) -> None:
+    """Step times of fp32 Inductor and lowprec measured in one process, steps alternating."""
+    rows = ["| model | step ms: inductor | lowprec | lowprec / inductor |", "|---|---|---|---|"]
+    variants = ("inductor", "lowprec")
+    backends = [VARIANTS[v] for v in variants]
+    for name in args.models:
+        repeats = []
+        for _ in range(args.repeats):
+            results = measure(name, backends, args.device, args.steps)
+            repeats.append(dict(zip(variants, results, strict=True)))
+        print(name, json.dumps(repeats), flush=True)
+        rows.append(interleaved_row(name, repeats))
+    command = "python -m benchmarks.bench_zoo " + " ".join(sys.argv[1:])
+    body = "\n".join(rows) + (
+        f"\n\nCommand: `{command}` (device {args.device}). One process per model with an empty"
+        " Inductor cache compiles fp32 Inductor's training step (forward, backward, SGD) and then"
+        f" lowprec's, and alternates their steps {args.steps} times: each cell is the median step,"
+        " and both variants see the same drift of the machine. With --repeats, the median over"
+        " the processes (their range in brackets), a ratio taken within each. lowprec:"
+        ' `fp8-e5m2-sr`, `attention="operands"`, Inductor executor.'
+    )
+    print(body)
+    title = "Model zoo: step times in one process (bench_zoo.py --interleaved)"
+    write_results(args.name or "zoo_interleaved", title, body)
 
 
 if __name__ == "__main__":
