@@ -69,7 +69,7 @@ def _seed_digest(seed: ir.TensorBox) -> ir.TensorBox:
     """The :func:`rng.seed_digest` of ``seed``, one buffer per seed and graph.
 
     Every stochastic site of a graph reads the same seed: its keys share this part,
-    so each key costs one hash round instead of three (kernel code, compile time).
+    so each key costs one hash round instead of three.
     """
     digests = V.graph.__dict__.setdefault("_lowprec_seed_digests", {})
     name = seed.realize()
