@@ -36,7 +36,7 @@ def main() -> None:
     for name in args.models:
         runs = {
             variant: [
-                measure(name, {"recipe": recipe, "attention": "operands"}, "cpu", args.steps)
+                measure(name, [{"recipe": recipe, "attention": "operands"}], "cpu", args.steps)[0]
                 for _ in range(args.repeats)
             ]
             for variant, recipe in RECIPES.items()
