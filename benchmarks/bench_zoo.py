@@ -19,6 +19,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 from benchmarks.common import write_results
@@ -171,58 +172,61 @@ def main() -> None:
     if args.interleaved:
         interleaved(args)
         return
-    rows = [
+    # a repeat measures the three variants back to back: its ratios compare neighbours in time
+    tabulate(
+        args,
         "| model | step ms: eager | inductor | lowprec | lowprec / inductor | cold compile s: inductor"
         " | lowprec | ratio | products rounded / kept | peak MB: inductor | lowprec |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    for name in args.models:
-        # a repeat measures the three variants back to back: its ratios compare neighbours in time
-        repeats = [
-            {v: measure(name, [backend], args.device, args.steps)[0] for v, backend in VARIANTS.items()}
-            for _ in range(args.repeats)
-        ]
-        print(name, json.dumps(repeats), flush=True)
-        rows.append(row(name, repeats))
-    command = "python -m benchmarks.bench_zoo " + " ".join(sys.argv[1:])
-    body = "\n".join(rows) + (
-        f"\n\nCommand: `{command}` (device {args.device}). One process per model and variant, each with an"
-        " empty Inductor cache: the cold compile is the first training step (forward, backward, SGD),"
-        f" the step time the median of the {args.steps} steps after it. With --repeats, each cell is"
-        " the median over the repeats (their range in brackets), a ratio taken within each repeat."
-        " lowprec: `fp8-e5m2-sr`,"
+        lambda name: {v: measure(name, [b], args.device, args.steps)[0] for v, b in VARIANTS.items()},
+        row,
+        "One process per model and variant, each with an empty Inductor cache: the cold compile is the"
+        " first training step (forward, backward, SGD), the step time the median of the"
+        f" {args.steps} steps after it. With --repeats, each cell is the median over the repeats"
+        " (their range in brackets), a ratio taken within each repeat. lowprec: `fp8-e5m2-sr`,"
         ' `attention="operands"`, Inductor executor. Products: rows of `lpcompile.coverage`'
         " (a layer's product rounded, or kept in higher precision). Peak MB: the process's peak"
-        " resident memory, compile included. This machine drifts by up to 60% between runs."
+        " resident memory, compile included. This machine drifts by up to 60% between runs.",
+        ("zoo", "Model zoo: step, compile, coverage, memory (bench_zoo.py)"),
     )
-    print(body)
-    write_results(args.name or "zoo", "Model zoo: step, compile, coverage, memory (bench_zoo.py)", body)
 
 
 def interleaved(args: argparse.Namespace) -> None:
     """Step times of fp32 Inductor and lowprec measured in one process, steps alternating."""
-    rows = ["| model | step ms: inductor | lowprec | lowprec / inductor |", "|---|---|---|---|"]
     variants = ("inductor", "lowprec")
     backends = [VARIANTS[v] for v in variants]
-    for name in args.models:
-        repeats = []
-        for _ in range(args.repeats):
-            results = measure(name, backends, args.device, args.steps)
-            repeats.append(dict(zip(variants, results, strict=True)))
-        print(name, json.dumps(repeats), flush=True)
-        rows.append(interleaved_row(name, repeats))
-    command = "python -m benchmarks.bench_zoo " + " ".join(sys.argv[1:])
-    body = "\n".join(rows) + (
-        f"\n\nCommand: `{command}` (device {args.device}). One process per model with an empty"
-        " Inductor cache compiles fp32 Inductor's training step (forward, backward, SGD) and then"
-        f" lowprec's, and alternates their steps {args.steps} times: each cell is the median step,"
-        " and both variants see the same drift of the machine. With --repeats, the median over"
-        " the processes (their range in brackets), a ratio taken within each. lowprec:"
-        ' `fp8-e5m2-sr`, `attention="operands"`, Inductor executor.'
+    tabulate(
+        args,
+        "| model | step ms: inductor | lowprec | lowprec / inductor |",
+        lambda name: dict(zip(variants, measure(name, backends, args.device, args.steps), strict=True)),
+        interleaved_row,
+        "One process per model with an empty Inductor cache compiles fp32 Inductor's training step"
+        " (forward, backward, SGD) and then lowprec's, and alternates their steps"
+        f" {args.steps} times: each cell is the median step, and both variants see the same drift"
+        " of the machine. With --repeats, the median over the processes (their range in brackets),"
+        ' a ratio taken within each. lowprec: `fp8-e5m2-sr`, `attention="operands"`, Inductor executor.',
+        ("zoo_interleaved", "Model zoo: step times in one process (bench_zoo.py --interleaved)"),
     )
+
+
+def tabulate(
+    args: argparse.Namespace,
+    header: str,
+    repeat: Callable[[str], dict[str, dict]],
+    row_of: Callable[[str, list[dict[str, dict]]], str],
+    note: str,
+    results: tuple[str, str],
+) -> None:
+    """Measure each model ``args.repeats`` times, print and write the table of their rows."""
+    rows = [header, "|" + "---|" * (header.count("|") - 1)]
+    for name in args.models:
+        repeats = [repeat(name) for _ in range(args.repeats)]
+        print(name, json.dumps(repeats), flush=True)
+        rows.append(row_of(name, repeats))
+    command = "python -m benchmarks.bench_zoo " + " ".join(sys.argv[1:])
+    body = "\n".join(rows) + f"\n\nCommand: `{command}` (device {args.device}). {note}"
     print(body)
-    title = "Model zoo: step times in one process (bench_zoo.py --interleaved)"
-    write_results(args.name or "zoo_interleaved", title, body)
+    default_name, title = results
+    write_results(args.name or default_name, title, body)
 
 
 if __name__ == "__main__":
