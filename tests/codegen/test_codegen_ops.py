@@ -230,12 +230,12 @@ def test_cpu_scalar_divisor_multiplies_by_its_reciprocal_on_cuda(monkeypatch, sa
 
 
 def test_gelu_group_within_ulp_bound(same_bits):
-    """gelu is not bit-identical: ATen evaluates erf with its own vectorised polynomial, the
-    interpreter (and a GPU) with another erf. Bounds on gelu's value before the quantize:
-    4 ulp for x >= -1 (measured 4 for x >= 2, 2 below); everywhere |error| <= 2**-21 * |x|,
-    i.e. a few ulp of erf's value near -1, where 1 + erf(x / sqrt(2)) cancels and no
-    relative bound holds (measured 3.3e-7 * |x|). The quantize after it is then exact on
-    the kernel's own gelu values."""
+    """gelu is not bit-identical: ATen evaluates erf with its own vectorised polynomial (one
+    per vector ISA), the interpreter (and a GPU) with another erf. Bounds on gelu's value
+    before the quantize: 8 ulp for x >= -1 (measured 4 on AVX512 CPUs, 7 on AVX2 ones);
+    everywhere |error| <= 2**-21 * |x|, i.e. a few ulp of erf's value near -1, where
+    1 + erf(x / sqrt(2)) cancels and no relative bound holds (measured 3.3e-7 * |x|). The
+    quantize after it is then exact on the kernel's own gelu values."""
     x = torch.linspace(-8, 8, 12003).reshape(3, -1)
 
     def f(x):
@@ -245,7 +245,7 @@ def test_gelu_group_within_ulp_bound(same_bits):
     gm, kernels = fuse(f, x)
     assert len(kernels) == 1 and not kernels[0].exact
     (y, q), (ref_y, _) = gm(x), f(x)
-    assert ulp_distance(y, ref_y)[x >= -1].max().item() <= 4
+    assert ulp_distance(y, ref_y)[x >= -1].max().item() <= 8
     assert ((y - ref_y).abs() <= 2.0**-21 * x.abs()).all()
     same_bits(q, quantize_reference(y, "e5m2"), x, "quantize after gelu")
 
