@@ -50,6 +50,22 @@ def worse_by(
     return gap > k * standard_error(worse, better)
 
 
+def lower_per_seed(
+    lower: Sequence[float], higher: Sequence[float], k: float = 2.0, floor: float = 1e-6
+) -> bool:
+    """Whether ``lower`` sits below ``higher`` seed by seed: the mean over paired seeds of
+    ``log(higher / lower)`` exceeds ``k`` of its standard errors.
+
+    For positive metrics that span binades across seeds (underflow fractions), measured
+    with the same seed on both sides: one seed's outlier would swamp an unpaired
+    comparison of means. ``floor`` stands in for zeros.
+    """
+    if len(lower) != len(higher) or len(lower) < 2:
+        raise ValueError("a paired comparison needs the same seeds, at least two, on both sides")
+    gaps = [math.log(max(h, floor) / max(lo, floor)) for lo, h in zip(lower, higher, strict=True)]
+    return statistics.fmean(gaps) > k * statistics.stdev(gaps) / math.sqrt(len(gaps))
+
+
 def cpu_seconds() -> float:
     """User and system CPU time of this process and of its finished child processes."""
     own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
