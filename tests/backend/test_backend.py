@@ -82,6 +82,7 @@ def test_backend_by_name_in_a_fresh_process():
     assert done.stdout.strip() == "OK"
 
 
+@pytest.mark.slow
 def test_inductor_fuses_lowprec_ops_after_a_plain_inductor_compile(tmp_path):
     """Inductor copies its decomposition table at its first compile in a process. A
     plain ``torch.compile`` before lpcompile is imported (it comes in through the
@@ -120,6 +121,7 @@ def test_inductor_fuses_lowprec_ops_after_a_plain_inductor_compile(tmp_path):
     assert done.stdout.strip().splitlines()[-1] == "{}", f"lowprec ops called unfused: {done.stdout}"
 
 
+@pytest.mark.slow
 def test_quantize_compiled_without_the_backend_fuses_after_a_plain_compile():
     """The same for ``torch.compile`` of ``lpcompile.quantize`` itself (e.g. in a compiled
     optimizer step), imported after another compile."""
@@ -878,6 +880,7 @@ def test_small_cpu_convolutions_run_without_inductors_channels_last_layout(monke
     assert records.only().inductor_options == {**expected, "cpp_wrapper": True}
 
 
+@pytest.mark.slow
 def test_wrapper_option_sets_inductors_cpp_wrapper_and_changes_no_number(monkeypatch):
     from torch._inductor.compile_fx import compile_fx_inner
 
@@ -901,6 +904,7 @@ def test_wrapper_option_sets_inductors_cpp_wrapper_and_changes_no_number(monkeyp
     assert_same_step(results["auto"], results["python"], "the same kernels called from C++")
 
 
+@pytest.mark.slow
 def test_cpp_opt_level_is_the_level_the_compiler_builds_at_and_changes_no_number(monkeypatch):
     """Forward and backward build at the level (on GCC with the alias walk bounded);
     compiled again from the caches (as in a new process), the graphs load those builds

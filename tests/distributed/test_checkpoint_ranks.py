@@ -73,7 +73,10 @@ def _fsdp_run(rank: int, options: dict, mode: str, folder: str, phase: str) -> l
     return [p.full_tensor() for p in model.parameters()]
 
 
-@pytest.mark.parametrize(("options", "mode"), [(EAGER_SR, "dynamic"), (EAGER_ALS, "adaptive")])
+@pytest.mark.parametrize(
+    ("options", "mode"),
+    [(EAGER_SR, "dynamic"), pytest.param(EAGER_ALS, "adaptive", marks=pytest.mark.slow)],
+)
 def test_fsdp2_resumes_from_a_dcp_checkpoint_bit_for_bit(tmp_path, options, mode):
     _check_resume(tmp_path, _fsdp_run, options, mode)
 

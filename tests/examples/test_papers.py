@@ -1,9 +1,12 @@
 """The paper scripts' shared machinery: runs in worker processes give the results of runs here."""
 
+import pytest
+
 from benchmarks.papers.kosson import Job, run_job
 from examples.experiments import map_runs
 
 
+@pytest.mark.slow
 def test_kosson_runs_in_a_pool_of_workers_match_runs_in_this_process_bit_for_bit():
     jobs = [Job("shallow", "b32", row, seed, 1) for row, seed in (("SGD, batch B", 0), ("PB", 0), ("PB", 1))]
     here = list(map_runs(run_job, jobs, workers=1))

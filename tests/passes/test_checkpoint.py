@@ -130,6 +130,7 @@ def test_dynamos_own_checkpoint_bodies_are_left_unchanged():
         assert "lowprec" not in body.code, body.code
 
 
+@pytest.mark.slow
 def test_aot_autograds_cache_keeps_a_checkpointed_graph():
     """The passes' links from a body to its parent graph are cyclic: left in the body's meta,
     AOT autograd could not pickle its cache key, logged the error and compiled again in every

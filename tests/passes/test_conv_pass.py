@@ -183,6 +183,7 @@ class Kernels(nn.Module):
         return self.patches(self.small(self.wide(x).relu()).relu()).sum((2, 3))
 
 
+@pytest.mark.slow
 def test_aot_autograds_cache_keeps_a_graph_with_rewritten_convolutions():
     """The rewrite is inlined as torch's own functions: a call of lowprec's Python function
     in the graph made AOT autograd bypass its cache ("Unsupported call_function target")."""

@@ -37,7 +37,16 @@ def _same_bits(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> list[s
     return [name for name in a if not torch.equal(a[name].view(torch.uint8), b[name].view(torch.uint8))]
 
 
-@pytest.mark.parametrize("case", ["nearest", "stochastic", "adaptive", "master", "pipeline"])
+@pytest.mark.parametrize(
+    "case",
+    [
+        pytest.param("nearest", marks=pytest.mark.slow),
+        pytest.param("stochastic", marks=pytest.mark.slow),
+        "adaptive",
+        "master",
+        "pipeline",
+    ],
+)
 def test_a_fresh_process_resumes_bit_for_bit(case, tmp_path):
     _run(case, tmp_path, "full")
     stderr = _run(case, tmp_path, "rest")
