@@ -6,8 +6,11 @@ One :class:`AdaptiveScaleState` belongs to each compiled graph rewritten by
 * ``scales`` (L,): the power-of-two scale ``s_i`` of each layer's error, and
   ``inverses``, their reciprocals (for the unscaling);
 * ``hist`` (L, STATS_SIZE): a probe whose gradient is each layer's error
-  histogram. It requires grad only on refresh calls, which run a second
-  compiled variant of the graph; the other calls skip the statistics;
+  histogram, passed on refresh calls. The other calls pass a probe of their
+  own: with the statistics under ``torch.cond`` (``records_in_graph``) it
+  requires grad too, the calls pass ``record`` false and the graph returns
+  zeros for it; otherwise it does not require grad, and the refresh calls run
+  a second compiled variant of the graph, the only one with statistics;
 * ``flags`` (L,): a probe whose gradient counts inf/NaN in one gradient of
   each layer without a trained weight (its smallest input gradient), every
   call (for ``LossScaler("adaptive")``; a trained weight's gradient shows the
@@ -43,6 +46,7 @@ from lpcompile.passes.dynamo.loss_scale import (
     FLAGS_INPUT,
     HIST_INPUT,
     INVERSES_INPUT,
+    RECORD_INPUT,
     SCALES_INPUT,
     AdaptiveLayout,
 )
@@ -125,7 +129,9 @@ class AdaptiveScaleState:
         count = len(self.layers)
         self.scales = torch.full((count,), float(config.init), device=device)
         self.hist = torch.zeros(count, STATS_SIZE, device=device, requires_grad=True)
-        self.hist_off = torch.zeros(count, STATS_SIZE, device=device)
+        self.records_in_graph = layout.records_in_graph
+        self.hist_off = torch.zeros(count, STATS_SIZE, device=device, requires_grad=self.records_in_graph)
+        self.record = {flag: torch.tensor(flag) for flag in (False, True)}  # on the CPU, read by torch.cond
         self.flags = torch.zeros(count, device=device, requires_grad=True)
         self.calls = 0
         self.recorded = self.scales  # the scales the last recording call read
@@ -156,6 +162,7 @@ class AdaptiveScaleState:
         While :attr:`calibrating`, every call records.
         """
         self.refresh_pending()
+        self.hist_off.grad = None  # the zeros of calls that did not record
         recording = self.calibrating or self.calls % self.config.interval == 0
         if recording:
             self.recorded = self.scales
@@ -163,10 +170,11 @@ class AdaptiveScaleState:
         return self.example_inputs(recording), recording
 
     def example_inputs(self, recording: bool) -> dict[str, torch.Tensor]:
-        """Graph inputs by name; the histogram probe requires grad only when recording."""
+        """Graph inputs by name: the probe of recording calls, or of the others."""
         hist = self.hist if recording else self.hist_off
         scales = {SCALES_INPUT: self.scales, INVERSES_INPUT: self.inverses}
-        return {**scales, HIST_INPUT: hist, FLAGS_INPUT: self.flags}
+        record = {RECORD_INPUT: self.record[recording]} if self.records_in_graph else {}
+        return {**scales, HIST_INPUT: hist, FLAGS_INPUT: self.flags, **record}
 
     def refresh_pending(self) -> None:
         """Turn the statistics of the last recording call, if not yet done, into scales."""

@@ -222,6 +222,10 @@ def _execute(
             # a fused FP16/BF16 intermediate is rounded to its dtype, as eager stores it,
             # before a quantize reads it: else the quantize rounds the FP32 value elsewhere
             "emulate_precision_casts": True,
+            # Adaptive loss scaling's statistics are under torch.cond, which Inductor's and
+            # AOT autograd's caches skip unless it is marked: their keys hold the branches'
+            # code (a graph module pickles with its subgraphs), so a hit is the same graph.
+            "unsafe_marked_cacheable_functions": {"torch.ops.higher_order.cond": torch.__version__},
             **record.inductor_options,
         }
         # An observer of Inductor's graphs needs them compiled: a cache hit would skip that.

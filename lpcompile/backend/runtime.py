@@ -143,7 +143,8 @@ def _with_inputs(
     if layout is None:
         compiled = compile_variant([*inputs, *static_examples(extras({}, inputs, 0))])
         return lambda *args: compiled(*args, *extras({}, args, None))
-    # Adaptive loss scaling: refresh calls run a variant that records gradient statistics.
+    # Adaptive loss scaling: refresh calls record gradient statistics, under torch.cond in
+    # the one compiled graph (records_in_graph), else in a variant of their own.
     # DDPOptimizer's bookkeeping of a split graph's pieces takes one AOT graph per piece.
     if split_by_ddp_optimizer():
         raise RuntimeError(ADAPTIVE_UNDER_DDP_OPTIMIZER)
@@ -154,9 +155,12 @@ def _with_inputs(
 
     first = state_for(inputs)
     recording = compile_variant(
-        [*inputs, *static_examples(extras(first.example_inputs(True), inputs, 0))], "[stats]"
+        [*inputs, *static_examples(extras(first.example_inputs(True), inputs, 0))],
+        "" if layout.records_in_graph else "[stats]",
     )
-    plain = compile_variant([*inputs, *static_examples(extras(first.example_inputs(False), inputs, 0))])
+    plain = recording
+    if not layout.records_in_graph:
+        plain = compile_variant([*inputs, *static_examples(extras(first.example_inputs(False), inputs, 0))])
 
     def run(*args: Any) -> Any:
         adaptive, refresh = state_for(args).next_inputs()

@@ -49,7 +49,7 @@ def _decompose_quantize_grad(x, fmt, rounding, overflow, seed, offset):
 
 
 @register_decomposition(torch.ops.lowprec.scale_grad.default)
-def _decompose_scale_grad(x, scale, probe, stats):
+def _decompose_scale_grad(x, scale, probe, stats, record=None):
     return x.clone()
 
 

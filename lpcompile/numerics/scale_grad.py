@@ -1,10 +1,13 @@
 """``lowprec::scale_grad``: the node that scales a gradient and measures it.
 
-``scale_grad(x, scale, probe, stats)`` is the identity in the forward. In the
-backward it multiplies the incoming gradient by ``scale`` and, when ``probe``
+``scale_grad(x, scale, probe, stats, record)`` is the identity in the forward. In
+the backward it multiplies the incoming gradient by ``scale`` and, when ``probe``
 requires a gradient, returns statistics of the incoming gradient as the
 probe's gradient. Statistics thus leave the compiled backward graph the way
-any gradient does, with no mutation inside the graph:
+any gradient does, with no mutation inside the graph. With ``record`` (a 0-dim
+bool tensor, read when the backward runs) they are computed under ``torch.cond``
+only where it is true, zeros otherwise: one compiled backward serves the calls
+that record and those that do not.
 
 * ``stats="histogram"``: :data:`STATS_SIZE` values: a count per FP32 exponent
   field (bin ``e`` holds ``|g|`` in ``[2**(e-127), 2**(e-126))``; bin 0 holds
@@ -55,31 +58,52 @@ def _(bins, size):
     return bins.new_empty((size,), dtype=torch.float32)
 
 
+def recorded_stats(grad: torch.Tensor, stats: str, record: torch.Tensor) -> torch.Tensor:
+    """:func:`gradient_stats` of ``grad`` where the 0-dim bool ``record`` is true, else zeros."""
+    size = STATS_SIZE if stats == "histogram" else ()
+    return torch.cond(
+        record,
+        lambda g: gradient_stats(g, stats),
+        lambda g: torch.zeros(size, dtype=torch.float32, device=g.device),
+        (grad,),
+    )
+
+
 @torch.library.custom_op("lowprec::scale_grad", mutates_args=())
 def scale_grad_op(
-    x: torch.Tensor, scale: torch.Tensor, probe: torch.Tensor | None, stats: str
+    x: torch.Tensor,
+    scale: torch.Tensor,
+    probe: torch.Tensor | None,
+    stats: str,
+    record: torch.Tensor | None = None,
 ) -> torch.Tensor:
     if stats not in STATS:
         raise ValueError(f"stats must be one of {STATS}, got {stats!r}")
+    if record is not None and (record.dtype != torch.bool or record.dim() != 0):
+        raise ValueError(f"record must be a 0-dim bool tensor, got {record.dtype} of shape {record.shape}")
     return x.clone()
 
 
 @scale_grad_op.register_fake
-def _(x, scale, probe, stats):
+def _(x, scale, probe, stats, record=None):
     return torch.empty_like(x)
 
 
 def _save(ctx, inputs, output):
-    _, scale, _, ctx.stats = inputs
-    ctx.save_for_backward(scale)
+    _, scale, _, ctx.stats, record = inputs
+    ctx.recorded = record is not None
+    ctx.save_for_backward(scale, *([record] if ctx.recorded else []))
 
 
 def _scale_incoming(ctx, grad):
-    (scale,) = ctx.saved_tensors
+    scale, *record = ctx.saved_tensors
     probe_grad = None
     if ctx.needs_input_grad[2] and ctx.stats != "none":
-        probe_grad = gradient_stats(grad, ctx.stats)
-    return (grad * scale).to(grad.dtype), None, probe_grad, None
+        if record:
+            probe_grad = recorded_stats(grad, ctx.stats, record[0])
+        else:
+            probe_grad = gradient_stats(grad, ctx.stats)
+    return (grad * scale).to(grad.dtype), None, probe_grad, None, None
 
 
 scale_grad_op.register_autograd(_scale_incoming, setup_context=_save)

@@ -145,13 +145,13 @@ def run_passes(
         if not applicable([item], gm, ctx, graph):
             continue
         graph_pass = item.run if isinstance(item, Pass) else item
-        before = set(gm.graph.nodes)
+        before = _all_nodes(gm)
         code_before = gm.code
         start = time.perf_counter()
         graph_pass(gm, ctx)
         gm.graph.lint()
         gm.recompile()
-        after = set(gm.graph.nodes)
+        after = _all_nodes(gm)
         ctx.records.append(
             PassRecord(
                 name=graph_pass.__name__,
@@ -164,3 +164,13 @@ def run_passes(
             )
         )
     return gm
+
+
+def _all_nodes(gm: torch.fx.GraphModule) -> set[torch.fx.Node]:
+    """The nodes of ``gm`` and of its subgraphs (checkpoint bodies, ``torch.cond`` branches)."""
+    return {
+        node
+        for module in gm.modules()
+        if isinstance(module, torch.fx.GraphModule)
+        for node in module.graph.nodes
+    }

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch.fx
 
 from lpcompile.passes.aot.annotate import annotate_lowprec_nodes
-from lpcompile.passes.aot.histogram import count_histograms_serially
+from lpcompile.passes.aot.histogram import annotate_cond_operands, count_histograms_serially
 from lpcompile.passes.aot.layout import (
     realize_transposed_copies,
     remove_permute_pairs,
@@ -36,11 +36,17 @@ def inductor_backward(gm: torch.fx.GraphModule, ctx: CompileContext, kind: str) 
     return goes_to_inductor(gm, ctx, kind) and kind.startswith("backward")
 
 
+def records_under_cond(gm: torch.fx.GraphModule, ctx: CompileContext, kind: str) -> bool:
+    """A backward for Inductor with adaptive scaling's statistics under ``torch.cond``."""
+    return inductor_backward(gm, ctx, kind) and ctx.adaptive is not None and ctx.adaptive.records_in_graph
+
+
 AOT_PASSES = (
     Pass(annotate_lowprec_nodes, runs_as_fx),
     Pass(tag_stages, staged_fx),
     Pass(remove_permute_pairs, goes_to_inductor),
     Pass(use_channels_last_conv_backward, goes_to_inductor),
+    Pass(annotate_cond_operands, records_under_cond),
     Pass(count_histograms_serially, goes_to_inductor),
     Pass(realize_transposed_copies, inductor_backward),
 )

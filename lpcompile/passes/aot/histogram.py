@@ -51,8 +51,33 @@ def _histogram_bins(node: torch.fx.Node) -> tuple[torch.fx.Node, int] | None:
     return bins, size
 
 
+def annotate_cond_operands(gm: torch.fx.GraphModule, ctx: CompileContext) -> None:
+    """Give each ``torch.cond`` branch input that receives a plain number that number as its
+    value. AOT autograd's trace of the statistics' branches lifts a size of the error as
+    such an input, which neither branch reads, without a value; Inductor's fake-tensor
+    update after its post-grad passes compares every branch input with what the call
+    passes, and stops at the missing one."""
+    for node in gm.graph.find_nodes(op="call_function", target=torch.ops.higher_order.cond):
+        _, *branches, operands = node.args
+        for branch in branches:
+            placeholders = getattr(gm, branch.target).graph.find_nodes(op="placeholder")
+            for placeholder, operand in zip(placeholders, operands, strict=True):
+                if not isinstance(operand, torch.fx.Node):
+                    placeholder.meta.setdefault("val", operand)
+
+
 def count_histograms_serially(gm: torch.fx.GraphModule, ctx: CompileContext) -> None:
-    """Replace each accumulating ``index_put`` histogram by ``lowprec::count_bins``."""
+    """Replace each accumulating ``index_put`` histogram by ``lowprec::count_bins``, in the
+    graph and in its subgraphs (the ``torch.cond`` branches that compute statistics)."""
+    for module in gm.modules():
+        if isinstance(module, torch.fx.GraphModule):
+            _count_serially(module)
+            if module is not gm:
+                module.graph.lint()
+                module.recompile()
+
+
+def _count_serially(gm: torch.fx.GraphModule) -> None:
     for node in list(gm.graph.find_nodes(op="call_function", target=aten.index_put.default)):
         found = _histogram_bins(node)
         if found is None:

@@ -17,6 +17,15 @@ matmul/conv that the quantize pass keeps) it inserts ``lowprec::scale_grad``:
   ``LossScaler`` checks anyway (the per-call count, fused into the backward's
   kernels, made the adaptive MLP's backward 3-5% slower).
 
+Where Inductor compiles the graph and its tensors are all on the CPU, the
+histogram nodes also read ``lowprec_record``, a 0-dim bool input: the backward
+computes the statistics under ``torch.cond`` on the calls that record, so one
+compiled graph serves every call. Elsewhere the calls that record run a second
+variant, in which the probe requires grad: graphs run as FX compile in seconds
+(and a ``TorchDispatchMode`` around them sees no ``torch.cond``), the Triton
+codegen fuses the statistics into the kernels that quantize the errors, and on
+a GPU the branch would wait for its predicate.
+
 ``s_i`` is the paper's cumulative scale ``A_i`` (the rules and bounds are in
 ``lpcompile.numerics.scale_rules``). Unscaling at each layer's inputs, in FP32 and by
 powers of two, is exact, so outside the layers every gradient is at unit
@@ -49,7 +58,7 @@ from lpcompile.passes.graph import (
 
 # Names of the graph inputs that insert_loss_scale adds.
 SCALES_INPUT, HIST_INPUT, FLAGS_INPUT = "lowprec_scales", "lowprec_hist", "lowprec_flags"
-INVERSES_INPUT = "lowprec_inverse_scales"
+INVERSES_INPUT, RECORD_INPUT = "lowprec_inverse_scales", "lowprec_record"
 
 
 @dataclass(frozen=True)
@@ -61,12 +70,16 @@ class AdaptiveLayout:
     fmt: str  # the error format
     config: AdaptiveScaleConfig
     out_dims: tuple[int, ...]  # the dimension of each weight that holds the output features
+    # the histograms are computed under torch.cond on RECORD_INPUT (one variant), or only
+    # in a variant whose probe requires grad
+    records_in_graph: bool = False
 
 
 def _scale_grad(
-    gm: torch.fx.GraphModule, value: torch.fx.Node, scale, probe, stats: str, layer: str
+    gm: torch.fx.GraphModule, value: torch.fx.Node, scale, probe, stats: str, layer: str, record=None
 ) -> torch.fx.Node:
-    node = gm.graph.call_function(SCALE_GRAD, (value, scale, probe, stats))
+    args = (value, scale, probe, stats) if record is None else (value, scale, probe, stats, record)
+    node = gm.graph.call_function(SCALE_GRAD, args)
     node.meta["lowprec"] = {"role": "loss_scale" if stats == "histogram" else "loss_unscale", "layer": layer}
     if "example_value" in value.meta:
         node.meta["example_value"] = value.meta["example_value"]
@@ -113,6 +126,15 @@ def _transposes(node: torch.fx.Node) -> bool:
     return flipped
 
 
+def records_in_graph(gm: torch.fx.GraphModule, ctx: CompileContext) -> bool:
+    """Whether the statistics go under ``torch.cond`` in one variant: Inductor compiles the
+    graph, and its tensors are all on the CPU."""
+    examples = [node.meta.get("example_value") for node in gm.graph.find_nodes(op="placeholder")]
+    tensors = [x for x in examples if isinstance(x, torch.Tensor)]
+    inductor = ctx.config.executor == "inductor" and ctx.config.codegen != "triton"
+    return inductor and all(x.device.type == "cpu" for x in tensors)
+
+
 def loss_scale_applies(gm: torch.fx.GraphModule, ctx: CompileContext, kind: str) -> bool:
     """``loss_scale="adaptive"``, in a graph with a backward (not one compiled under no_grad)."""
     return ctx.config.loss_scale == "adaptive" and torch.is_grad_enabled()
@@ -129,18 +151,22 @@ def insert_loss_scale(gm: torch.fx.GraphModule, ctx: CompileContext) -> None:
         return
     count = len(calls)
     placeholders = gm.graph.find_nodes(op="placeholder")
+    recorded = records_in_graph(gm, ctx)
     examples = {
         SCALES_INPUT: torch.ones(count),
         INVERSES_INPUT: torch.ones(count),
         HIST_INPUT: torch.zeros(count, STATS_SIZE),
         FLAGS_INPUT: torch.zeros(count),
+        **({RECORD_INPUT: torch.tensor(False)} if recorded else {}),
     }
     for name, example in examples.items():  # the Dynamo graph's inputs first, in this order
         ctx.add_input(gm, name, example)
     layers, weight_inputs, out_dims = [], [], []
     for i, (graph, call) in enumerate(calls):
         layer = layer_name(call)
-        scales, inverses, hist, flags = (graph_input(graph, ctx, name, e) for name, e in examples.items())
+        scales, inverses, hist, flags, *record = (
+            graph_input(graph, ctx, name, e) for name, e in examples.items()
+        )
         with graph.graph.inserting_before(call):
             scale = graph.graph.call_function(torch.select, (scales, 0, i))
             inverse = graph.graph.call_function(torch.select, (inverses, 0, i))
@@ -163,7 +189,7 @@ def insert_loss_scale(gm: torch.fx.GraphModule, ctx: CompileContext) -> None:
                     call.update_arg(where, unscaled)
         users = list(call.users)
         with graph.graph.inserting_after(call):
-            scaled = _scale_grad(graph, call, scale, hist_i, "histogram", layer)
+            scaled = _scale_grad(graph, call, scale, hist_i, "histogram", layer, *record)
         for user in users:
             user.replace_input_with(call, scaled)
         layers.append(layer)
@@ -172,5 +198,10 @@ def insert_loss_scale(gm: torch.fx.GraphModule, ctx: CompileContext) -> None:
         body.graph.lint()
         body.recompile()
     ctx.adaptive = AdaptiveLayout(
-        tuple(layers), tuple(weight_inputs), ctx.config.error.fmt, ctx.config.adaptive, tuple(out_dims)
+        tuple(layers),
+        tuple(weight_inputs),
+        ctx.config.error.fmt,
+        ctx.config.adaptive,
+        tuple(out_dims),
+        recorded,
     )
