@@ -142,12 +142,13 @@ def split_by_ddp_optimizer() -> bool:
 
 
 ADAPTIVE_UNDER_DDP_OPTIMIZER = (
-    "lowprec: loss_scale='adaptive' compiles two variants of each graph (one records gradient"
-    " statistics), and Dynamo's DDPOptimizer, which splits a model under DDP into one graph per"
-    " gradient bucket (torch.compile(DDP(model)) and DDP(torch.compile(model)) alike), counts one"
-    " backward per piece. Set torch._dynamo.config.optimize_ddp = False before the first step"
-    " (one graph; DDP then overlaps no all-reduce with the backward), or give DDP one bucket"
-    " (bucket_cap_mb at least the model's size in MiB)"
+    "lowprec: loss_scale='adaptive' is not supported on a graph that Dynamo's DDPOptimizer"
+    " splits into one graph per DDP gradient bucket (torch.compile(DDP(model)) and"
+    " DDP(torch.compile(model)) alike; a second compiled variant that records gradient"
+    " statistics broke its bookkeeping of one backward per piece). Set"
+    " torch._dynamo.config.optimize_ddp = False before the first step (one graph; DDP then"
+    " overlaps no all-reduce with the backward), or give DDP one bucket (bucket_cap_mb at"
+    " least the model's size in MiB)"
 )
 
 
