@@ -42,6 +42,22 @@ def test_histogram_counts_binary_exponents_and_moments():
     assert gradient_stats(g, "nonfinite").item() == 2
 
 
+def test_scale_grad_records_statistics_only_where_its_record_input_is_true():
+    """With a ``record`` input the statistics are under ``torch.cond``: the histogram on a
+    call that records, zeros on one that does not; the error is scaled either way."""
+    x = log_uniform(64, -20, 4).requires_grad_()
+    error = log_uniform(64, -30, 0, seed=1)
+    for flag in (True, False):
+        probe = torch.zeros(STATS_SIZE, requires_grad=True)
+        out = torch.ops.lowprec.scale_grad(x, torch.tensor(8.0), probe, "histogram", torch.tensor(flag))
+        (grad_x, grad_probe) = torch.autograd.grad(out, (x, probe), error)
+        assert torch.equal(grad_x, error * 8.0)
+        want = gradient_stats(error, "histogram") if flag else torch.zeros(STATS_SIZE)
+        assert torch.equal(grad_probe, want), flag
+    with pytest.raises(ValueError, match="0-dim bool"):
+        torch.ops.lowprec.scale_grad(x, torch.tensor(8.0), None, "histogram", torch.tensor(1.0))
+
+
 def test_quantile_rule_on_log_uniform_magnitudes():
     g = log_uniform(100_000, -30, -10)
     s = quantile_scale(gradient_stats(g, "histogram"), E5M2, 1e-3)
@@ -387,7 +403,8 @@ def test_recording_and_plain_calls_share_one_compiled_graph_on_the_cpu(monkeypat
     """On the CPU, adaptive scaling compiles one forward and one backward under Inductor:
     the statistics are under ``torch.cond`` in that backward, and only the calls that
     record compute them. A second variant's backward took as long to compile as the
-    plain one's; the Triton codegen still compiles one (see test_codegen_graphs)."""
+    plain one's; the eager executor and the Triton codegen still run two variants (see
+    test_codegen_graphs)."""
     import torch._inductor.codecache as codecache
 
     keys = []
