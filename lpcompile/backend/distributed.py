@@ -144,8 +144,9 @@ def split_by_ddp_optimizer() -> bool:
 ADAPTIVE_UNDER_DDP_OPTIMIZER = (
     "lowprec: loss_scale='adaptive' is not supported on a graph that Dynamo's DDPOptimizer"
     " splits into one graph per DDP gradient bucket (torch.compile(DDP(model)) and"
-    " DDP(torch.compile(model)) alike; a second compiled variant that records gradient"
-    " statistics broke its bookkeeping of one backward per piece). Set"
+    " DDP(torch.compile(model)) alike; it compiles the pieces on fake tensors, and neither"
+    " lowprec's two compiled variants nor its one graph with statistics under torch.cond"
+    " pass AOT autograd there). Set"
     " torch._dynamo.config.optimize_ddp = False before the first step (one graph; DDP then"
     " overlaps no all-reduce with the backward), or give DDP one bucket (bucket_cap_mb at"
     " least the model's size in MiB)"
