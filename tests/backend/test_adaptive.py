@@ -193,7 +193,7 @@ def _graph_of(model):
     )
 
 
-@pytest.mark.parametrize("executor", ["eager", "inductor"])
+@pytest.mark.parametrize("executor", ["eager", pytest.param("inductor", marks=pytest.mark.slow)])
 def test_weight_gradients_equal_a_hand_scaled_reference(executor):
     """Interval 1: every call runs the recording variant."""
     model = _mlp()

@@ -29,7 +29,7 @@ def _by_role(model: nn.Module) -> dict[tuple[str, str], tuple[int, int, int]]:
     return {(r.layer, r.role): (r.calls, r.saturated, r.nonfinite) for r in lpcompile.saturation(model)}
 
 
-@pytest.mark.parametrize("executor", ["eager", "inductor"])
+@pytest.mark.parametrize("executor", ["eager", pytest.param("inductor", marks=pytest.mark.slow)])
 def test_counts_what_each_layer_saturates(executor):
     model = _mlp()
     run = torch.compile(

@@ -46,6 +46,7 @@ def test_only_histograms_of_masked_bins_are_replaced():
         assert torch.equal(got, want)
 
 
+@pytest.mark.slow
 def test_inductor_records_the_same_histograms_as_the_eager_executor():
     def recorded(executor):
         torch._dynamo.reset()  # a compile, not a graph Dynamo kept from another test

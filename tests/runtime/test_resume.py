@@ -43,8 +43,8 @@ def _same_bits(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> list[s
         pytest.param("nearest", marks=pytest.mark.slow),
         pytest.param("stochastic", marks=pytest.mark.slow),
         "adaptive",
-        "master",
-        "pipeline",
+        pytest.param("master", marks=pytest.mark.slow),
+        pytest.param("pipeline", marks=pytest.mark.slow),
     ],
 )
 def test_a_fresh_process_resumes_bit_for_bit(case, tmp_path):
@@ -55,6 +55,7 @@ def test_a_fresh_process_resumes_bit_for_bit(case, tmp_path):
     assert _same_bits(full, rest) == []
 
 
+@pytest.mark.slow
 def test_a_checkpoint_without_stream_state_warns_that_the_streams_restart(tmp_path):
     _run("stochastic", tmp_path, "full")
     stderr = _run("stochastic", tmp_path, "rest-old")
