@@ -7,10 +7,12 @@ One :class:`AdaptiveScaleState` belongs to each compiled graph rewritten by
   ``inverses``, their reciprocals (for the unscaling);
 * ``hist`` (L, STATS_SIZE): a probe whose gradient is each layer's error
   histogram, passed on refresh calls. The other calls pass a probe of their
-  own: with the statistics under ``torch.cond`` (``records_in_graph``) it
-  requires grad too, the calls pass ``record`` false and the graph returns
-  zeros for it; otherwise it does not require grad, and the refresh calls run
-  a second compiled variant of the graph, the only one with statistics;
+  own (``hist_off``), by the layout's ``recording``: with the statistics under
+  ``torch.cond`` it requires grad too, the calls pass ``record`` false and the
+  graph returns zeros for it; where one graph records at every call it
+  requires grad and its gradient is dropped; otherwise it does not require
+  grad, and the refresh calls run a second compiled variant of the graph, the
+  only one with statistics;
 * ``flags`` (L,): a probe whose gradient counts inf/NaN in one gradient of
   each layer without a trained weight (its smallest input gradient), every
   call (for ``LossScaler("adaptive")``; a trained weight's gradient shows the
@@ -21,7 +23,10 @@ Every ``interval`` calls (the first included) the backward records the
 histograms, and the next call turns them into new scales by the chosen rule.
 With :attr:`AdaptiveScaleState.ranks` set (``LossScaler`` sets it under data
 parallelism), the statistics are summed over those ranks and an overflow on any
-of them backs a layer off, so every rank holds the same scales.
+of them backs a layer off, so every rank holds the same scales. The pieces of a
+graph that DDPOptimizer split keep one state each, chained in graph order
+(:attr:`AdaptiveScaleState.chain`): they refresh together, bounded as the layers of
+one graph (:func:`refresh_chain`).
 """
 
 from __future__ import annotations
@@ -46,7 +51,9 @@ from lpcompile.passes.dynamo.loss_scale import (
     FLAGS_INPUT,
     HIST_INPUT,
     INVERSES_INPUT,
+    RECORD_IN_VARIANT,
     RECORD_INPUT,
+    RECORD_UNDER_COND,
     SCALES_INPUT,
     AdaptiveLayout,
 )
@@ -129,8 +136,9 @@ class AdaptiveScaleState:
         count = len(self.layers)
         self.scales = torch.full((count,), float(config.init), device=device)
         self.hist = torch.zeros(count, STATS_SIZE, device=device, requires_grad=True)
-        self.records_in_graph = layout.records_in_graph
-        self.hist_off = torch.zeros(count, STATS_SIZE, device=device, requires_grad=self.records_in_graph)
+        self.under_cond = layout.recording == RECORD_UNDER_COND
+        one_graph = layout.recording != RECORD_IN_VARIANT
+        self.hist_off = torch.zeros(count, STATS_SIZE, device=device, requires_grad=one_graph)
         self.record = {flag: torch.tensor(flag) for flag in (False, True)}  # on the CPU, read by torch.cond
         self.flags = torch.zeros(count, device=device, requires_grad=True)
         self.calls = 0
@@ -140,6 +148,11 @@ class AdaptiveScaleState:
         self.calibrating = config.rule != "fixed"
         self.unsettled = False
         self.telemetry = [LayerTelemetry(name) for name in self.layers]
+        # The states of one graph's layers, in graph order: this one alone, or the pieces of
+        # a graph DDPOptimizer split (the first piece's graph id in split_from), whose scales
+        # refresh together, bounded as one graph's.
+        self.chain: list[AdaptiveScaleState] = [self]
+        self.split_from: int | None = None
         self.ranks: Any = None  # a process group whose ranks agree on the scales, or None
         self._set([float(config.init)] * count)
 
@@ -162,7 +175,7 @@ class AdaptiveScaleState:
         While :attr:`calibrating`, every call records.
         """
         self.refresh_pending()
-        self.hist_off.grad = None  # the zeros of calls that did not record
+        self.hist_off.grad = None  # what the calls that did not record returned
         recording = self.calibrating or self.calls % self.config.interval == 0
         if recording:
             self.recorded = self.scales
@@ -173,27 +186,35 @@ class AdaptiveScaleState:
         """Graph inputs by name: the probe of recording calls, or of the others."""
         hist = self.hist if recording else self.hist_off
         scales = {SCALES_INPUT: self.scales, INVERSES_INPUT: self.inverses}
-        record = {RECORD_INPUT: self.record[recording]} if self.records_in_graph else {}
+        record = {RECORD_INPUT: self.record[recording]} if self.under_cond else {}
         return {**scales, HIST_INPUT: hist, FLAGS_INPUT: self.flags, **record}
 
     def refresh_pending(self) -> None:
-        """Turn the statistics of the last recording call, if not yet done, into scales."""
-        if self.hist.grad is not None:
-            calibrating = self.calibrating  # as when that call ran: only refreshes change it
-            self.refresh(self.hist.grad)
-            self.hist.grad = None
-            self.unsettled |= calibrating and self.calibrating
+        """Turn the statistics of the last recording call, if not yet done, into scales
+        (of every state of :attr:`chain`)."""
+        pending = [state for state in self.chain if state.hist.grad is not None]
+        if not pending:
+            return
+        before = [state.calibrating for state in pending]  # as when that call ran: only refreshes change it
+        refresh_chain(self.chain)
+        for state, calibrating in zip(pending, before, strict=True):
+            state.unsettled |= calibrating and state.calibrating
 
-    def refresh(self, stats: torch.Tensor) -> None:
-        """Set new scales from per-layer statistics by the configured rule."""
-        stats = self._agreed(stats.detach(), torch.distributed.ReduceOp.SUM).cpu()
+    def take_statistics(self) -> tuple[list[float | None], list[float | None]] | None:
+        """Record the pending statistics in the telemetry and drop them; return each layer's
+        scale by the configured rule and its overflow cap (None for either: no change).
+        None without pending statistics."""
+        if self.hist.grad is None:
+            return None
+        stats = self._agreed(self.hist.grad.detach(), torch.distributed.ReduceOp.SUM).cpu()
+        self.hist.grad = None
         used = self.recorded.tolist()  # a back-off since may have changed self.scales
         for i, t in enumerate(self.telemetry):
             t.underflow = underflow_fraction(stats[i], used[i], self.fmt)
             t.history.append((self.calls - 1, used[i], t.underflow))
             t.overflow = 0
         if self.config.rule == "fixed":
-            return
+            return [None] * len(self.layers), [None] * len(self.layers)
         if self.config.rule == "quantile":
             needed = [quantile_scale(s, self.fmt, self.config.underflow) for s in stats]
         else:
@@ -201,24 +222,20 @@ class AdaptiveScaleState:
                 approx_range_scale(s, None if w is None else w(), self.fmt, self.config.underflow, dim)
                 for s, w, dim in zip(stats, self.weights, self.out_dims, strict=True)
             ]
-        caps = [overflow_cap(s, self.fmt) for s in stats]
-        scales = bound_scales(needed, self.scales.tolist(), caps, self.config.bounds(self.fmt))
-        self._set(scales)
-        # Calibrated once a call's scales were within a binade of what its statistics ask
-        # for: errors that underflowed hid the layers below them (all zero there), so each
-        # refresh reaches further down. Bounded: a layer that overflows at the scale its
-        # underflow asks for would raise forever.
-        raised = any(new > 2 * old for new, old in zip(scales, used, strict=True))
-        if not raised or self.calls > len(self.layers):
-            self.calibrating = False
+        return needed, [overflow_cap(s, self.fmt) for s in stats]
 
     def _set(self, scales: list[float]) -> None:
         # A new tensor, not an in-place update: a backward still to come (pipelining,
         # or a graph that was run twice before backward) saved the scales its forward read.
         self.scales = torch.tensor(scales, dtype=torch.float32, device=self.scales.device)
+        self.relate_telemetry()
+
+    def relate_telemetry(self) -> None:
+        """Each layer's telemetry scale over the layer above it, through :attr:`chain`."""
         above = 1.0
-        for t, s in reversed(list(zip(self.telemetry, scales, strict=True))):
-            t.cumulative, t.scale, above = s, s / above, s
+        for state in reversed(self.chain):
+            for t, s in reversed(list(zip(state.telemetry, state.scales.tolist(), strict=True))):
+                t.cumulative, t.scale, above = s, s / above, s
 
     def same_layers(self, other: AdaptiveScaleState) -> bool:
         """Whether ``other`` scales the same layers of the same model with the same settings
@@ -318,6 +335,36 @@ class AdaptiveScaleState:
         self.calibrating = state.get("calibrating", False)
         self.unsettled = False
         self.telemetry = [LayerTelemetry(**t) for t in state["telemetry"]]
+
+
+def refresh_chain(chain: list[AdaptiveScaleState]) -> None:
+    """Set new scales from the pending statistics of ``chain``'s states by the configured
+    rule, the bounds applied through all their layers in order, as through one graph's."""
+    taken = [state.take_statistics() for state in chain]
+    config = chain[0].config
+    if config.rule == "fixed" or all(t is None for t in taken):
+        return
+    needed, caps, current, used = [], [], [], []
+    for state, t in zip(chain, taken, strict=True):
+        count = len(state.layers)
+        needed += [None] * count if t is None else t[0]
+        caps += [None] * count if t is None else t[1]
+        current += state.scales.tolist()
+        used += state.recorded.tolist()
+    scales = bound_scales(needed, current, caps, config.bounds(chain[0].fmt))
+    start = 0
+    for state in chain:
+        count = len(state.layers)
+        state._set(scales[start : start + count])
+        start += count
+    # Calibrated once a call's scales were within a binade of what its statistics ask
+    # for: errors that underflowed hid the layers below them (all zero there), so each
+    # refresh reaches further down. Bounded: a layer that overflows at the scale its
+    # underflow asks for would raise forever.
+    raised = any(new > 2 * old for new, old in zip(scales, used, strict=True))
+    if not raised or max(state.calls for state in chain) > len(scales):
+        for state in chain:
+            state.calibrating = False
 
 
 def _weight_key(ref: weakref.ref | None) -> int | None:

@@ -27,7 +27,7 @@ from torch._functorch.partitioners import _is_tangent as is_tangent
 
 from lpcompile.backend import runtime
 from lpcompile.backend.cache import SourceStamp, package_hash
-from lpcompile.backend.distributed import trace_wrapped_forwards, warn_uncompiled_callers
+from lpcompile.backend.distributed import ddp_optimizer_split, trace_wrapped_forwards, warn_uncompiled_callers
 from lpcompile.backend.records import CompiledGraph
 from lpcompile.backend.state import REGISTRY
 from lpcompile.codegen import fuse_lowprec_kernels
@@ -270,7 +270,14 @@ def lowprec(
     warn_uncompiled_callers()
     if config.matmul == "bf16" and (why := gemm.unavailable()):
         raise ValueError(f"matmul='bf16': lowprec's bf16 matmul kernel cannot run here: {why}")
-    ctx = CompileContext(config=config, graph_id=REGISTRY.new_graph_id(), stream=graph_stream(gm))
+    graph_id = REGISTRY.new_graph_id()
+    split = ddp_optimizer_split()
+    ctx = CompileContext(
+        config=config,
+        graph_id=graph_id,
+        stream=graph_stream(gm),
+        split_from=None if split is None else REGISTRY.first_piece(split, graph_id),
+    )
     record = CompiledGraph(
         ctx.graph_id, ctx.stream, config, ctx.sites, ctx.records, ctx.kept, fused=ctx.kernels
     )

@@ -134,23 +134,12 @@ def warn_uncompiled_callers() -> None:
         )
 
 
-def split_by_ddp_optimizer() -> bool:
-    """Whether the graph being compiled is a piece of a graph Dynamo's DDPOptimizer split at
-    DDP's gradient buckets (``torch.compile(DDP(model))`` with more than one bucket)."""
+def ddp_optimizer_split() -> Any | None:
+    """Where the graph being compiled is a piece of a graph Dynamo's DDPOptimizer split at
+    DDP's gradient buckets (``torch.compile(DDP(model))`` with more than one bucket),
+    DDPOptimizer's context of that split, the same object for all its pieces; else None."""
     context = torch._guards.TracingContext.try_get()
-    return context is not None and getattr(context, "ddp_optimizer_ctx", None) is not None
-
-
-ADAPTIVE_UNDER_DDP_OPTIMIZER = (
-    "lowprec: loss_scale='adaptive' is not supported on a graph that Dynamo's DDPOptimizer"
-    " splits into one graph per DDP gradient bucket (torch.compile(DDP(model)) and"
-    " DDP(torch.compile(model)) alike; it compiles the pieces on fake tensors, and neither"
-    " lowprec's two compiled variants nor its one graph with statistics under torch.cond"
-    " pass AOT autograd there). Set"
-    " torch._dynamo.config.optimize_ddp = False before the first step (one graph; DDP then"
-    " overlaps no all-reduce with the backward), or give DDP one bucket (bucket_cap_mb at"
-    " least the model's size in MiB)"
-)
+    return None if context is None else getattr(context, "ddp_optimizer_ctx", None)
 
 
 def unsharded_parameters(model: torch.nn.Module) -> list[torch.Tensor]:

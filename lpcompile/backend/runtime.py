@@ -22,14 +22,10 @@ import torch.fx
 from torch._subclasses.fake_tensor import FakeTensor
 
 from lpcompile.backend.adaptive import AdaptiveScaleState
-from lpcompile.backend.distributed import (
-    ADAPTIVE_UNDER_DDP_OPTIMIZER,
-    current_rank,
-    rank_seed,
-    split_by_ddp_optimizer,
-)
+from lpcompile.backend.distributed import current_rank, rank_seed
 from lpcompile.backend.state import REGISTRY
 from lpcompile.passes.driver import CompileContext, Site
+from lpcompile.passes.dynamo.loss_scale import RECORD_IN_VARIANT
 from lpcompile.passes.dynamo.quantize import SEED_INPUT
 from lpcompile.passes.graph import parameter_of
 
@@ -143,27 +139,27 @@ def _with_inputs(
     if layout is None:
         compiled = compile_variant([*inputs, *static_examples(extras({}, inputs, 0))])
         return lambda *args: compiled(*args, *extras({}, args, None))
-    # Adaptive loss scaling: refresh calls record gradient statistics, under torch.cond in
-    # the one compiled graph (records_in_graph), else in a variant of their own.
-    # DDPOptimizer's bookkeeping of a split graph's pieces takes one AOT graph per piece.
-    if split_by_ddp_optimizer():
-        raise RuntimeError(ADAPTIVE_UNDER_DDP_OPTIMIZER)
+    # Adaptive loss scaling: refresh calls record gradient statistics, in the one compiled
+    # graph (under torch.cond, or at every call), else in a variant of their own.
     key_input = next((i for i in layout.weight_inputs if i is not None), None)
 
-    def state_for(args: Sequence[Any]) -> AdaptiveScaleState:
-        return REGISTRY.adaptive_state(model_key(args, key_input), ctx.graph_id, layout, tuple(args))
+    def state_for(key: torch.Tensor, args: Sequence[Any]) -> AdaptiveScaleState:
+        return REGISTRY.adaptive_state(key, ctx.graph_id, layout, tuple(args), ctx.split_from)
 
-    first = state_for(inputs)
+    first = state_for(model_key(inputs, key_input), inputs)
+    variants = layout.recording == RECORD_IN_VARIANT
     recording = compile_variant(
         [*inputs, *static_examples(extras(first.example_inputs(True), inputs, 0))],
-        "" if layout.records_in_graph else "[stats]",
+        "[stats]" if variants else "",
     )
     plain = recording
-    if not layout.records_in_graph:
+    if variants:
         plain = compile_variant([*inputs, *static_examples(extras(first.example_inputs(False), inputs, 0))])
 
     def run(*args: Any) -> Any:
-        adaptive, refresh = state_for(args).next_inputs()
+        key = model_key(args, key_input)
+        # DDPOptimizer runs a piece on fake tensors to compile the next: the compile's state
+        adaptive, refresh = (first if isinstance(key, FakeTensor) else state_for(key, args)).next_inputs()
         return (recording if refresh else plain)(*args, *extras(adaptive, args, None))
 
     return run

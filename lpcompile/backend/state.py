@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils.weak import WeakIdKeyDictionary
 
 from lpcompile.backend.adaptive import AdaptiveScaleState, LayerTelemetry, check_saved_state
@@ -124,6 +125,7 @@ class Registry:
         self._looked_up = WeakIdKeyDictionary()  # models matched against _saved_steps since the load
         self._restart_warning = False  # a checkpoint without stream state was loaded
         self.records: collections.deque = collections.deque(maxlen=MAX_RECORDS)
+        self._splits = weakref.WeakKeyDictionary()  # DDPOptimizer's split -> its first piece's graph id
         self.graph_count = 0  # graphs compiled by this process
         self.observers: list[CompileObserver] = []
 
@@ -246,20 +248,35 @@ class Registry:
             self._restart_warning, self._deferred[:] = restart_warning, deferred
 
     # ------------------------------------------------------------------ adaptive loss scaling
+    def first_piece(self, split: Any, graph_id: int) -> int:
+        """The graph id of the first piece of DDPOptimizer's ``split`` (``graph_id`` for it)."""
+        return self._splits.setdefault(split, graph_id)
+
     def adaptive_state(
-        self, key: torch.Tensor, graph_id: int, layout: AdaptiveLayout, args: tuple
+        self, key: torch.Tensor, graph_id: int, layout: AdaptiveLayout, args: tuple, split_from: int | None
     ) -> AdaptiveScaleState:
         """The adaptive-scaling state of ``key``'s model in graph ``graph_id``; a new one is
         loaded from a deferred saved state with its layers, or starts from the scales of
-        another graph of the same model (a recompile, its ``eval()`` forward)."""
-        entry = self.entry(key)
-        state = entry.adaptive.get(graph_id)
-        if state is not None:
+        another graph of the same model (a recompile, its ``eval()`` forward). The states of
+        the pieces of one split graph (``split_from``: its first piece) join one chain. On fake
+        tensors (DDPOptimizer compiles and runs the pieces on them) a state of no model."""
+        entry = None if isinstance(key, FakeTensor) else self.entry(key)
+        if entry is not None and (state := entry.adaptive.get(graph_id)) is not None:
             return state
         weights = [None if i is None else args[i] for i in layout.weight_inputs]
         owners = [None if w is None else self.key(w) for w in weights]
         device = next((w.device for w in weights if w is not None), torch.device("cpu"))
-        state = entry.adaptive[graph_id] = AdaptiveScaleState(layout, weights, owners, device)
+        state = AdaptiveScaleState(layout, weights, owners, device)
+        if entry is None:
+            return state
+        entry.adaptive[graph_id] = state
+        if split_from is not None:
+            state.split_from = split_from
+            pieces = [s for s in self.adaptive_states() if s is not state and s.split_from == split_from]
+            if pieces:  # compiled in graph order: this piece follows the chain's layers
+                state.chain = pieces[0].chain
+                state.chain.append(state)
+                state.relate_telemetry()
         saved = next((s for s in self._deferred if list(s["layers"]) == state.layers), None)
         if saved is not None:
             self._deferred.remove(saved)

@@ -81,6 +81,9 @@ class CompileContext:
     partition: Any = None  # passes.stages.Partition, when the graph is split into pipeline stages
     # Inductor's channels-last layout is off for this graph (small CPU convolutions)
     contiguous_layout: bool = False
+    # in a piece of a graph Dynamo's DDPOptimizer split at DDP's gradient buckets, the graph
+    # id of the first piece: the pieces' adaptive scales chain as one graph's layers
+    split_from: int | None = None
     records: list[PassRecord] = field(default_factory=list)
     kernels: list[Any] = field(default_factory=list)  # lpcompile.codegen.KernelRecord, one per fused kernel
 

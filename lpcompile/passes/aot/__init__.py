@@ -15,6 +15,7 @@ from lpcompile.passes.aot.layout import (
 )
 from lpcompile.passes.aot.stages import tag_stages
 from lpcompile.passes.driver import CompileContext, Pass
+from lpcompile.passes.dynamo.loss_scale import RECORD_UNDER_COND
 
 
 def runs_as_fx(gm: torch.fx.GraphModule, ctx: CompileContext, kind: str) -> bool:
@@ -38,7 +39,8 @@ def inductor_backward(gm: torch.fx.GraphModule, ctx: CompileContext, kind: str) 
 
 def records_under_cond(gm: torch.fx.GraphModule, ctx: CompileContext, kind: str) -> bool:
     """A backward for Inductor with adaptive scaling's statistics under ``torch.cond``."""
-    return inductor_backward(gm, ctx, kind) and ctx.adaptive is not None and ctx.adaptive.records_in_graph
+    under_cond = ctx.adaptive is not None and ctx.adaptive.recording == RECORD_UNDER_COND
+    return inductor_backward(gm, ctx, kind) and under_cond
 
 
 AOT_PASSES = (

@@ -17,14 +17,23 @@ matmul/conv that the quantize pass keeps) it inserts ``lowprec::scale_grad``:
   ``LossScaler`` checks anyway (the per-call count, fused into the backward's
   kernels, made the adaptive MLP's backward 3-5% slower).
 
-Where Inductor compiles the graph and its tensors are all on the CPU, the
-histogram nodes also read ``lowprec_record``, a 0-dim bool input: the backward
-computes the statistics under ``torch.cond`` on the calls that record, so one
-compiled graph serves every call. Elsewhere the calls that record run a second
-variant, in which the probe requires grad: graphs run as FX compile in seconds
-(and a ``TorchDispatchMode`` around them sees no ``torch.cond``), the Triton
-codegen fuses the statistics into the kernels that quantize the errors, and on
-a GPU the branch would wait for its predicate.
+How the calls that record get their statistics (:func:`recording_mode`):
+
+* ``"cond"``: where Inductor compiles the graph and its tensors are all on the
+  CPU, the histogram nodes also read ``lowprec_record``, a 0-dim bool input: the
+  backward computes the statistics under ``torch.cond`` on the calls that
+  record, so one compiled graph serves every call.
+* ``"every call"``: in a piece of a graph that Dynamo's DDPOptimizer split at
+  DDP's gradient buckets, one compiled graph computes the statistics at every
+  call and the calls that do not record drop them. DDPOptimizer keeps one AOT
+  graph per piece, and the ``torch.cond`` of a piece fails AOT autograd (Dynamo,
+  compiling the branch inside the piece's trace, leaves its operand as a fake
+  constant).
+* ``"variant"``: elsewhere the calls that record run a second variant, in which
+  the probe requires grad: graphs run as FX compile in seconds (and a
+  ``TorchDispatchMode`` around them sees no ``torch.cond``), the Triton codegen
+  fuses the statistics into the kernels that quantize the errors, and on a GPU
+  the branch would wait for its predicate.
 
 ``s_i`` is the paper's cumulative scale ``A_i`` (the rules and bounds are in
 ``lpcompile.numerics.scale_rules``). Unscaling at each layer's inputs, in FP32 and by
@@ -59,6 +68,8 @@ from lpcompile.passes.graph import (
 # Names of the graph inputs that insert_loss_scale adds.
 SCALES_INPUT, HIST_INPUT, FLAGS_INPUT = "lowprec_scales", "lowprec_hist", "lowprec_flags"
 INVERSES_INPUT, RECORD_INPUT = "lowprec_inverse_scales", "lowprec_record"
+# AdaptiveLayout.recording: how the calls that record get their statistics (module docstring)
+RECORD_UNDER_COND, RECORD_EVERY_CALL, RECORD_IN_VARIANT = "cond", "every call", "variant"
 
 
 @dataclass(frozen=True)
@@ -70,9 +81,7 @@ class AdaptiveLayout:
     fmt: str  # the error format
     config: AdaptiveScaleConfig
     out_dims: tuple[int, ...]  # the dimension of each weight that holds the output features
-    # the histograms are computed under torch.cond on RECORD_INPUT (one variant), or only
-    # in a variant whose probe requires grad
-    records_in_graph: bool = False
+    recording: str = RECORD_IN_VARIANT  # RECORD_UNDER_COND, RECORD_EVERY_CALL or RECORD_IN_VARIANT
 
 
 def _scale_grad(
@@ -126,13 +135,18 @@ def _transposes(node: torch.fx.Node) -> bool:
     return flipped
 
 
-def records_in_graph(gm: torch.fx.GraphModule, ctx: CompileContext) -> bool:
-    """Whether the statistics go under ``torch.cond`` in one variant: Inductor compiles the
-    graph, and its tensors are all on the CPU."""
+def recording_mode(gm: torch.fx.GraphModule, ctx: CompileContext) -> str:
+    """How the calls that record get their statistics: every call in a piece of a split
+    graph; under ``torch.cond`` where Inductor compiles the graph and its tensors are all
+    on the CPU; else in a variant of their own."""
+    if ctx.split_from is not None:
+        return RECORD_EVERY_CALL
     examples = [node.meta.get("example_value") for node in gm.graph.find_nodes(op="placeholder")]
     tensors = [x for x in examples if isinstance(x, torch.Tensor)]
     inductor = ctx.config.executor == "inductor" and ctx.config.codegen != "triton"
-    return inductor and all(x.device.type == "cpu" for x in tensors)
+    if inductor and all(x.device.type == "cpu" for x in tensors):
+        return RECORD_UNDER_COND
+    return RECORD_IN_VARIANT
 
 
 def loss_scale_applies(gm: torch.fx.GraphModule, ctx: CompileContext, kind: str) -> bool:
@@ -151,13 +165,13 @@ def insert_loss_scale(gm: torch.fx.GraphModule, ctx: CompileContext) -> None:
         return
     count = len(calls)
     placeholders = gm.graph.find_nodes(op="placeholder")
-    recorded = records_in_graph(gm, ctx)
+    recording = recording_mode(gm, ctx)
     examples = {
         SCALES_INPUT: torch.ones(count),
         INVERSES_INPUT: torch.ones(count),
         HIST_INPUT: torch.zeros(count, STATS_SIZE),
         FLAGS_INPUT: torch.zeros(count),
-        **({RECORD_INPUT: torch.tensor(False)} if recorded else {}),
+        **({RECORD_INPUT: torch.tensor(False)} if recording == RECORD_UNDER_COND else {}),
     }
     for name, example in examples.items():  # the Dynamo graph's inputs first, in this order
         ctx.add_input(gm, name, example)
@@ -203,5 +217,5 @@ def insert_loss_scale(gm: torch.fx.GraphModule, ctx: CompileContext) -> None:
         ctx.config.error.fmt,
         ctx.config.adaptive,
         tuple(out_dims),
-        recorded,
+        recording,
     )

@@ -1,0 +1,66 @@
+"""Adaptive loss scaling on a graph Dynamo's DDPOptimizer splits at DDP's gradient buckets
+(``torch.compile(DDP(model, bucket_cap_mb=1))``): each piece compiles one graph that
+records statistics at every call. Trained on two gloo ranks with round-to-nearest, the
+split model takes the same per-layer scales and ends with the same parameter bits as the
+same model compiled whole (``optimize_ddp=False``, where the statistics are recorded on
+the refresh calls alone, in a second variant or under ``torch.cond``)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from ranks import run_ranks, wide_mlp
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from lpcompile import LossScaler, stats
+from lpcompile.backend import lowprec
+
+STEPS = 5  # the calibrating calls and two of interval 2: refreshes from both kinds of call
+OPTIONS = {"recipe": "fp8-e5m2", "loss_scale": "adaptive", "loss_scale_interval": 2}
+
+
+def _train(rank: int, executor: str, split: bool) -> dict:
+    torch._dynamo.reset()
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return lowprec(gm, example_inputs, options={**OPTIONS, "executor": executor})
+
+    model = wide_mlp()
+    with torch._dynamo.config.patch(optimize_ddp=split):
+        compiled = torch.compile(DDP(model, bucket_cap_mb=1), backend=backend)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+        scaler = LossScaler("adaptive")
+        for step in range(STEPS):
+            x = torch.randn(4, 8, generator=torch.Generator().manual_seed(10 * rank + step))
+            # rank 1's loss is tiny: the scales the ranks agree on differ from either rank's own
+            loss = compiled(x).square().mean() * (1e-4 if rank else 1.0)
+            scaler.scale(loss).backward()
+            scaler.step(optimizer)
+            scaler.update()
+            optimizer.zero_grad()
+    return {
+        "graphs": len(graphs),
+        "history": {t.layer: t.history for t in stats(model)},
+        "parameters": [p.detach().clone() for p in model.parameters()],
+    }
+
+
+def _split_and_whole(rank: int, executor: str) -> dict:
+    return {"split": _train(rank, executor, True), "whole": _train(rank, executor, False)}
+
+
+@pytest.mark.parametrize("executor", ["eager", pytest.param("inductor", marks=pytest.mark.slow)])
+def test_a_split_graph_scales_and_trains_as_the_whole_graph(executor, tmp_path):
+    ranks = run_ranks(_split_and_whole, tmp_path, executor, deadline=300.0).check()
+    for rank, run in enumerate(ranks):
+        split, whole = run["split"], run["whole"]
+        assert split["graphs"] > 1 and whole["graphs"] == 1, f"rank {rank}: {split['graphs']} pieces"
+        assert len(split["history"]) == 4 and split["history"] == whole["history"], f"rank {rank}"
+        refreshes = [len(h) for h in split["history"].values()]
+        assert min(refreshes) >= 2, f"rank {rank}: {refreshes} refreshes per layer"
+        for i, (a, b) in enumerate(zip(split["parameters"], whole["parameters"], strict=True)):
+            assert torch.equal(a, b), f"rank {rank}: parameter {i} differs"
+    # the scaler's all-reduce of the statistics gives both ranks the same scales
+    assert ranks[0]["split"]["history"] == ranks[1]["split"]["history"]
