@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from ranks import EAGER_ALS, EAGER_SR, Blocks, mlp3, run_ranks
+from ranks import EAGER_ALS, EAGER_SR, Blocks, mlp3, run_ranks, wide_mlp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -81,11 +81,16 @@ def test_fsdp2_resumes_from_a_dcp_checkpoint_bit_for_bit(tmp_path, options, mode
     _check_resume(tmp_path, _fsdp_run, options, mode)
 
 
-def _ddp_run(rank: int, folder: str, phase: str) -> list[torch.Tensor]:
-    model = mlp3()
-    run = DDP(torch.compile(model, backend="lowprec", options=EAGER_SR))
+# DDP's default buckets (one piece), and adaptive scaling on a graph split at 1 MiB buckets
+DDP_CASES = {"one bucket": (mlp3, 25, EAGER_SR, "dynamic"), "split": (wide_mlp, 1, EAGER_ALS, "adaptive")}
+
+
+def _ddp_run(rank: int, case: str, folder: str, phase: str) -> list[torch.Tensor]:
+    make, bucket_mb, options, mode = DDP_CASES[case]
+    model = make()
+    run = DDP(torch.compile(model, backend="lowprec", options=options), bucket_cap_mb=bucket_mb)
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    scaler = LossScaler("dynamic", init_scale=2.0**8)
+    scaler = LossScaler(mode, **({} if mode == "adaptive" else {"init_scale": 2.0**8}))
 
     def save() -> None:
         if rank == 0:
@@ -101,7 +106,9 @@ def _ddp_run(rank: int, folder: str, phase: str) -> list[torch.Tensor]:
     return [p.detach().clone() for p in model.parameters()]
 
 
-def test_ddp_resumes_from_ordinary_state_dicts_bit_for_bit(tmp_path):
+@pytest.mark.parametrize("case", ["one bucket", pytest.param("split", marks=pytest.mark.slow)])
+def test_ddp_resumes_from_ordinary_state_dicts_bit_for_bit(tmp_path, case):
     """Rank 0's model, optimizer and scaler state dicts resume every rank: the SR call counts
-    are the same on every rank (the rank enters the seed, not the count)."""
-    _check_resume(tmp_path, _ddp_run)
+    are the same on every rank (the rank enters the seed, not the count); split at DDP's
+    buckets, each piece's adaptive state resumes."""
+    _check_resume(tmp_path, _ddp_run, case)
