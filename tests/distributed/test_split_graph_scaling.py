@@ -43,6 +43,8 @@ def _train(rank: int, executor: str, split: bool) -> dict:
     return {
         "graphs": len(graphs),
         "history": {t.layer: t.history for t in stats(model)},
+        # each layer's scale over the one above it: across pieces too
+        "relative": {t.layer: (t.scale, t.cumulative) for t in stats(model)},
         "parameters": [p.detach().clone() for p in model.parameters()],
     }
 
@@ -58,6 +60,7 @@ def test_a_split_graph_scales_and_trains_as_the_whole_graph(executor, tmp_path):
         split, whole = run["split"], run["whole"]
         assert split["graphs"] > 1 and whole["graphs"] == 1, f"rank {rank}: {split['graphs']} pieces"
         assert len(split["history"]) == 4 and split["history"] == whole["history"], f"rank {rank}"
+        assert split["relative"] == whole["relative"], f"rank {rank}"
         refreshes = [len(h) for h in split["history"].values()]
         assert min(refreshes) >= 2, f"rank {rank}: {refreshes} refreshes per layer"
         for i, (a, b) in enumerate(zip(split["parameters"], whole["parameters"], strict=True)):
