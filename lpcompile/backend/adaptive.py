@@ -154,7 +154,7 @@ class AdaptiveScaleState:
         self.chain: list[AdaptiveScaleState] = [self]
         self.split_from: int | None = None
         self.ranks: Any = None  # a process group whose ranks agree on the scales, or None
-        self._set([float(config.init)] * count)
+        self.set_scales([float(config.init)] * count)
 
     @property
     def scales(self) -> torch.Tensor:
@@ -224,7 +224,8 @@ class AdaptiveScaleState:
             ]
         return needed, [overflow_cap(s, self.fmt) for s in stats]
 
-    def _set(self, scales: list[float]) -> None:
+    def set_scales(self, scales: list[float]) -> None:
+        """Use ``scales`` from the next call on (and relate the telemetry to them)."""
         # A new tensor, not an in-place update: a backward still to come (pipelining,
         # or a graph that was run twice before backward) saved the scales its forward read.
         self.scales = torch.tensor(scales, dtype=torch.float32, device=self.scales.device)
@@ -253,7 +254,7 @@ class AdaptiveScaleState:
     def start_from(self, other: AdaptiveScaleState) -> None:
         """Start at ``other``'s scales instead of the initial ones; still calibrating, so the
         first call's statistics confirm them (its step is taken if they hold)."""
-        self._set(other.scales.tolist())
+        self.set_scales(other.scales.tolist())
         self.recorded = self.scales
 
     def trained_by(self, params: set[int]) -> bool:
@@ -298,7 +299,7 @@ class AdaptiveScaleState:
             scales = self.scales.tolist()
             for i in hit:
                 scales[i] /= 2
-            self._set(scales)
+            self.set_scales(scales)
         self.flags.grad = None
         return [self.layers[i] for i in hit]
 
@@ -355,7 +356,7 @@ def refresh_chain(chain: list[AdaptiveScaleState]) -> None:
     start = 0
     for state in chain:
         count = len(state.layers)
-        state._set(scales[start : start + count])
+        state.set_scales(scales[start : start + count])
         start += count
     # Calibrated once a call's scales were within a binade of what its statistics ask
     # for: errors that underflowed hid the layers below them (all zero there), so each
