@@ -273,7 +273,7 @@ class Registry:
         if split_from is not None:
             state.split_from = split_from
             pieces = [s for s in self.adaptive_states() if s is not state and s.split_from == split_from]
-            if pieces:  # compiled in graph order: this piece follows the chain's layers
+            if pieces:  # first called in graph order (the forward): this piece follows the chain
                 state.chain = pieces[0].chain
                 state.chain.append(state)
                 state.relate_telemetry()
