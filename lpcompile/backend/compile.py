@@ -150,7 +150,7 @@ def _inductor_compiler(ctx: CompileContext, record: CompiledGraph, tag: str, obs
         # variant's tag (the module's dict is in the key), the second is a cache hit.
         del gm.meta["lowprec_graph"]
         name_canonically(gm)
-        with lowprec_cpp_builds(ctx.config.cpp_opt_level):  # a backward compiles at its first call
+        with lowprec_cpp_builds(ctx.config.cpp_opt_level):  # a backward lowered at its first call
             return compile_fx_inner(gm, example_inputs, *args, **kwargs)
 
     return inner_compile
@@ -199,6 +199,40 @@ def lowprec_cpp_builds(level: str) -> Iterator[None]:
         cache.load_pybinding_async = inductors
 
 
+@contextlib.contextmanager
+def overlapped_cpp_builds() -> Iterator[None]:
+    """Inductor lowers a graph's backward with its forward, and builds each graph's C++
+    wrapper on its compile threads, loaded at the graph's first call.
+
+    A C++ wrapper makes each graph one translation unit, built by one compiler process;
+    its backward is otherwise lowered at its first call, after the forward's build. Here
+    the forward's build runs while the backward is lowered, and the backward's while the
+    forward runs, as Inductor's Python wrapper builds its kernels side by side. With one
+    compile thread (``TORCHINDUCTOR_COMPILE_THREADS=1``) it changes nothing.
+    """
+    from torch._inductor.async_compile import AsyncCompile, get_compile_threads
+    from torch._inductor.codecache import CppWrapperCodeCache as cache
+
+    if get_compile_threads() < 2 or "load_pybinding" in cache.__dict__:  # or inside itself
+        yield
+        return
+
+    def load_in_background(cls, *args: Any, **kwargs: Any) -> Callable:
+        built = cls.load_pybinding_async(*args, submit_fn=AsyncCompile.pool().submit, **kwargs)
+
+        def entry(*inputs: Any) -> Any:
+            return built()(*inputs)
+
+        return entry
+
+    cache.load_pybinding = classmethod(load_in_background)
+    try:
+        with torch._functorch.config.patch(force_non_lazy_backward_lowering=True):
+            yield
+    finally:
+        del cache.load_pybinding  # back to the one it inherits
+
+
 def _execute(
     gm: torch.fx.GraphModule, example_inputs: list, ctx: CompileContext, record: CompiledGraph, tag: str = ""
 ):
@@ -230,8 +264,10 @@ def _execute(
         }
         # An observer of Inductor's graphs needs them compiled: a cache hit would skip that.
         uncached = torch._functorch.config.patch(enable_autograd_cache=False)
+        overlapped = record.inductor_options.get("cpp_wrapper", False)
         with (
             uncached if observers else contextlib.nullcontext(),
+            overlapped_cpp_builds() if overlapped else contextlib.nullcontext(),
             lowprec_cpp_builds(ctx.config.cpp_opt_level),
         ):
             compiled = compile_fx(

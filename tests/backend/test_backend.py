@@ -952,6 +952,56 @@ def test_cpp_opt_level_is_the_level_the_compiler_builds_at_and_changes_no_number
         assert_same_step(got, results[0], "the same kernels built at another level")
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("threads", [2, 1])
+def test_cpp_wrapper_lowers_the_backward_with_the_forward_and_builds_both_off_the_main_thread(
+    monkeypatch, threads
+):
+    """With the C++ wrapper and Inductor's compile threads, the backward is lowered
+    before the forward first runs (not at its own first call), and each graph's build runs
+    on a compile thread, so that one graph's build overlaps the other's lowering. With
+    one compile thread, Inductor's own order: all on the main thread, the backward lowered
+    at its first call."""
+    import threading
+
+    import torch._inductor.cpp_builder as cpp_builder
+    from torch._inductor.compile_fx import compile_fx_inner
+    from torch._inductor.utils import clear_caches, fresh_cache
+
+    from lpcompile.backend.compile import inductor_graph_kind
+
+    events = []
+    run_compile_cmd = cpp_builder.run_compile_cmd
+
+    def spy(cmd_line, cwd):
+        if cmd_line.split()[1].endswith(".main.cpp"):  # a graph's build, not a probe of the CPU
+            events.append(("built", threading.current_thread() is threading.main_thread()))
+        return run_compile_cmd(cmd_line, cwd)
+
+    def inner(gm, example_inputs, *args, **kwargs):
+        events.append(("lowered", inductor_graph_kind(kwargs)))
+        return compile_fx_inner(gm, example_inputs, *args, **kwargs)
+
+    monkeypatch.setattr(cpp_builder, "run_compile_cmd", spy)
+    stand_in_for_inductor(monkeypatch, inner)
+    torch.manual_seed(0)
+    model, x = mlp(), mlp_input()
+    with torch._inductor.config.patch(compile_threads=threads), fresh_cache():  # no earlier test's builds
+        clear_caches()
+        compiled = torch.compile(
+            model, backend="lowprec", options={"recipe": "fp8-e5m2-sr", "executor": "inductor"}
+        )
+        loss = compiled(x).square().mean()
+        events.append(("forward", "ran"))
+        loss.backward()
+    assert [what for event, what in events if event == "lowered"] == ["forward", "backward"]
+    background = threads > 1
+    lowered_first = events.index(("lowered", "backward")) < events.index(("forward", "ran"))
+    assert lowered_first == background, events
+    assert [event for event in events if event[0] == "built"] == [("built", not background)] * 2, events
+    assert all(p.grad is not None and p.grad.isfinite().all() for p in model.parameters())
+
+
 def test_auto_wrapper_is_cpp_for_cpu_graphs_only():
     cpu, meta = torch.ones(2), torch.ones(2, device="meta")
     assert uses_cpp_wrapper("auto", [cpu, 3]) and not uses_cpp_wrapper("auto", [cpu, meta])
