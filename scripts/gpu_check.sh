@@ -26,9 +26,9 @@ echo "== kernel tests on CUDA (generated Triton compiled, Inductor) against the 
 workers=()  # pytest-xdist, where installed
 "$py" -c "import xdist" 2>/dev/null && workers=(-n 8)
 LOWPREC_TEST_DEVICE=cuda timeout "${TEST_LIMIT:-200}" "$py" -m pytest -q "${workers[@]}" -rf \
-    tests/test_codegen_ops.py tests/test_codegen_graphs.py \
-    tests/test_quantize_compile.py::test_inductor_matches_eager \
-    tests/test_backend_numerics.py::test_quantized_tensors_bit_identical \
+    tests/codegen/test_codegen_ops.py tests/codegen/test_codegen_graphs.py \
+    tests/numerics/test_quantize_compile.py::test_inductor_matches_eager \
+    tests/backend/test_backend_numerics.py::test_quantized_tensors_bit_identical \
     >"$out/tests.txt" 2>&1
 echo "exit $?"; grep -E "passed|failed|FAILED|Error|ERROR" "$out/tests.txt" | tail -25
 
