@@ -27,7 +27,7 @@ from torch._functorch.partitioners import _is_tangent as is_tangent
 
 from lpcompile.backend import runtime
 from lpcompile.backend.cache import SourceStamp, package_hash
-from lpcompile.backend.distributed import ddp_optimizer_split, trace_wrapped_forwards, warn_uncompiled_callers
+from lpcompile.backend.distributed import ddp_optimizer_split, outermost_wrapper, trace_wrapped_forwards
 from lpcompile.backend.records import CompiledGraph
 from lpcompile.backend.state import REGISTRY
 from lpcompile.codegen import fuse_lowprec_kernels
@@ -303,7 +303,6 @@ def lowprec(
             " settings itself; pass lowprec's own settings as options={...}"
         )
     config = LowPrecConfig.from_options(options)
-    warn_uncompiled_callers()
     if config.matmul == "bf16" and (why := gemm.unavailable()):
         raise ValueError(f"matmul='bf16': lowprec's bf16 matmul kernel cannot run here: {why}")
     graph_id = REGISTRY.new_graph_id()
@@ -333,4 +332,7 @@ def lowprec(
         """Compile the rewritten graph (a variant, named by its tag, compiles a copy)."""
         return _execute(own_copy(gm) if tag else gm, inputs, ctx, record, tag)
 
-    return runtime.wrap(gm, list(example_inputs), ctx, compile_variant)
+    run = runtime.wrap(gm, list(example_inputs), ctx, compile_variant)
+    # inside DDP or FSDP2: the calls of the root's first forward say which modules no graph covers
+    root = outermost_wrapper()
+    return run if root is None else REGISTRY.coverage_watch(root).watched(run)

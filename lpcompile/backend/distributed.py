@@ -19,6 +19,10 @@ decision: the ``forward`` frame of a module that a running DDP or FSDP2 module c
 (found on the Python stack, the wrapper's own call included) is traced. Nothing else
 changes (inlined calls, other frames, modules outside such a wrapper).
 
+What Dynamo still never traces (a module left out when compiling per block, products a
+skipped root ``forward`` computes itself) is named once by a :class:`CoverageWatch` on the
+outermost wrapper, after its first forward.
+
 Stochastic rounding: the wrapper folds the process's rank into the seed
 (:func:`rank_seed`), so ranks draw different bits and each rank's bits are reproducible.
 """
@@ -28,6 +32,7 @@ from __future__ import annotations
 import sys
 import types
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -93,43 +98,91 @@ def wrapped_forward(frame: Any) -> str | None:
     return None if kind is None else f"lowprec: the forward of a module {kind} runs"
 
 
-def uncompiled_callers() -> list[torch.nn.Module]:
-    """Modules with parameters of their own whose ``forward`` is on the Python stack running
-    uncompiled (its original code) inside a DDP or FSDP2 module: Dynamo gave up on that frame
-    (a graph break inside a loop over sharded blocks) and compiles only what it calls, so
-    lowprec never sees the products the forward computes itself."""
-    frames = []
+def outermost_wrapper() -> torch.nn.Module | None:
+    """The outermost DDP or FSDP2 module whose call is on the Python stack (the root of the
+    run being traced), or None."""
+    found = None
     frame = sys._getframe(1)
     while frame is not None:
-        frames.append(frame)
+        owner = frame.f_locals.get("self") if "self" in frame.f_code.co_varnames else None
+        if _wrapper_kind(owner) is not None:
+            found = owner
         frame = frame.f_back
-    found = []
-    for i, frame in enumerate(frames):
-        module = frame.f_locals.get("self") if "self" in frame.f_code.co_varnames else None
-        if not isinstance(module, torch.nn.Module) or module in found:
-            continue
-        if frame.f_code is not getattr(type(module).forward, "__code__", None):
-            continue
-        inside = _wrapper_kind(module) is not None or any(
-            _wrapper_kind(owner := f.f_locals.get("self")) is not None
-            and any(m is module for m in owner.modules())
-            for f in frames[i + 1 :]
-            if "self" in f.f_code.co_varnames
-        )
-        if inside and next(module.parameters(recurse=False), None) is not None:
-            found.append(module)
     return found
 
 
-def warn_uncompiled_callers() -> None:
-    """Warn (once per place) about each :func:`uncompiled_callers` module, naming its own parameters."""
-    for module in uncompiled_callers():
-        names = [name for name, _ in module.named_parameters(recurse=False)]
+# Modules whose parameters are read by lookups, not products.
+LOOKUPS = (torch.nn.Embedding, torch.nn.EmbeddingBag)
+
+
+def unread_modules(root: torch.nn.Module, read: set[int]) -> list[tuple[str, torch.nn.Module, list[str]]]:
+    """(name, module, its parameters' names) of each module under the DDP or FSDP2 module
+    ``root`` with parameters of two or more dimensions none of which is in ``read`` (ids of
+    the parameters lowprec's graphs read; under FSDP2 those are the unsharded ones). Embedding
+    lookups are left out: they compute no product."""
+    unsharded = {}
+    for module in root.modules():
+        if _wrapper_kind(module) == "FSDP2":
+            for group in getattr(module._get_fsdp_state(), "_fsdp_param_groups", ()):
+                for fp in group.fsdp_params:
+                    if (param := getattr(fp, "_unsharded_param", None)) is not None:
+                        unsharded[id(fp._module_info.module), fp._module_info.param_name] = param
+    model = root.module if _wrapper_kind(root) == "DDP" else root
+    found = []
+    for name, module in model.named_modules():
+        own = [(n, p) for n, p in module.named_parameters(recurse=False) if p.dim() >= 2]
+        if isinstance(module, LOOKUPS) or not own:
+            continue
+        if not any(id(p) in read or id(unsharded.get((id(module), n))) in read for n, p in own):
+            found.append((name, module, [n for n, _ in own]))
+    return found
+
+
+# Modules a coverage warning names (the others are counted).
+LISTED = 12
+
+
+class CoverageWatch:
+    """The parameters lowprec's graphs read in the first forward of one DDP or FSDP2 root.
+    At the end of that forward (hooks run only on a call that starts with one registered:
+    under DDP that is the second forward) it warns once, naming the modules whose products
+    ran in FP32 because no lowprec graph read their parameters (:func:`unread_modules`).
+    Parameters are taken from the graphs' calls, not their compiles: Dynamo reuses one
+    block's graph for the identical blocks after it."""
+
+    def __init__(self, root: torch.nn.Module) -> None:
+        self.kind = _wrapper_kind(root)
+        self.read: set[int] = set()
+        self._handle: Any = root.register_forward_hook(self._check)
+
+    def watched(self, run: Callable[..., Any]) -> Callable[..., Any]:
+        """``run``, a compiled graph, recording the parameters it is called with while the
+        watch lasts."""
+
+        def call(*args: Any) -> Any:
+            if self._handle is not None:
+                self.read.update(id(a) for a in args if isinstance(a, torch.nn.Parameter))
+            return run(*args)
+
+        return call
+
+    def _check(self, root: torch.nn.Module, args: Any, output: Any) -> None:
+        self._handle.remove()
+        self._handle = None
+        missed = unread_modules(root, self.read)
+        self.read.clear()  # done: the ids of parameters freed later may be reused
+        if not missed:
+            return
+        listed = ", ".join(
+            f"{name or '(the root)'} ({type(module).__name__}: {', '.join(params)})"
+            for name, module, params in missed[:LISTED]
+        ) + (f" and {len(missed) - LISTED} more" if len(missed) > LISTED else "")
         warnings.warn(
-            f"lowprec: {type(module).__name__}.forward runs uncompiled (Dynamo gave up on it, e.g. at "
-            f"a graph break inside its loop over sharded blocks); the modules it calls are compiled, "
-            f"but products it computes itself with its own parameters {names} run in FP32. Put "
-            "them in a submodule (an nn.Linear, or a module of your own)",
+            f"lowprec: under {self.kind}, no lowprec graph read the parameters of {listed}; any "
+            "products they compute ran in FP32. torch.compile never traced them: a module left out "
+            "when compiling per block, or a forward Dynamo ran uncompiled (a graph break inside a "
+            "loop over sharded blocks) computing products itself. Compile those modules with "
+            "lowprec too, or put such products in modules of their own (an nn.Linear)",
             stacklevel=2,
         )
 

@@ -1,0 +1,106 @@
+"""Under DDP and FSDP2, a module with products that no lowprec graph reads runs in FP32:
+one left out when compiling per block (torchtitan compiles only the blocks), or a root
+``forward`` Dynamo gives up on (a graph break inside its loop over sharded blocks) that
+computes a product with its own parameter. After the first forward, one warning names each
+such module; a model whose products all compiled is quiet, identical blocks that share one
+compiled graph included."""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+
+import torch
+from ranks import EAGER_SR, Block, Blocks, run_ranks
+from torch import nn
+from torch.distributed.fsdp import fully_shard
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+
+class OwnProduct(nn.Module):
+    """A root whose output product uses a parameter of its own, not a module's."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.layers = nn.ModuleList([Block(8, 16), Block(16, 16)])
+        self.w = nn.Parameter(torch.randn(16, 4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.layers:
+            x = block(x)
+        return x @ self.w
+
+
+class Deep(Blocks):
+    """Blocks with more blocks like the second: Dynamo runs the second's graph for them."""
+
+    def __init__(self, more: int = 1) -> None:
+        super().__init__()
+        self.layers.extend(Block(16, 16) for _ in range(more))
+
+
+def _compile(module: nn.Module) -> nn.Module:
+    return torch.compile(module, backend="lowprec", options=EAGER_SR)
+
+
+def _blocks_compiled(model: Blocks, head: bool) -> Blocks:
+    for name, block in model.layers.named_children():
+        model.layers.register_module(name, _compile(block))
+    if head:
+        model.head = _compile(model.head)
+    return model
+
+
+def _first_block_compiled(model: Blocks) -> Blocks:
+    model.layers[0] = _compile(model.layers[0])
+    return model
+
+
+def _sharded(model: nn.Module) -> nn.Module:
+    for block in model.layers:
+        fully_shard(block)
+    return fully_shard(model)
+
+
+WRAPPINGS: dict[str, Callable[[], nn.Module]] = {
+    "FSDP2 per block, head left out": lambda: _sharded(_blocks_compiled(Blocks(), head=False)),
+    "FSDP2 per block, head compiled": lambda: _sharded(_blocks_compiled(Deep(), head=True)),
+    "FSDP2 compiled whole": lambda: _compile(_sharded(Deep())),
+    "FSDP2 compiled whole, the root's own product": lambda: _compile(_sharded(OwnProduct())),
+    "DDP per block, head left out": lambda: DDP(_blocks_compiled(Blocks(), head=False)),
+    "compiled DDP": lambda: _compile(DDP(Deep())),
+    "DDP, 1 of 14 blocks compiled": lambda: DDP(_first_block_compiled(Deep(more=12))),
+}
+
+
+def _warnings(rank: int) -> dict[str, list[str]]:
+    found = {}
+    for wrapping, make in WRAPPINGS.items():
+        torch._dynamo.reset()
+        model = make()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for _ in range(3):  # under DDP the check runs at the end of the second forward
+                model(torch.randn(4, 8)).sum().backward()
+        found[wrapping] = [str(w.message) for w in caught if "no lowprec graph read" in str(w.message)]
+    return found
+
+
+def test_modules_no_lowprec_graph_reads_are_named_once(tmp_path):
+    for found in run_ranks(_warnings, tmp_path).check():
+        assert found.pop("FSDP2 per block, head compiled") == []
+        assert found.pop("FSDP2 compiled whole") == []
+        assert found.pop("compiled DDP") == []
+        head = "no lowprec graph read the parameters of head (Linear: weight);"
+        expected = {
+            "FSDP2 per block, head left out": f"under FSDP2, {head}",
+            "FSDP2 compiled whole, the root's own product": "of (the root) (FSDPOwnProduct: w);",
+            "DDP per block, head left out": f"under DDP, {head}",
+            # 13 blocks and the head: the first 12 named, the others counted
+            "DDP, 1 of 14 blocks compiled": "of layers.1.linear (Linear: weight), layers.2.linear",
+        }
+        assert found.keys() == expected.keys()
+        for wrapping, message in expected.items():
+            assert len(found[wrapping]) == 1 and message in found[wrapping][0], (wrapping, found[wrapping])
+        assert "layers.12.linear (Linear: weight) and 2 more;" in found["DDP, 1 of 14 blocks compiled"][0]
