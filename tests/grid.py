@@ -78,6 +78,7 @@ def watched_backend(options: dict[str, Any], check: TorchDispatchMode) -> Callab
 
         return run
 
+    backend.__name__ = "lowprec"  # the name lowprec's rule for frames Dynamo would skip looks for
     return backend
 
 

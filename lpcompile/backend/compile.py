@@ -27,9 +27,10 @@ from torch._functorch.partitioners import _is_tangent as is_tangent
 
 from lpcompile.backend import runtime
 from lpcompile.backend.cache import SourceStamp, package_hash
-from lpcompile.backend.distributed import ddp_optimizer_split, outermost_wrapper, trace_wrapped_forwards
+from lpcompile.backend.distributed import ddp_optimizer_split, trace_wrapped_forwards
 from lpcompile.backend.records import CompiledGraph
 from lpcompile.backend.state import REGISTRY
+from lpcompile.backend.watch import outermost_module
 from lpcompile.codegen import fuse_lowprec_kernels
 from lpcompile.config import LowPrecConfig
 from lpcompile.kernels.cpu import gemm
@@ -333,6 +334,6 @@ def lowprec(
         return _execute(own_copy(gm) if tag else gm, inputs, ctx, record, tag)
 
     run = runtime.wrap(gm, list(example_inputs), ctx, compile_variant)
-    # inside DDP or FSDP2: the calls of the root's first forward say which modules no graph covers
-    root = outermost_wrapper()
+    # the calls in the first forward of the model being run name the modules no graph covers
+    root = outermost_module()
     return run if root is None else REGISTRY.coverage_watch(root).watched(run)

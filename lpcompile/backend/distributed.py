@@ -16,12 +16,14 @@ Dynamo already traces such a frame when the module has hooks and its class is a
 ``torch.nn`` one; FSDP2's classes (``FSDPLinear``) live in ``torch.distributed`` and the
 others have no hooks. :func:`trace_wrapped_forwards` adds one rule to Dynamo's skip
 decision: the ``forward`` frame of a module that a running DDP or FSDP2 module contains
-(found on the Python stack, the wrapper's own call included) is traced. Nothing else
-changes (inlined calls, other frames, modules outside such a wrapper).
+(found on the Python stack, the wrapper's own call included) is traced. A second rule
+holds for lowprec's compiles only, with or without a wrapper: the ``forward`` frame of a
+module with products of its own (:func:`computes_products`) is traced, as when a root
+``forward`` Dynamo gave up on calls its ``nn.Linear`` layers. Nothing else changes
+(inlined calls, other frames, other backends' frames outside a wrapper).
 
 What Dynamo still never traces (a module left out when compiling per block, products a
-skipped root ``forward`` computes itself) is named once by a :class:`CoverageWatch` on the
-outermost wrapper, after its first forward.
+skipped root ``forward`` computes itself) is named by :mod:`lpcompile.backend.watch`.
 
 Stochastic rounding: the wrapper folds the process's rank into the seed
 (:func:`rank_seed`), so ranks draw different bits and each rank's bits are reproducible.
@@ -31,8 +33,6 @@ from __future__ import annotations
 
 import sys
 import types
-import warnings
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -60,7 +60,7 @@ def rank_seed(seed: int, rank: int) -> int:
 STACK_DEPTH = 64
 
 
-def _wrapper_kind(owner: Any) -> str | None:
+def wrapper_kind(owner: Any) -> str | None:
     """``"DDP"`` or ``"FSDP2"`` if ``owner`` is such a wrapper (without importing either)."""
     parallel = sys.modules.get("torch.nn.parallel.distributed")
     if parallel is not None and isinstance(owner, parallel.DistributedDataParallel):
@@ -79,7 +79,7 @@ def running_wrapper(module: torch.nn.Module) -> str | None:
             return None
         if "self" in frame.f_code.co_varnames:
             owner = frame.f_locals.get("self")
-            if (kind := _wrapper_kind(owner)) is not None and any(m is module for m in owner.modules()):
+            if (kind := wrapper_kind(owner)) is not None and any(m is module for m in owner.modules()):
                 return kind
         frame = frame.f_back
     return None
@@ -94,97 +94,36 @@ def wrapped_forward(frame: Any) -> str | None:
     forward = getattr(type(module), "forward", None)
     if getattr(forward, "__code__", None) is not frame.f_code:
         return None
-    kind = running_wrapper(module)
-    return None if kind is None else f"lowprec: the forward of a module {kind} runs"
-
-
-def outermost_wrapper() -> torch.nn.Module | None:
-    """The outermost DDP or FSDP2 module whose call is on the Python stack (the root of the
-    run being traced), or None."""
-    found = None
-    frame = sys._getframe(1)
-    while frame is not None:
-        owner = frame.f_locals.get("self") if "self" in frame.f_code.co_varnames else None
-        if _wrapper_kind(owner) is not None:
-            found = owner
-        frame = frame.f_back
-    return found
+    if (kind := running_wrapper(module)) is not None:
+        return f"lowprec: the forward of a module {kind} runs"
+    if computes_products(module) and compiling_for_lowprec():
+        return "lowprec: the forward of a module with products, called from a frame run uncompiled"
+    return None
 
 
 # Modules whose parameters are read by lookups, not products.
 LOOKUPS = (torch.nn.Embedding, torch.nn.EmbeddingBag)
 
 
-def unread_modules(root: torch.nn.Module, read: set[int]) -> list[tuple[str, torch.nn.Module, list[str]]]:
-    """(name, module, its parameters' names) of each module under the DDP or FSDP2 module
-    ``root`` with parameters of two or more dimensions none of which is in ``read`` (ids of
-    the parameters lowprec's graphs read; under FSDP2 those are the unsharded ones). Embedding
-    lookups are left out: they compute no product."""
-    unsharded = {}
-    for module in root.modules():
-        if _wrapper_kind(module) == "FSDP2":
-            for group in getattr(module._get_fsdp_state(), "_fsdp_param_groups", ()):
-                for fp in group.fsdp_params:
-                    if (param := getattr(fp, "_unsharded_param", None)) is not None:
-                        unsharded[id(fp._module_info.module), fp._module_info.param_name] = param
-    model = root.module if _wrapper_kind(root) == "DDP" else root
-    found = []
-    for name, module in model.named_modules():
-        own = [(n, p) for n, p in module.named_parameters(recurse=False) if p.dim() >= 2]
-        if isinstance(module, LOOKUPS) or not own:
-            continue
-        if not any(id(p) in read or id(unsharded.get((id(module), n))) in read for n, p in own):
-            found.append((name, module, [n for n, _ in own]))
-    return found
+def computes_products(module: torch.nn.Module) -> bool:
+    """Whether ``module`` may compute products with parameters of its own: it has one of
+    two or more dimensions, and is no embedding lookup."""
+    return not isinstance(module, LOOKUPS) and any(p.dim() >= 2 for p in module.parameters(recurse=False))
 
 
-# Modules a coverage warning names (the others are counted).
-LISTED = 12
-
-
-class CoverageWatch:
-    """The parameters lowprec's graphs read in the first forward of one DDP or FSDP2 root.
-    At the end of that forward (hooks run only on a call that starts with one registered:
-    under DDP that is the second forward) it warns once, naming the modules whose products
-    ran in FP32 because no lowprec graph read their parameters (:func:`unread_modules`).
-    Parameters are taken from the graphs' calls, not their compiles: Dynamo reuses one
-    block's graph for the identical blocks after it."""
-
-    def __init__(self, root: torch.nn.Module) -> None:
-        self.kind = _wrapper_kind(root)
-        self.read: set[int] = set()
-        self._handle: Any = root.register_forward_hook(self._check)
-
-    def watched(self, run: Callable[..., Any]) -> Callable[..., Any]:
-        """``run``, a compiled graph, recording the parameters it is called with while the
-        watch lasts."""
-
-        def call(*args: Any) -> Any:
-            if self._handle is not None:
-                self.read.update(id(a) for a in args if isinstance(a, torch.nn.Parameter))
-            return run(*args)
-
-        return call
-
-    def _check(self, root: torch.nn.Module, args: Any, output: Any) -> None:
-        self._handle.remove()
-        self._handle = None
-        missed = unread_modules(root, self.read)
-        self.read.clear()  # done: the ids of parameters freed later may be reused
-        if not missed:
-            return
-        listed = ", ".join(
-            f"{name or '(the root)'} ({type(module).__name__}: {', '.join(params)})"
-            for name, module, params in missed[:LISTED]
-        ) + (f" and {len(missed) - LISTED} more" if len(missed) > LISTED else "")
-        warnings.warn(
-            f"lowprec: under {self.kind}, no lowprec graph read the parameters of {listed}; any "
-            "products they compute ran in FP32. torch.compile never traced them: a module left out "
-            "when compiling per block, or a forward Dynamo ran uncompiled (a graph break inside a "
-            "loop over sharded blocks) computing products itself. Compile those modules with "
-            "lowprec too, or put such products in modules of their own (an nn.Linear)",
-            stacklevel=2,
-        )
+def compiling_for_lowprec() -> bool:
+    """Whether Dynamo, deciding on a frame, compiles for lowprec's backend: its callback,
+    found on the Python stack, wraps a backend named ``lowprec``."""
+    frame = sys._getframe(1)
+    for _ in range(STACK_DEPTH):
+        if frame is None:
+            return False
+        owner = frame.f_locals.get("self") if "self" in frame.f_code.co_varnames else None
+        if hasattr(owner, "_torchdynamo_orig_backend"):
+            backend = torch._dynamo.eval_frame.innermost_backend(owner)
+            return getattr(backend, "compiler_name", getattr(backend, "__name__", None)) == "lowprec"
+        frame = frame.f_back
+    return False
 
 
 def ddp_optimizer_split() -> Any | None:
@@ -195,20 +134,20 @@ def ddp_optimizer_split() -> Any | None:
     return None if context is None else getattr(context, "ddp_optimizer_ctx", None)
 
 
-def unsharded_parameters(model: torch.nn.Module) -> list[torch.Tensor]:
+def unsharded_parameters(model: torch.nn.Module) -> dict[tuple[int, str], torch.Tensor]:
     """The unsharded parameters FSDP2 swaps into ``model``'s sharded modules for forward and
-    backward: the compiled graphs read these, not the registered shards, and lowprec's
-    per-model state is keyed by them. Empty without FSDP2."""
+    backward, by (``id`` of their module, name): the compiled graphs read these, not the
+    registered shards, and lowprec's per-model state is keyed by them. Empty without FSDP2."""
     fsdp = sys.modules.get("torch.distributed.fsdp")
     if fsdp is None:
-        return []
-    found = []
+        return {}
+    found = {}
     for module in model.modules():
         if isinstance(module, getattr(fsdp, "FSDPModule", ())):
             for group in getattr(module._get_fsdp_state(), "_fsdp_param_groups", ()):
-                found += [
-                    p for fp in group.fsdp_params if (p := getattr(fp, "_unsharded_param", None)) is not None
-                ]
+                for fp in group.fsdp_params:
+                    if (param := getattr(fp, "_unsharded_param", None)) is not None:
+                        found[id(fp._module_info.module), fp._module_info.param_name] = param
     return found
 
 

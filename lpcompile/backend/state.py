@@ -31,7 +31,8 @@ from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils.weak import WeakIdKeyDictionary
 
 from lpcompile.backend.adaptive import AdaptiveScaleState, LayerTelemetry, check_saved_state
-from lpcompile.backend.distributed import CoverageWatch, unsharded_parameters
+from lpcompile.backend.distributed import unsharded_parameters
+from lpcompile.backend.watch import CoverageWatch
 from lpcompile.passes.driver import PredictionInput, Site
 from lpcompile.passes.dynamo.loss_scale import AdaptiveLayout
 
@@ -126,7 +127,7 @@ class Registry:
         self._restart_warning = False  # a checkpoint without stream state was loaded
         self.records: collections.deque = collections.deque(maxlen=MAX_RECORDS)
         self._splits = weakref.WeakKeyDictionary()  # DDPOptimizer's split -> its first piece's graph id
-        self._watches = weakref.WeakKeyDictionary()  # DDP or FSDP2 root -> CoverageWatch
+        self._watches = weakref.WeakKeyDictionary()  # outermost module of a compiled run -> CoverageWatch
         self.graph_count = 0  # graphs compiled by this process
         self.observers: list[CompileObserver] = []
 
@@ -249,7 +250,7 @@ class Registry:
             self._restart_warning, self._deferred[:] = restart_warning, deferred
 
     def coverage_watch(self, root: torch.nn.Module) -> CoverageWatch:
-        """The one :class:`CoverageWatch` of the DDP or FSDP2 module ``root``."""
+        """The one :class:`CoverageWatch` of ``root``, the outermost module of a compiled run."""
         watch = self._watches.get(root)
         if watch is None:
             watch = self._watches[root] = CoverageWatch(root)
@@ -412,7 +413,7 @@ REGISTRY = Registry()
 def model_tensor_ids(model: torch.nn.Module) -> set[int]:
     """The ids of the tensors that may name ``model`` in the registry: its parameters, and
     the unsharded parameters FSDP2 swaps in for its sharded ones."""
-    return {id(p) for p in model.parameters()} | {id(p) for p in unsharded_parameters(model)}
+    return {id(p) for p in model.parameters()} | {id(p) for p in unsharded_parameters(model).values()}
 
 
 @dataclass(frozen=True)

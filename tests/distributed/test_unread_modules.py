@@ -92,15 +92,15 @@ def test_modules_no_lowprec_graph_reads_are_named_once(tmp_path):
         assert found.pop("FSDP2 per block, head compiled") == []
         assert found.pop("FSDP2 compiled whole") == []
         assert found.pop("compiled DDP") == []
-        head = "no lowprec graph read the parameters of head (Linear: weight);"
+        head = "no lowprec graph read the parameters of head (Linear: weight) while"
         expected = {
-            "FSDP2 per block, head left out": f"under FSDP2, {head}",
-            "FSDP2 compiled whole, the root's own product": "of (the root) (FSDPOwnProduct: w);",
-            "DDP per block, head left out": f"under DDP, {head}",
+            "FSDP2 per block, head left out": f"{head} FSDPBlocks ran under FSDP2:",
+            "FSDP2 compiled whole, the root's own product": "of (the root) (FSDPOwnProduct: w) while",
+            "DDP per block, head left out": f"{head} Blocks ran under DDP:",
             # 13 blocks and the head: the first 12 named, the others counted
             "DDP, 1 of 14 blocks compiled": "of layers.1.linear (Linear: weight), layers.2.linear",
         }
         assert found.keys() == expected.keys()
         for wrapping, message in expected.items():
             assert len(found[wrapping]) == 1 and message in found[wrapping][0], (wrapping, found[wrapping])
-        assert "layers.12.linear (Linear: weight) and 2 more;" in found["DDP, 1 of 14 blocks compiled"][0]
+        assert "layers.12.linear (Linear: weight) and 2 more " in found["DDP, 1 of 14 blocks compiled"][0]

@@ -1,0 +1,97 @@
+"""What torch.compile does not trace on its own, under lowprec. A root ``forward`` with a
+graph break inside its loop over layers runs uncompiled, and Dynamo skips the ``torch.nn``
+layers it calls: for lowprec (only), a module with products reached that way is traced,
+so its products run in FP8. What still runs outside every lowprec graph (the root's own
+product, a layer called through ``torch._dynamo.disable``) is named once, after the first
+forward; a model whose products all compiled is quiet."""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+from grid import GridCheck, watched_backend
+from torch import nn
+
+EAGER_SR = {"recipe": "fp8-e5m2-sr", "executor": "eager"}
+
+
+class LoopBreak(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.layers = nn.ModuleList([nn.Linear(8, 8) for _ in range(3)])
+        self.w = nn.Parameter(torch.randn(8, 4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = torch.relu(layer(x))
+            torch._dynamo.graph_break()  # Dynamo gives up on the whole frame
+        return x @ self.w
+
+
+@torch._dynamo.disable
+def _eager(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return module(x)
+
+
+class Disabled(nn.Module):
+    def __init__(self, disable_head: bool) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Linear(8, 8)
+        self.head = nn.Linear(8, 4)
+        self.disable_head = disable_head
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = torch.relu(self.embed(x))
+        return _eager(self.head, x) if self.disable_head else self.head(x)
+
+
+def _steps(run: nn.Module) -> list[str]:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            run(torch.randn(4, 8)).sum().backward()
+    return [str(w.message) for w in caught if "no lowprec graph read" in str(w.message)]
+
+
+def test_layers_a_skipped_root_calls_run_on_the_grid_and_its_own_product_is_named():
+    torch._dynamo.reset()
+    check = GridCheck()
+    run = torch.compile(LoopBreak(), backend=watched_backend(EAGER_SR, check))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        loss = run(torch.randn(4, 8)).sum()
+    with check:
+        loss.backward()
+    first = dict(check.products)
+    # the warning comes at the end of the second forward: torch.compile's wrapper had no
+    # hooks when the first began, so that call runs none
+    found = [str(w.message) for w in caught if "no lowprec graph read" in str(w.message)] + _steps(run)
+    # forward: the three layers' products (the mode sees compiled graphs only, not the
+    # root's x @ w); backward: each layer's weight gradient and all but the first one's
+    # input gradient on the grid, the root's two gradient products off it
+    assert first == {("addmm.default", True): 3, ("mm.default", True): 5, ("mm.default", False): 2}
+    assert len(found) == 1 and "the parameters of (the root) (LoopBreak: w) while LoopBreak ran:" in found[0]
+
+
+def test_other_backends_still_skip_those_layers():
+    graphs = []
+
+    def counting(gm: torch.fx.GraphModule, example_inputs: list) -> object:
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    torch.compile(LoopBreak(), backend=counting)(torch.randn(4, 8)).sum().backward()
+    assert graphs == []
+
+
+def test_a_layer_run_through_dynamo_disable_is_named_once():
+    torch._dynamo.reset()
+    found = _steps(torch.compile(Disabled(disable_head=True), backend="lowprec", options=EAGER_SR))
+    assert len(found) == 1
+    assert "the parameters of head (Linear: weight) while Disabled ran:" in found[0]
+    torch._dynamo.reset()
+    assert _steps(torch.compile(Disabled(disable_head=False), backend="lowprec", options=EAGER_SR)) == []
