@@ -12,6 +12,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from lpcompile.backend import lowprec
+from lpcompile.backend.distributed import LOWPREC_BACKEND
 
 aten = torch.ops.aten
 # ATen product -> the positions of its multiplied operands (SDPA: q, k, v; its backward
@@ -78,7 +79,7 @@ def watched_backend(options: dict[str, Any], check: TorchDispatchMode) -> Callab
 
         return run
 
-    backend.__name__ = "lowprec"  # the name lowprec's rule for frames Dynamo would skip looks for
+    setattr(backend, LOWPREC_BACKEND, True)  # lowprec's rule for frames Dynamo would skip applies
     return backend
 
 

@@ -27,7 +27,7 @@ from torch._functorch.partitioners import _is_tangent as is_tangent
 
 from lpcompile.backend import runtime
 from lpcompile.backend.cache import SourceStamp, package_hash
-from lpcompile.backend.distributed import ddp_optimizer_split, trace_wrapped_forwards
+from lpcompile.backend.distributed import LOWPREC_BACKEND, ddp_optimizer_split, trace_wrapped_forwards
 from lpcompile.backend.records import CompiledGraph
 from lpcompile.backend.state import REGISTRY
 from lpcompile.backend.watch import outermost_module
@@ -48,7 +48,8 @@ from lpcompile.passes.joint.matmul import uses_bf16_kernel
 # passes.dynamo.recurrent writes out as its cells. Set when the backend is first looked up.
 torch._dynamo.config.allow_rnn = True
 # DDP and FSDP2 run a wrapped module's forward as a frame of its own, which Dynamo skips
-# when that forward is torch.nn's (nn.Sequential, nn.Linear): see backend/distributed.py.
+# when that forward is torch.nn's (nn.Sequential, nn.Linear); so does a frame Dynamo gave
+# up on with the layers it calls: see backend/distributed.py.
 trace_wrapped_forwards()
 
 # codegen="triton": after the AOT passes, each fusion group becomes one generated Triton kernel.
@@ -333,7 +334,10 @@ def lowprec(
         """Compile the rewritten graph (a variant, named by its tag, compiles a copy)."""
         return _execute(own_copy(gm) if tag else gm, inputs, ctx, record, tag)
 
-    run = runtime.wrap(gm, list(example_inputs), ctx, compile_variant)
-    # the calls in the first forward of the model being run name the modules no graph covers
-    root = outermost_module()
-    return run if root is None else REGISTRY.coverage_watch(root).watched(run)
+    if (root := outermost_module()) is not None:
+        REGISTRY.watches.start(root)
+    return REGISTRY.watches.recording(runtime.wrap(gm, list(example_inputs), ctx, compile_variant))
+
+
+# Dynamo traces, for this backend, the layers a frame it gave up on calls (backend/distributed.py).
+setattr(lowprec, LOWPREC_BACKEND, True)

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import sys
 import types
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -71,23 +72,27 @@ def wrapper_kind(owner: Any) -> str | None:
     return None
 
 
+def calling_selves(frame: Any, depth: int | None = STACK_DEPTH) -> Iterator[tuple[Any, Any]]:
+    """(frame, its ``self``) of ``frame`` and its callers, up to ``depth`` frames (all with None)."""
+    while frame is not None and depth != 0:
+        if "self" in frame.f_code.co_varnames:
+            yield frame, frame.f_locals.get("self")
+        frame = frame.f_back
+        depth = None if depth is None else depth - 1
+
+
 def running_wrapper(module: torch.nn.Module) -> str | None:
     """The kind of the DDP or FSDP2 module on the Python stack that contains ``module``."""
-    frame = sys._getframe(1)
-    for _ in range(STACK_DEPTH):
-        if frame is None:
-            return None
-        if "self" in frame.f_code.co_varnames:
-            owner = frame.f_locals.get("self")
-            if (kind := wrapper_kind(owner)) is not None and any(m is module for m in owner.modules()):
-                return kind
-        frame = frame.f_back
+    for _, owner in calling_selves(sys._getframe(1)):
+        if (kind := wrapper_kind(owner)) is not None and any(m is module for m in owner.modules()):
+            return kind
     return None
 
 
 def wrapped_forward(frame: Any) -> str | None:
-    """Why ``frame`` (a frame Dynamo would skip) is the ``forward`` of a wrapped module
-    that must be traced, or None."""
+    """Why ``frame`` (a frame Dynamo would skip) is a ``forward`` that must be traced (of a
+    module inside a running DDP or FSDP2 module, or, for lowprec, of a module with
+    products), or None."""
     module = frame.f_locals.get("self")
     if not isinstance(module, torch.nn.Module):
         return None
@@ -96,7 +101,7 @@ def wrapped_forward(frame: Any) -> str | None:
         return None
     if (kind := running_wrapper(module)) is not None:
         return f"lowprec: the forward of a module {kind} runs"
-    if computes_products(module) and compiling_for_lowprec():
+    if product_parameters(module) and compiling_for_lowprec():
         return "lowprec: the forward of a module with products, called from a frame run uncompiled"
     return None
 
@@ -105,24 +110,29 @@ def wrapped_forward(frame: Any) -> str | None:
 LOOKUPS = (torch.nn.Embedding, torch.nn.EmbeddingBag)
 
 
-def computes_products(module: torch.nn.Module) -> bool:
-    """Whether ``module`` may compute products with parameters of its own: it has one of
-    two or more dimensions, and is no embedding lookup."""
-    return not isinstance(module, LOOKUPS) and any(p.dim() >= 2 for p in module.parameters(recurse=False))
+def product_parameters(module: torch.nn.Module) -> list[str]:
+    """The names of ``module``'s own parameters that may enter products: those of two or
+    more dimensions (none for an embedding lookup, nor for a lazy module not yet built)."""
+    if isinstance(module, LOOKUPS):
+        return []
+    own = module.named_parameters(recurse=False)
+    return [name for name, p in own if not torch.nn.parameter.is_lazy(p) and p.dim() >= 2]
+
+
+# The attribute that marks a backend function as lowprec's (``lpcompile.backend.lowprec``
+# has it; a function of the user's that calls lowprec may set it too).
+LOWPREC_BACKEND = "lowprec_backend"
 
 
 def compiling_for_lowprec() -> bool:
-    """Whether Dynamo, deciding on a frame, compiles for lowprec's backend: its callback,
-    found on the Python stack, wraps a backend named ``lowprec``."""
-    frame = sys._getframe(1)
-    for _ in range(STACK_DEPTH):
-        if frame is None:
-            return False
-        owner = frame.f_locals.get("self") if "self" in frame.f_code.co_varnames else None
+    """Whether Dynamo, deciding on a frame, compiles for lowprec: its callback, found on the
+    Python stack, wraps a backend function marked :data:`LOWPREC_BACKEND` (or a
+    ``functools.partial`` of one)."""
+    for _, owner in calling_selves(sys._getframe(1)):
         if hasattr(owner, "_torchdynamo_orig_backend"):
             backend = torch._dynamo.eval_frame.innermost_backend(owner)
-            return getattr(backend, "compiler_name", getattr(backend, "__name__", None)) == "lowprec"
-        frame = frame.f_back
+            backend = getattr(backend, "compiler_fn", backend)  # torch.compile's wrapper
+            return getattr(getattr(backend, "func", backend), LOWPREC_BACKEND, False)
     return False
 
 
@@ -147,7 +157,10 @@ def unsharded_parameters(model: torch.nn.Module) -> dict[tuple[int, str], torch.
             for group in getattr(module._get_fsdp_state(), "_fsdp_param_groups", ()):
                 for fp in group.fsdp_params:
                     if (param := getattr(fp, "_unsharded_param", None)) is not None:
-                        found[id(fp._module_info.module), fp._module_info.param_name] = param
+                        info = fp._module_info  # a tied parameter is registered on several
+                        owners = [(info.module, info.param_name)]
+                        owners += zip(info.shared_modules, info.shared_param_names, strict=True)
+                        found.update({(id(m), name): param for m, name in owners})
     return found
 
 
@@ -170,6 +183,6 @@ def _check_verbose(original: Any) -> Any:
 
 
 def trace_wrapped_forwards() -> None:
-    """Let Dynamo trace the ``forward`` frames DDP and FSDP2 leave on their own (once per process)."""
+    """Let Dynamo trace the ``forward`` frames :func:`wrapped_forward` names (once per process)."""
     if not hasattr(trace_rules.check_verbose, "lowprec_original"):
         trace_rules.check_verbose = _check_verbose(trace_rules.check_verbose)

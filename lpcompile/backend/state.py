@@ -32,7 +32,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from lpcompile.backend.adaptive import AdaptiveScaleState, LayerTelemetry, check_saved_state
 from lpcompile.backend.distributed import unsharded_parameters
-from lpcompile.backend.watch import CoverageWatch
+from lpcompile.backend.watch import CoverageWatches
 from lpcompile.passes.driver import PredictionInput, Site
 from lpcompile.passes.dynamo.loss_scale import AdaptiveLayout
 
@@ -127,7 +127,7 @@ class Registry:
         self._restart_warning = False  # a checkpoint without stream state was loaded
         self.records: collections.deque = collections.deque(maxlen=MAX_RECORDS)
         self._splits = weakref.WeakKeyDictionary()  # DDPOptimizer's split -> its first piece's graph id
-        self._watches = weakref.WeakKeyDictionary()  # outermost module of a compiled run -> CoverageWatch
+        self.watches = CoverageWatches()  # modules no lowprec graph reads, named once
         self.graph_count = 0  # graphs compiled by this process
         self.observers: list[CompileObserver] = []
 
@@ -248,13 +248,6 @@ class Registry:
             for key in looked_up:
                 self._looked_up[key] = True
             self._restart_warning, self._deferred[:] = restart_warning, deferred
-
-    def coverage_watch(self, root: torch.nn.Module) -> CoverageWatch:
-        """The one :class:`CoverageWatch` of ``root``, the outermost module of a compiled run."""
-        watch = self._watches.get(root)
-        if watch is None:
-            watch = self._watches[root] = CoverageWatch(root)
-        return watch
 
     # ------------------------------------------------------------------ adaptive loss scaling
     def first_piece(self, split: Any, graph_id: int) -> int:

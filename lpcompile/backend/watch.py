@@ -5,108 +5,147 @@ for them, cannot quantize them: a module left out when compiling per block (torc
 compiles only the blocks), one called through a ``torch._dynamo.disable``-d function, or
 products a ``forward`` computes itself when Dynamo gives up on that frame (a graph break
 inside its loop over blocks). When a graph compiles, the backend finds the outermost
-module on the Python stack (the model being run, or its DDP or FSDP2 wrapper) and keeps
-one :class:`CoverageWatch` for it: the graphs' calls record the parameters they read
-until that module's forward ends (the first forward whose call starts with the watch's
-hook in place), and then one warning names every module with parameters none of those
-calls read.
+module call on the Python stack (the model being run, ``torch.compile``'s wrapper of it,
+or its DDP or FSDP2 wrapper) and starts one :class:`CoverageWatch` for it. Every lowprec
+graph called while a watch is active records the parameters it reads into it (Dynamo runs
+one compiled graph for identical blocks, and for identical models). At the end of that
+module's forward (the first whose call starts with the watch's hook in place), one
+warning names every module with parameters none of those calls read.
 """
 
 from __future__ import annotations
 
 import sys
 import warnings
+import weakref
 from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
+from torch.utils.hooks import RemovableHandle
 
-from lpcompile.backend.distributed import computes_products, unsharded_parameters, wrapper_kind
+from lpcompile.backend.distributed import (
+    calling_selves,
+    product_parameters,
+    unsharded_parameters,
+    wrapper_kind,
+)
 
 # Modules a warning names (the others are counted).
 LISTED = 12
 
 
 def outermost_module() -> torch.nn.Module | None:
-    """The outermost module whose call is on the Python stack, or None."""
+    """The module of the outermost module call (``Module._call_impl``) on the Python stack,
+    or None. A module compiled in place (``module.compile()``) is passed over: Dynamo runs
+    its ``_call_impl``, and a hook added now would not run."""
     found = None
-    frame = sys._getframe(1)
-    while frame is not None:
-        owner = frame.f_locals.get("self") if "self" in frame.f_code.co_varnames else None
-        if isinstance(owner, torch.nn.Module):
+    for frame, owner in calling_selves(sys._getframe(1), depth=None):
+        if frame.f_code is torch.nn.Module._call_impl.__code__ and owner._compiled_call_impl is None:
             found = owner
-        frame = frame.f_back
     return found
 
 
-def user_model(root: torch.nn.Module) -> torch.nn.Module:
-    """The module ``root`` wraps: through DDP's ``module`` and torch.compile's ``_orig_mod``."""
+def unwrapped(root: torch.nn.Module) -> tuple[torch.nn.Module, str | None]:
+    """The user's model inside ``root`` (through torch.compile's ``_orig_mod`` and DDP's
+    ``module``), and the kind of data-parallel wrapper found on the way, if any."""
+    kind = None
     while True:
-        if wrapper_kind(root) == "DDP":
-            root = root.module
-        elif isinstance(root, torch._dynamo.eval_frame.OptimizedModule):
+        if isinstance(root, torch._dynamo.eval_frame.OptimizedModule):
             root = root._orig_mod
+        elif (found := wrapper_kind(root)) == "DDP":
+            kind, root = found, root.module
         else:
-            return root
+            return root, kind or found
 
 
 def unread_modules(root: torch.nn.Module, read: set[int]) -> list[tuple[str, torch.nn.Module, list[str]]]:
-    """(name, module, its parameters' names) of each module under ``root`` that
-    :func:`~lpcompile.backend.distributed.computes_products` with parameters of two or more
-    dimensions none of which is in ``read`` (ids of the parameters lowprec's graphs read;
-    under FSDP2 the unsharded ones)."""
+    """(name, module, its parameters' names) of each module under ``root`` with
+    :func:`~lpcompile.backend.distributed.product_parameters` none of which is in ``read``
+    (ids of the parameters lowprec's graphs read; under FSDP2 the unsharded ones)."""
     unsharded = unsharded_parameters(root)
     found = []
-    for name, module in user_model(root).named_modules():
-        if not computes_products(module):
-            continue
-        own = [(n, p) for n, p in module.named_parameters(recurse=False) if p.dim() >= 2]
-        if not any(id(p) in read or id(unsharded.get((id(module), n))) in read for n, p in own):
-            found.append((name, module, [n for n, _ in own]))
+    for name, module in unwrapped(root)[0].named_modules():
+        names = product_parameters(module)
+        own = dict(module.named_parameters(recurse=False))
+        # the registered parameter, and under FSDP2 the unsharded one swapped in for it
+        versions = [own[n] for n in names] + [
+            unsharded[key] for n in names if (key := (id(module), n)) in unsharded
+        ]
+        if names and not any(id(p) in read for p in versions):
+            found.append((name, module, names))
     return found
 
 
 class CoverageWatch:
-    """The parameters lowprec's graphs read in the first forward of ``root``. At the end of
-    that forward (hooks run only on a call that starts with one registered: where the
-    root's call began with none, as under DDP, that is the second forward) it warns once,
-    naming the modules no graph read (:func:`unread_modules`). Parameters are taken from
-    the graphs' calls, not their compiles: Dynamo reuses one block's graph for the
-    identical blocks after it."""
+    """The parameters lowprec's graphs read until the end of ``root``'s next forward (hooks
+    run only on a call that starts with one registered: where the root's call began with
+    none, as ``torch.compile``'s wrapper and DDP's, that is the second forward). Then it
+    warns once, naming the modules no graph read (:func:`unread_modules`)."""
 
-    def __init__(self, root: torch.nn.Module) -> None:
+    def __init__(self, root: torch.nn.Module, active: set[CoverageWatch]) -> None:
         self.read: set[int] = set()
-        self._handle: Any = root.register_forward_hook(self._check)
+        self._active = active
+        active.add(self)
+        # a function, not the bound method: deepcopy of the root shares it instead of
+        # copying the watch; disabled, so that Dynamo never traces it into a graph
+        hook = torch._dynamo.disable(self.check)
+        self._handle: RemovableHandle | None = root.register_forward_hook(hook)
 
-    def watched(self, run: Callable[..., Any]) -> Callable[..., Any]:
-        """``run``, a compiled graph, recording the parameters it is called with while the
-        watch lasts."""
-
-        def call(*args: Any) -> Any:
-            if self._handle is not None:
-                self.read.update(id(a) for a in args if isinstance(a, torch.nn.Parameter))
-            return run(*args)
-
-        return call
-
-    def _check(self, root: torch.nn.Module, args: Any, output: Any) -> None:
+    def check(self, root: torch.nn.Module, args: Any = (), output: Any = None) -> None:
+        """End the watch (``root``'s forward hook): warn about the modules of ``root`` no
+        graph read."""
+        if self._handle is None:
+            return
         self._handle.remove()
         self._handle = None
+        self._active.discard(self)
         missed = unread_modules(root, self.read)
-        self.read.clear()  # done: the ids of parameters freed later may be reused
+        self.read.clear()  # the ids of parameters freed later may be reused
         if not missed:
             return
         listed = ", ".join(
             f"{name or '(the root)'} ({type(module).__name__}: {', '.join(params)})"
             for name, module, params in missed[:LISTED]
         ) + (f" and {len(missed) - LISTED} more" if len(missed) > LISTED else "")
-        kind = wrapper_kind(root)
+        model, kind = unwrapped(root)
         warnings.warn(
             f"lowprec: no lowprec graph read the parameters of {listed} while "
-            f"{type(user_model(root)).__name__} ran{f' under {kind}' if kind else ''}: any products "
-            "they compute ran in FP32. torch.compile never traced them: a module left out of the "
-            "compiled ones, called through torch._dynamo.disable, or a forward Dynamo gave up on "
-            "(a graph break inside a loop over blocks) computing products itself. Compile those "
-            "modules with lowprec too, or put such products in modules of their own (an nn.Linear)",
+            f"{type(model).__name__} ran{f' under {kind}' if kind else ''}: they were not called, "
+            "or ran outside lowprec's graphs, their products in FP32. torch.compile never traced "
+            "them: a module left out of the compiled ones, called through torch._dynamo.disable, "
+            "or a forward Dynamo gave up on (a graph break inside a loop over blocks) computing "
+            "products itself. Compile those modules with lowprec too, or put such products in "
+            "modules of their own (an nn.Linear)",
             stacklevel=2,
         )
+
+
+class CoverageWatches:
+    """The coverage watches of this process: one per root module, and those still active."""
+
+    def __init__(self) -> None:
+        self._by_root: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self._active: set[CoverageWatch] = set()
+
+    def start(self, root: torch.nn.Module) -> None:
+        """Watch ``root``'s next forward, unless it has been watched already."""
+        if root not in self._by_root:
+            self._by_root[root] = CoverageWatch(root, self._active)
+
+    def recording(self, run: Callable[..., Any]) -> Callable[..., Any]:
+        """``run``, a compiled graph, recording the parameters it is called with into the
+        active watches."""
+        active = self._active
+
+        def call(*args: Any) -> Any:
+            if active:
+                ids = {
+                    id(a) for a in args if isinstance(a, torch.nn.Parameter) and not isinstance(a, FakeTensor)
+                }
+                for watch in active:
+                    watch.read |= ids
+            return run(*args)
+
+        return call

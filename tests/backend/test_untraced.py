@@ -7,6 +7,7 @@ forward; a model whose products all compiled is quiet."""
 
 from __future__ import annotations
 
+import copy
 import warnings
 
 import torch
@@ -46,6 +47,21 @@ class Disabled(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = torch.relu(self.embed(x))
         return _eager(self.head, x) if self.disable_head else self.head(x)
+
+
+class PerBlock(nn.Module):
+    """Compiled block by block, the head too: the blocks of two copies share graphs."""
+
+    def __init__(self, outputs: int) -> None:
+        super().__init__()
+        blocks = [nn.Sequential(nn.Linear(8, 8), nn.ReLU()) for _ in range(2)]
+        self.layers = nn.ModuleList(torch.compile(b, backend="lowprec", options=EAGER_SR) for b in blocks)
+        self.head = torch.compile(nn.Linear(8, outputs), backend="lowprec", options=EAGER_SR)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.layers:
+            x = block(x)
+        return self.head(x)
 
 
 def _steps(run: nn.Module) -> list[str]:
@@ -95,3 +111,15 @@ def test_a_layer_run_through_dynamo_disable_is_named_once():
     assert "the parameters of head (Linear: weight) while Disabled ran:" in found[0]
     torch._dynamo.reset()
     assert _steps(torch.compile(Disabled(disable_head=False), backend="lowprec", options=EAGER_SR)) == []
+
+
+def test_models_that_share_graphs_or_copy_a_watched_root_are_quiet():
+    torch._dynamo.reset()
+    first = PerBlock(outputs=4)
+    found = _steps(first)
+    # the second model's blocks run on the first one's graphs; only its head compiles
+    found += _steps(PerBlock(outputs=3))
+    watched = PerBlock(outputs=2)
+    watched(torch.randn(4, 8)).sum().backward()  # the head's compile hooks the root
+    found += _steps(copy.deepcopy(watched))  # the hook came along, the watch did not
+    assert found == [] and _steps(watched) == []

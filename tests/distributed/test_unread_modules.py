@@ -40,6 +40,20 @@ class Deep(Blocks):
         self.layers.extend(Block(16, 16) for _ in range(more))
 
 
+class Tied(Blocks):
+    """Blocks whose head shares its weight with an input projection."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.project = nn.Linear(8, 8, bias=False)
+        self.layers[1] = Block(16, 8)
+        self.head = nn.Linear(8, 8, bias=False)
+        self.head.weight = self.project.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(self.project(x))
+
+
 def _compile(module: nn.Module) -> nn.Module:
     return torch.compile(module, backend="lowprec", options=EAGER_SR)
 
@@ -57,16 +71,25 @@ def _first_block_compiled(model: Blocks) -> Blocks:
     return model
 
 
-def _sharded(model: nn.Module) -> nn.Module:
+def _tied_compiled() -> Tied:
+    model = _blocks_compiled(Tied(), head=True)
+    model.project = _compile(model.project)
+    return model
+
+
+def _sharded(model: nn.Module, reshard_root: bool = False) -> nn.Module:
     for block in model.layers:
         fully_shard(block)
-    return fully_shard(model)
+    return fully_shard(model, reshard_after_forward=reshard_root)
 
 
 WRAPPINGS: dict[str, Callable[[], nn.Module]] = {
     "FSDP2 per block, head left out": lambda: _sharded(_blocks_compiled(Blocks(), head=False)),
     "FSDP2 per block, head compiled": lambda: _sharded(_blocks_compiled(Deep(), head=True)),
     "FSDP2 compiled whole": lambda: _compile(_sharded(Deep())),
+    # the root reshards after its forward: the head's parameter is then a shard, and its
+    # unsharded version is registered with FSDP2 under the projection's name
+    "FSDP2 per block, tied head, root resharded": lambda: _sharded(_tied_compiled(), reshard_root=True),
     "FSDP2 compiled whole, the root's own product": lambda: _compile(_sharded(OwnProduct())),
     "DDP per block, head left out": lambda: DDP(_blocks_compiled(Blocks(), head=False)),
     "compiled DDP": lambda: _compile(DDP(Deep())),
@@ -91,6 +114,7 @@ def test_modules_no_lowprec_graph_reads_are_named_once(tmp_path):
     for found in run_ranks(_warnings, tmp_path).check():
         assert found.pop("FSDP2 per block, head compiled") == []
         assert found.pop("FSDP2 compiled whole") == []
+        assert found.pop("FSDP2 per block, tied head, root resharded") == []
         assert found.pop("compiled DDP") == []
         head = "no lowprec graph read the parameters of head (Linear: weight) while"
         expected = {
