@@ -18,7 +18,7 @@ others have no hooks. :func:`trace_wrapped_forwards` adds one rule to Dynamo's s
 decision: the ``forward`` frame of a module that a running DDP or FSDP2 module contains
 (found on the Python stack, the wrapper's own call included) is traced. A second rule
 holds for lowprec's compiles only, with or without a wrapper: the ``forward`` frame of a
-module with products of its own (:func:`computes_products`) is traced, as when a root
+module with products of its own (:func:`product_parameters`) is traced, as when a root
 ``forward`` Dynamo gave up on calls its ``nn.Linear`` layers. Nothing else changes
 (inlined calls, other frames, other backends' frames outside a wrapper).
 

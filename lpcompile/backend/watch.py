@@ -84,7 +84,7 @@ class CoverageWatch:
     none, as ``torch.compile``'s wrapper and DDP's, that is the second forward). Then it
     warns once, naming the modules no graph read (:func:`unread_modules`)."""
 
-    def __init__(self, root: torch.nn.Module, active: set[CoverageWatch]) -> None:
+    def __init__(self, root: torch.nn.Module, active: weakref.WeakSet[CoverageWatch]) -> None:
         self.read: set[int] = set()
         self._active = active
         active.add(self)
@@ -93,7 +93,7 @@ class CoverageWatch:
         hook = torch._dynamo.disable(self.check)
         self._handle: RemovableHandle | None = root.register_forward_hook(hook)
 
-    def check(self, root: torch.nn.Module, args: Any = (), output: Any = None) -> None:
+    def check(self, root: torch.nn.Module, args: Any, output: Any) -> None:
         """End the watch (``root``'s forward hook): warn about the modules of ``root`` no
         graph read."""
         if self._handle is None:
@@ -127,7 +127,8 @@ class CoverageWatches:
 
     def __init__(self) -> None:
         self._by_root: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-        self._active: set[CoverageWatch] = set()
+        # weak: the watch of a root that died before its hook ran does not stay active
+        self._active: weakref.WeakSet[CoverageWatch] = weakref.WeakSet()
 
     def start(self, root: torch.nn.Module) -> None:
         """Watch ``root``'s next forward, unless it has been watched already."""
