@@ -15,6 +15,7 @@ warning names every module with parameters none of those calls read.
 
 from __future__ import annotations
 
+import os
 import sys
 import warnings
 import weakref
@@ -34,17 +35,26 @@ from lpcompile.backend.distributed import (
 
 # Modules a warning names (the others are counted).
 LISTED = 12
+# Where torch's and lpcompile's own frames come from.
+INTERNAL = tuple(os.path.dirname(path) + os.sep for path in (torch.__file__, os.path.dirname(__file__)))
 
 
 def outermost_module() -> torch.nn.Module | None:
-    """The module of the outermost module call (``Module._call_impl``) on the Python stack,
-    or None. A module compiled in place (``module.compile()``) is passed over: Dynamo runs
-    its ``_call_impl``, and a hook added now would not run."""
+    """The module of the outermost module call on the Python stack, or None: a
+    ``Module._call_impl``, or for a module compiled in place (``module.compile()``), whose
+    ``_call_impl`` Dynamo runs, the ``Module._wrapped_call_impl`` that calls it."""
     found = None
     for frame, owner in calling_selves(sys._getframe(1), depth=None):
         if frame.f_code is torch.nn.Module._call_impl.__code__ and owner._compiled_call_impl is None:
             found = owner
+        elif frame.f_code is torch.nn.Module._wrapped_call_impl.__code__ and owner._compiled_call_impl:
+            found = owner
     return found
+
+
+def module_name(name: str) -> str:
+    """``name`` from ``named_modules()`` without torch.compile's ``_orig_mod`` steps."""
+    return ".".join(step for step in name.split(".") if step != "_orig_mod")
 
 
 def unwrapped(root: torch.nn.Module) -> tuple[torch.nn.Module, str | None]:
@@ -78,11 +88,23 @@ def unread_modules(root: torch.nn.Module, read: set[int]) -> list[tuple[str, tor
     return found
 
 
+def caller_level() -> int:
+    """The ``stacklevel`` that makes the caller's warning point at the first frame outside
+    torch and lpcompile (the user's ``model(x)``)."""
+    frame, level = sys._getframe(1), 1
+    while frame.f_back is not None and frame.f_code.co_filename.startswith(INTERNAL):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
 class CoverageWatch:
     """The parameters lowprec's graphs read until the end of ``root``'s next forward (hooks
     run only on a call that starts with one registered: where the root's call began with
     none, as ``torch.compile``'s wrapper and DDP's, that is the second forward). Then it
-    warns once, naming the modules no graph read (:func:`unread_modules`)."""
+    warns once, naming the modules no graph read (:func:`unread_modules`).
+
+    A root compiled in place (``root.compile()``) gets no hook, which Dynamo would trace
+    into its graph; its compiled call is wrapped instead, until that check."""
 
     def __init__(self, root: torch.nn.Module, active: weakref.WeakSet[CoverageWatch]) -> None:
         self.read: set[int] = set()
@@ -90,23 +112,36 @@ class CoverageWatch:
         active.add(self)
         # a function, not the bound method: deepcopy of the root shares it instead of
         # copying the watch; disabled, so that Dynamo never traces it into a graph
-        hook = torch._dynamo.disable(self.check)
-        self._handle: RemovableHandle | None = root.register_forward_hook(hook)
+        check = torch._dynamo.disable(self.check)
+        self._handle: RemovableHandle | None = None
+        if (compiled := root._compiled_call_impl) is None:
+            self._handle = root.register_forward_hook(check)
+            return
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            output = compiled(*args, **kwargs)
+            if root._compiled_call_impl is call:
+                root._compiled_call_impl = compiled
+            check(root, args, output)
+            return output
+
+        root._compiled_call_impl = call
 
     def check(self, root: torch.nn.Module, args: Any, output: Any) -> None:
-        """End the watch (``root``'s forward hook): warn about the modules of ``root`` no
-        graph read."""
-        if self._handle is None:
+        """End the watch (at the end of ``root``'s forward): warn about the modules of
+        ``root`` no graph read."""
+        if self not in self._active:
             return
-        self._handle.remove()
-        self._handle = None
+        if self._handle is not None:
+            self._handle.remove()
+            self._handle = None
         self._active.discard(self)
         missed = unread_modules(root, self.read)
         self.read.clear()  # the ids of parameters freed later may be reused
         if not missed:
             return
         listed = ", ".join(
-            f"{name or '(the root)'} ({type(module).__name__}: {', '.join(params)})"
+            f"{module_name(name) or '(the root)'} ({type(module).__name__}: {', '.join(params)})"
             for name, module, params in missed[:LISTED]
         ) + (f" and {len(missed) - LISTED} more" if len(missed) > LISTED else "")
         model, kind = unwrapped(root)
@@ -118,7 +153,7 @@ class CoverageWatch:
             "or a forward Dynamo gave up on (a graph break inside a loop over blocks) computing "
             "products itself. Compile those modules with lowprec too, or put such products in "
             "modules of their own (an nn.Linear)",
-            stacklevel=2,
+            stacklevel=caller_level(),
         )
 
 

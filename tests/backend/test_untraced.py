@@ -123,3 +123,39 @@ def test_models_that_share_graphs_or_copy_a_watched_root_are_quiet():
     watched(torch.randn(4, 8)).sum().backward()  # the head's compile hooks the root
     found += _steps(copy.deepcopy(watched))  # the hook came along, the watch did not
     assert found == [] and _steps(watched) == []
+
+
+class Holder(nn.Module):
+    """Holds a compiled model: ``named_modules()`` names its layers through ``_orig_mod``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = torch.compile(Disabled(disable_head=True), backend="lowprec", options=EAGER_SR)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner(x)
+
+
+def test_a_model_compiled_in_place_is_watched_and_warned_at_the_callers_line():
+    torch._dynamo.reset()
+    model = Disabled(disable_head=True)
+    model.compile(backend="lowprec", options=EAGER_SR)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            model(torch.randn(4, 8)).sum().backward()
+    found = [w for w in caught if "no lowprec graph read" in str(w.message)]
+    assert len(found) == 1 and "the parameters of head (Linear: weight) while Disabled ran:" in str(
+        found[0].message
+    )
+    assert found[0].filename == __file__  # the model(...) line above, not torch's or lpcompile's
+    torch._dynamo.reset()
+    quiet = Disabled(disable_head=False)
+    quiet.compile(backend="lowprec", options=EAGER_SR)
+    assert _steps(quiet) == []
+
+
+def test_layers_of_a_compiled_submodule_are_named_without_orig_mod():
+    torch._dynamo.reset()
+    found = _steps(Holder())
+    assert len(found) == 1 and "the parameters of inner.head (Linear: weight) while Holder ran:" in found[0]
