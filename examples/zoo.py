@@ -9,7 +9,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-HF_MODELS = ("gpt2", "bert", "llama", "t5", "vit", "resnet", "mobilenet_v2")
+HF_MODELS = ("gpt2", "bert", "llama", "mixtral", "t5", "vit", "resnet", "mobilenet_v2")
 
 
 def hf_model(name: str) -> tuple[nn.Module, dict]:
@@ -32,6 +32,12 @@ def hf_model(name: str) -> tuple[nn.Module, dict]:
         layers = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
         config = T.LlamaConfig(**layers, intermediate_size=64, **small)
         return T.LlamaForCausalLM(config), {"input_ids": ids}
+    if name == "mixtral":  # mixture of experts: the experts' grouped matmuls
+        layers = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+        config = T.MixtralConfig(
+            **layers, intermediate_size=48, num_local_experts=4, num_experts_per_tok=2, **small
+        )
+        return T.MixtralForCausalLM(config), {"input_ids": ids}
     if name == "t5":
         config = T.T5Config(
             vocab_size=100, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4, decoder_start_token_id=0

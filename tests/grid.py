@@ -29,6 +29,13 @@ PRODUCTS = {
     aten.convolution_backward.default: (0, 1, 2),
     aten._scaled_dot_product_flash_attention_for_cpu.default: (0, 1, 2),
     aten._scaled_dot_product_flash_attention_for_cpu_backward.default: (0, 1, 2, 3),
+    aten._grouped_mm.default: (0, 1),
+}
+# Products of other libraries' operators, by name: transformers' grouped matmul of
+# mixture-of-experts layers (input, weight, offsets) and its backward (..., the error).
+LIBRARY_PRODUCTS = {
+    "transformers::grouped_mm_fallback": (0, 1),
+    "transformers::grouped_mm_fallback_backward": (0, 1, 3),
 }
 
 
@@ -49,8 +56,8 @@ class GridCheck(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func in PRODUCTS:
-            operands = [args[i] for i in PRODUCTS[func] if i < len(args)]
+        if (positions := PRODUCTS.get(func, LIBRARY_PRODUCTS.get(func.name()))) is not None:
+            operands = [args[i] for i in positions if i < len(args)]
             floats = [a for a in operands if isinstance(a, torch.Tensor) and a.is_floating_point()]
             self.products[(func.__name__, all(map(on_e5m2_grid, floats)))] += 1
         elif any(word in func.__name__ for word in ("mm", "attention", "conv", "einsum", "bilinear")):

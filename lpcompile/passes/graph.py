@@ -22,18 +22,24 @@ LINEAR_TARGETS = {torch._C._nn.linear, F.linear}
 CONV_TARGETS = {torch.conv1d, torch.conv2d, torch.conv3d, F.conv1d, F.conv2d, F.conv3d}
 CONV_TRANSPOSE_TARGETS = {torch.conv_transpose1d, torch.conv_transpose2d, torch.conv_transpose3d}
 MATMUL_TARGETS = {torch.matmul, torch.linalg.matmul, operator.matmul, torch.mm, torch.bmm}
+# Mixture-of-experts products: rows of the input grouped by expert, each group times its expert's matrix.
+GROUPED_MM_TARGETS = {torch._grouped_mm, F.grouped_mm}
 WEIGHTED_TARGETS = LINEAR_TARGETS | CONV_TARGETS | CONV_TRANSPOSE_TARGETS  # (input, weight, bias)
 # Every product the quantize pass rounds: target -> the positions of its multiplied operands
 # in ``node.args`` (where insert_quantize puts operands passed by keyword; see OPERAND_NAMES).
 # ``einsum``'s operands are all its arguments after the equation.
 PRODUCT_OPERANDS: dict[object, tuple[int, ...]] = {
-    **{target: (0, 1) for target in WEIGHTED_TARGETS | MATMUL_TARGETS},
+    **{target: (0, 1) for target in WEIGHTED_TARGETS | MATMUL_TARGETS | GROUPED_MM_TARGETS},
     **{target: (1, 2) for target in (torch.addmm, torch.baddbmm, torch.addbmm, torch.addmv)},
     **{target: (0, 1) for target in (torch.mv, torch.dot, torch.vdot, torch.inner, torch.outer)},
     torch.tensordot: (0, 1),
     F.bilinear: (0, 1, 2),
     F.scaled_dot_product_attention: (0, 1, 2),  # option `attention`
 }
+# Products of operators other libraries register, by qualified name -> operand positions:
+# transformers' grouped matmul of mixture-of-experts layers, where torch's cannot run
+# (under torch.compile with weights other than bfloat16, on old torch).
+LIBRARY_PRODUCTS: dict[str, tuple[int, ...]] = {"transformers::grouped_mm_fallback": (0, 1)}
 PRODUCT_METHODS: dict[str, tuple[int, ...]] = {
     **{name: (0, 1) for name in ("matmul", "mm", "bmm", "__matmul__", "mv", "dot", "vdot", "inner", "outer")},
     **{name: (1, 2) for name in ("addmm", "baddbmm", "addbmm", "addmv")},
@@ -51,6 +57,8 @@ OPERAND_NAMES: dict[object, tuple[str, ...]] = {
     **{target: ("input", "tensor") for target in (torch.dot, torch.vdot, "dot", "vdot")},
     **{target: ("input", "vec2") for target in (torch.outer, "outer")},
     torch.tensordot: ("a", "b", "dims"),
+    torch._grouped_mm: ("self", "mat2"),
+    F.grouped_mm: ("mat_a", "mat_b"),
     F.bilinear: ("input1", "input2", "weight", "bias"),
     F.scaled_dot_product_attention: ("query", "key", "value"),
 }
@@ -84,6 +92,10 @@ def product_operands(node: torch.fx.Node) -> tuple[int, ...] | None:
     if node.target is torch.einsum:  # a product of two or more operands, not a permutation or a sum
         operands = tuple(range(1, len(node.args)))
         return operands if len(operands) > 1 else None
+    if isinstance(node.target, torch._ops.OpOverloadPacket):
+        return LIBRARY_PRODUCTS.get(node.target._qualified_op_name)
+    if isinstance(node.target, torch._ops.OpOverload):
+        return LIBRARY_PRODUCTS.get(node.target.name())
     return PRODUCT_OPERANDS.get(node.target)
 
 

@@ -1,5 +1,6 @@
 """Every product, not only linear/conv/matmul: addmm, baddbmm, addbmm, einsum, bilinear,
-mv, dot and the method forms, with roles from the graph (a parameter operand is a weight)."""
+mv, dot, the method forms and grouped matmuls, with roles from the graph (a parameter
+operand is a weight)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import torch
 from grid import grid_step
 from models import Records
 from torch import nn
+from torch.nn import functional as F
 
 OPTIONS = {"recipe": "fp8-e5m2-sr", "executor": "eager"}
 
@@ -49,6 +51,31 @@ def test_without_the_quantize_pass_the_products_are_off_grid():
     """The check can fail: the same model with the products left alone."""
     check = grid_step(Products(), {"x": torch.randn(4, 8)}, {**OPTIONS, "exclude": ["*"]})
     assert check.off_grid, check.products
+
+
+class Experts(nn.Module):
+    """A mixture-of-experts layer's grouped matmuls, in bfloat16 (torch's grouped_mm on the
+    CPU): rows of the input grouped by expert, each group times its expert's matrix."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.up = nn.Parameter((torch.randn(3, 32, 16) / 4).bfloat16())
+        self.down = nn.Parameter((torch.randn(3, 32, 16) / 4).bfloat16())
+
+    def forward(self, x: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+        h = F.grouped_mm(x, self.up.transpose(-2, -1), offs=offs)
+        return torch._grouped_mm(torch.relu(h), self.down, offs=offs)
+
+
+def test_grouped_matmuls_of_experts_run_on_the_grid():
+    records = Records()
+    inputs = {"x": torch.randn(12, 16).bfloat16().requires_grad_(), "offs": torch.tensor([4, 8, 12]).int()}
+    check = grid_step(Experts(), inputs, OPTIONS)
+    # forward two; backward the input and the weight gradient of each
+    assert check.products == {("_grouped_mm.default", True): 6}, check.products
+    roles = {(s.layer, s.role) for s in records.only().sites.values()}
+    assert {("up", "weight"), ("up", "weight_grad"), ("down", "weight"), ("down", "weight_grad")} <= roles
 
 
 class Conv1D(nn.Module):

@@ -47,6 +47,7 @@ MODELS = (
     "gpt2",
     "bert",
     "llama",
+    "mixtral",
     "checkpointed_mlp",
     "einsum_attention",
     "gru_lm",
