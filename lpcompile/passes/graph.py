@@ -186,8 +186,33 @@ def base_of(node: torch.fx.Node) -> torch.fx.Node:
             node = node.args[0]
         elif node.op == "call_function" and node.target is getattr and node.args[1] in VIEW_METHODS:
             node = node.args[0]
+        elif _indexing(node) == "view":
+            node = node.args[0]
         else:
             return node
+
+
+def _indexing(node: torch.fx.Node) -> str | None:
+    """For ``tensor[index]``: ``"view"`` (integers, slices, ``None``, ``...``) or ``"gather"``
+    (an index tensor or list among them); else ``None``."""
+    if not (node.op == "call_function" and node.target is operator.getitem):
+        return None
+    if not isinstance(_example_of(node.args[0]), torch.Tensor):
+        return None  # an element of a tuple
+    index = node.args[1] if isinstance(node.args[1], tuple) else (node.args[1],)
+    gathers = any(isinstance(_example_of(i), torch.Tensor | list) for i in index)
+    return "gather" if gathers else "view"
+
+
+def gather_of_parameter(node: torch.fx.Node) -> torch.fx.Node | None:
+    """The gather through which ``node`` reads picked slices of a parameter (``w[index]``
+    with an index tensor, ``index_select``), possibly through views: a mixture-of-experts
+    layer's weights picked per token. Else ``None``."""
+    node = base_of(node)
+    picks = _indexing(node) == "gather" or (
+        node.target is torch.index_select if node.op == "call_function" else node.target == "index_select"
+    )
+    return node if picks and parameter_of(node.args[0]) is not None else None
 
 
 def parameter_of(node: torch.fx.Node) -> torch.nn.Parameter | None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from grid import grid_step
+from grid import grid_step, on_e5m2_grid
 from models import Records
 from torch import nn
 from torch.nn import functional as F
@@ -15,8 +15,8 @@ OPTIONS = {"recipe": "fp8-e5m2-sr", "executor": "eager"}
 
 
 class Products(nn.Module):
-    """HF GPT-2's Conv1D (addmm with the weight as mat2), einsum with a weight, baddbmm and
-    addbmm of activations, bilinear, mv and dot, and method calls."""
+    """HF GPT-2's Conv1D (addmm with the weight as mat2), a slice of a stacked weight, einsum
+    with a weight, baddbmm and addbmm of activations, bilinear, mv and dot, and method calls."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -25,9 +25,10 @@ class Products(nn.Module):
         self.b = nn.Parameter(torch.zeros(8))
         self.v = nn.Parameter(torch.randn(8) / 3)
         self.bilinear = nn.Bilinear(8, 8, 8)
+        self.stacked = nn.Parameter(torch.randn(2, 8, 8) / 3)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = torch.addmm(self.b, x, self.w)
+        h = torch.addmm(self.b, x, self.w) @ self.stacked[1, :, :8]
         h = torch.einsum("bi,ij->bj", h, self.w)
         a = h.view(4, 1, 8)
         h = torch.baddbmm(a, a, a.transpose(1, 2) @ a).flatten(1)
@@ -44,7 +45,8 @@ def test_every_product_runs_on_the_grid_forward_and_backward():
     assert not check.unknown, check.unknown
     roles = {(s.layer, s.role) for s in records.only().sites.values()}
     # the parameter operands are weights (their gradients rounded too), the rest activations
-    assert {("w", "weight"), ("w", "weight_grad"), ("bilinear", "weight"), ("v", "weight")} <= roles
+    weights = {("w", "weight"), ("w", "weight_grad"), ("bilinear", "weight"), ("v", "weight")}
+    assert weights | {("stacked", "weight"), ("stacked", "weight_grad")} <= roles  # through w[1, :, :8] too
 
 
 def test_without_the_quantize_pass_the_products_are_off_grid():
@@ -76,6 +78,33 @@ def test_grouped_matmuls_of_experts_run_on_the_grid():
     assert check.products == {("_grouped_mm.default", True): 6}, check.products
     roles = {(s.layer, s.role) for s in records.only().sites.values()}
     assert {("up", "weight"), ("up", "weight_grad"), ("down", "weight"), ("down", "weight_grad")} <= roles
+
+
+class PickedExperts(nn.Module):
+    """Experts' weights picked per token (HF's ``batched_mm`` experts): ``w[ids]`` and
+    ``index_select``, then ``bmm``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.w = nn.Parameter(torch.randn(3, 16, 8) / 4)
+        self.v = nn.Parameter(torch.randn(3, 8, 16) / 4)
+
+    def forward(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        h = torch.bmm(self.w[ids], x.unsqueeze(-1)).squeeze(-1)
+        return torch.bmm(torch.relu(h).unsqueeze(1), self.v.index_select(0, ids).transpose(1, 2)).squeeze(1)
+
+
+def test_weights_picked_per_token_are_weights_rounded_whole():
+    """The parameter is quantized before the gather, so its gradient, summed over the
+    tokens that picked each expert, leaves the graph rounded."""
+    model, records = PickedExperts(), Records()
+    check = grid_step(model, {"x": torch.randn(10, 8), "ids": torch.randint(0, 3, (10,))}, OPTIONS)
+    assert check.count == 5 and check.off_grid == {}, check.products
+    roles = {s.role for s in records.only().sites.values()}
+    assert roles == {"activation", "weight", "weight_grad", "error"}
+    assert on_e5m2_grid(model.w.grad) and on_e5m2_grid(model.v.grad)
+    assert model.w.grad.count_nonzero() > 100  # rows picked by several tokens, summed
 
 
 class Conv1D(nn.Module):

@@ -9,7 +9,7 @@ import warnings
 
 import pytest
 import torch
-from grid import grid_step
+from grid import grid_step, on_e5m2_grid
 from models import Records
 
 import lpcompile
@@ -46,6 +46,24 @@ def test_exclude_matches_hf_module_names():
         grid_step(model, inputs, {**EAGER, "exclude": ["lm_head"]})
     layers = {s.layer for r in records.new for s in r.sites.values()}
     assert "lm_head" not in layers and "model.layers.0.mlp.up_proj" in layers
+
+
+@pytest.mark.parametrize("implementation", ["grouped_mm", "batched_mm"])
+def test_mixture_of_experts_weights_are_weights_rounded_whole(implementation):
+    """Mixtral's experts as grouped matmuls, or with their weights picked per token: the
+    expert weights are weights, their gradients rounded."""
+    torch.manual_seed(0)
+    model, inputs = hf_model("mixtral")
+    model.set_experts_implementation(implementation)
+    records = Records()
+    check = grid_step(model, inputs, EAGER)
+    assert check.count > 0 and check.off_grid == {} and not check.unknown, check.products
+    roles = {s.role for r in records.new for s in r.sites.values() if ".mlp.experts" in s.layer}
+    assert roles == {"activation", "weight", "weight_grad", "error"}
+    for layer in model.model.layers:
+        assert on_e5m2_grid(layer.mlp.experts.gate_up_proj.grad) and on_e5m2_grid(
+            layer.mlp.experts.down_proj.grad
+        )
 
 
 @pytest.mark.parametrize("attention", ["operands", "full"])

@@ -32,6 +32,7 @@ from lpcompile.passes.driver import CompileContext, KeptProduct, Site
 from lpcompile.passes.graph import (
     OPERAND_NAMES,
     base_of,
+    gather_of_parameter,
     is_attention,
     is_layer_call,
     is_unquantized_product,
@@ -314,8 +315,24 @@ def check_operand_dtypes(call: torch.fx.Node) -> None:
         )
 
 
+def _quantize_operand(
+    gm: torch.fx.GraphModule, ctx: CompileContext, operand: torch.fx.Node, layer: str, before: torch.fx.Node
+) -> torch.fx.Node:
+    """``operand`` of a product, quantized (with its gradient, for a weight) right before ``before``."""
+    config = ctx.config
+    weight = parameter_of(operand) is not None
+    value = operand
+    if weight and config.weight_grad.enabled:
+        value = _insert(gm, ctx, value, Role.WEIGHT_GRAD, layer, config.weight_grad, True, before)
+    role = Role.WEIGHT if weight else Role.ACTIVATION
+    if config.spec(role).enabled:
+        value = _insert(gm, ctx, value, role, layer, config.spec(role), False, before)
+    return value
+
+
 def _quantize_calls(gm: torch.fx.GraphModule, ctx: CompileContext, calls: list[torch.fx.Node]) -> None:
     config = ctx.config
+    gathers: set[torch.fx.Node] = set()
     for call in calls:
         check_operand_dtypes(call)
         layer = layer_name(call)
@@ -323,14 +340,14 @@ def _quantize_calls(gm: torch.fx.GraphModule, ctx: CompileContext, calls: list[t
             operand = call.args[index]
             if not isinstance(operand, torch.fx.Node):
                 continue
-            weight = parameter_of(operand) is not None
-            value = operand
-            if weight and config.weight_grad.enabled:
-                value = _insert(gm, ctx, value, Role.WEIGHT_GRAD, layer, config.weight_grad, True, call)
-            role = Role.WEIGHT if weight else Role.ACTIVATION
-            if config.spec(role).enabled:
-                value = _insert(gm, ctx, value, role, layer, config.spec(role), False, call)
-            if value is not operand:
+            if (gather := gather_of_parameter(operand)) is not None:
+                # the weight picked per token (experts): quantize the whole parameter before the
+                # gather, so that it is rounded once and its summed gradient is rounded whole
+                if gather not in gathers:
+                    gathers.add(gather)
+                    gather.update_arg(0, _quantize_operand(gm, ctx, gather.args[0], layer, gather))
+                continue
+            if (value := _quantize_operand(gm, ctx, operand, layer, call)) is not operand:
                 call.update_arg(index, value)
         if config.error.enabled:
             users = list(call.users)
