@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from grid import grid_step, on_e5m2_grid
+from grid import GridCheck, grid_step, on_e5m2_grid, watched_backend
 from models import Records
 from torch import nn
 from torch.nn import functional as F
@@ -152,3 +152,33 @@ def test_adaptive_scaling_reads_conv1d_output_features_from_the_weights_last_dim
     torch.compile(model, backend="lowprec", options=options)(torch.randn(4, 8)).sum().backward()
     (state,) = REGISTRY.adaptive_states(model)
     assert state.out_dims == (1, 0)  # addmm(x, W): W's last dim; h @ W.t(): W's first
+
+
+class Autocast(nn.Module):
+    """Products of two dtypes, as autocast runs them: a bfloat16 layer output by an FP32
+    tensor (HF Llama's attention under autocast: FP32 queries after the rotary embedding,
+    bfloat16 values), around the compiled call or in a region of its own."""
+
+    def __init__(self, inner: bool) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a = nn.Linear(8, 8)
+        self.inner = inner
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.inner):
+            h = self.a(x)
+            return (h @ x.T).float() @ x
+
+
+@pytest.mark.parametrize("inner", [False, True])
+def test_products_of_two_dtypes_under_autocast_run_on_the_grid(inner):
+    check = GridCheck()
+    torch._dynamo.reset()
+    run = torch.compile(Autocast(inner), backend=watched_backend(OPTIONS, check))
+    x = torch.randn(4, 8, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=not inner):
+        out = run(x)
+    with check:
+        out.float().square().mean().backward()
+    assert check.count == 9 and check.off_grid == {}, check.products  # forward 3, backward 6

@@ -295,10 +295,24 @@ def warn_unentered_subgraphs(gm: torch.fx.GraphModule, ctx: CompileContext) -> N
         )
 
 
+def runs_under_autocast(call: torch.fx.Node, device: str) -> bool:
+    """Whether ``call`` runs with autocast on for ``device``: entered around the compiled
+    call (Dynamo compiles under that state, and guards on it), or inside the graph."""
+    enabled = [torch.is_autocast_enabled(device)]
+    for node in call.graph.nodes:
+        if node is call:
+            break
+        if node.target is torch.amp._enter_autocast and node.args[0] == device:
+            enabled.append(bool(node.args[2]))
+        elif node.target is torch.amp._exit_autocast and node.args[0].args[0] == device:
+            enabled.pop()
+    return enabled[-1]
+
+
 def check_operand_dtypes(call: torch.fx.Node) -> None:
     """Refuse, naming the layer, a product of operands in a dtype lowprec does not quantize
-    (float64) or of two dtypes (eager torch refuses those too; compiled, they fail deep
-    inside Inductor)."""
+    (float64) or of two dtypes outside autocast (eager torch refuses those too; compiled,
+    they fail deep inside Inductor)."""
     values = [call.args[i].meta.get("example_value") for i in product_operands(call)]
     dtypes = [v.dtype for v in values if isinstance(v, torch.Tensor) and v.is_floating_point()]
     for dtype in dtypes:
@@ -307,7 +321,8 @@ def check_operand_dtypes(call: torch.fx.Node) -> None:
                 f"lowprec: layer {layer_name(call)!r} ({op_name(call)}) computes in {dtype}; lowprec"
                 " quantizes float32, float16 and bfloat16 models (convert it with model.float())"
             )
-    if len(set(dtypes)) > 1:
+    devices = {v.device.type for v in values if isinstance(v, torch.Tensor)}
+    if len(set(dtypes)) > 1 and not any(runs_under_autocast(call, device) for device in devices):
         mixed = " by ".join(map(str, dtypes))
         raise TypeError(
             f"lowprec: layer {layer_name(call)!r} ({op_name(call)}) multiplies {mixed}: its operands"
