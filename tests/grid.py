@@ -49,6 +49,9 @@ def on_e5m2_grid(t: torch.Tensor) -> bool:
 class GridCheck(TorchDispatchMode):
     """Counts the products that ran, by (op, all operands on the E5M2 grid)."""
 
+    # the RNG-state operators of checkpointed dropout come through too: they run as they are
+    supports_higher_order_operators = True
+
     def __init__(self) -> None:
         super().__init__()
         self.products: Counter = Counter()
@@ -56,6 +59,8 @@ class GridCheck(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if isinstance(func, torch._ops.HigherOrderOperator):
+            return func(*args, **kwargs)
         if (positions := PRODUCTS.get(func, LIBRARY_PRODUCTS.get(func.name()))) is not None:
             operands = [args[i] for i in positions if i < len(args)]
             floats = [a for a in operands if isinstance(a, torch.Tensor) and a.is_floating_point()]

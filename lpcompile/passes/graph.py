@@ -73,6 +73,7 @@ VIEW_FUNCTIONS = {torch.t, torch.transpose, torch.permute, torch.reshape, torch.
 RESHAPES = {torch.ops.aten.view.default, torch.ops.aten.reshape.default, torch.ops.aten._unsafe_view.default}
 INDEX_CASTS = {torch.ops.aten._to_copy.default, torch.ops.prims.convert_element_type.default}
 
+CHECKPOINT = torch.ops.higher_order.tag_activation_checkpoint
 LAYER_NAME = "lowprec_layer_name"  # node.meta key: a layer call's name, once its graph is named
 ATTENTION = "lowprec_attention"  # node.meta key: a product inside attention (option `attention`)
 SCALE_GRAD = torch.ops.lowprec.scale_grad.default
@@ -168,6 +169,33 @@ def _name_module_layers(graph: torch.fx.Graph) -> None:
         nodes = [n for n in nodes if LAYER_NAME not in n.meta]  # named by the pass that made them
         for i, node in enumerate(nodes):
             node.meta[LAYER_NAME] = path if len(nodes) == 1 else f"{path}#{i}"
+
+
+def with_checkpoint_bodies(gm: torch.fx.GraphModule) -> list[torch.fx.GraphModule]:
+    """``gm`` and the activation-checkpoint bodies it calls, theirs too: a pass that
+    rewrites calls enters them (a checkpoint call is one opaque node of ``gm``)."""
+    graphs = [gm]
+    for call in gm.graph.find_nodes(op="call_function", target=CHECKPOINT):
+        graphs += with_checkpoint_bodies(getattr(gm, call.args[0].target))
+    return graphs
+
+
+def find_calls(gm: torch.fx.GraphModule, targets: Any) -> list[tuple[torch.fx.GraphModule, torch.fx.Node]]:
+    """The calls of ``targets`` in ``gm`` and its checkpoint bodies, each with its graph."""
+    return [
+        (graph, node)
+        for graph in with_checkpoint_bodies(gm)
+        for node in graph.graph.nodes
+        if node.op == "call_function" and node.target in targets
+    ]
+
+
+def recompile_bodies(gm: torch.fx.GraphModule) -> None:
+    """Check and regenerate the code of ``gm``'s checkpoint bodies after a rewrite (the
+    driver does ``gm``'s own)."""
+    for body in with_checkpoint_bodies(gm)[1:]:
+        body.graph.lint()
+        body.recompile()
 
 
 def state_name(node: torch.fx.Node) -> str:

@@ -10,6 +10,7 @@ import torch
 from grid import grid_step, watched_backend
 from models import Records, aot_cache_counts
 from torch import nn
+from torch.nn import functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import checkpoint
 
@@ -46,6 +47,62 @@ class Checkpointed(nn.Module):
         for block in self.blocks:
             x = checkpoint(block, x, use_reentrant=False)
         return self.head(x)
+
+
+class CheckpointedAttention(nn.Module):
+    """Scaled-dot-product attention with dropout in a checkpoint body: only the explicit
+    form (``attention="full"``) runs its products on the grid on the CPU."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.qkv = nn.Linear(16, 48)
+
+    def body(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv(x).view(2, 8, 3, 2, 8).permute(2, 0, 3, 1, 4)
+        out = F.scaled_dot_product_attention(q, k, v, dropout_p=0.1, is_causal=True)
+        return out.transpose(1, 2).reshape(2, 8, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return checkpoint(self.body, x, use_reentrant=False)
+
+
+class CheckpointedLayer(nn.Module):
+    """A layer the passes write out (nn.MultiheadAttention, nn.LSTM) in a checkpoint body."""
+
+    def __init__(self, layer: nn.Module) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.layer = layer
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = checkpoint(self.layer, x, use_reentrant=False)
+        return out[0] if isinstance(out, tuple) else out
+
+
+BODIES = {
+    "sdpa": (CheckpointedAttention, "out#0"),  # the attention's first product, named after its node
+    "multihead": (
+        lambda: CheckpointedLayer(nn.TransformerEncoderLayer(16, 2, 32, 0.0, batch_first=True)),
+        "layer.self_attn.in_proj_q",
+    ),
+    "lstm": (lambda: CheckpointedLayer(nn.LSTM(16, 16, batch_first=True)), "layer"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(BODIES))
+def test_layers_the_passes_write_out_are_written_out_in_bodies_too(name):
+    """Attention (``attention="full"``), nn.MultiheadAttention and recurrent layers inside a
+    checkpoint body ran as one FP32 call before."""
+    make, layer = BODIES[name]
+    records = Records()
+    check = grid_step(
+        make(),
+        {"x": torch.randn(2, 8, 16)},
+        {"recipe": "fp8-e5m2-sr", "executor": "eager", "attention": "full"},
+    )
+    assert check.count >= 8 and check.off_grid == {} and not check.unknown, check.products
+    assert any(s.layer.startswith(layer) for s in records.only().sites.values())
 
 
 def test_checkpoint_bodies_are_quantized():

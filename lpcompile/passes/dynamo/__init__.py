@@ -12,6 +12,7 @@ from lpcompile.passes.dynamo.pipeline import insert_predict_weight, remove_pipe_
 from lpcompile.passes.dynamo.quantize import forget_checkpoint_parents, has_checkpoint_bodies, insert_quantize
 from lpcompile.passes.dynamo.recurrent import RECURRENT, decompose_recurrent_layers
 from lpcompile.passes.dynamo.saturation import counts_saturation, insert_saturation_counts
+from lpcompile.passes.graph import find_calls
 from lpcompile.passes.stages import is_pipe_split
 
 
@@ -21,18 +22,17 @@ def rewrites(gm: torch.fx.GraphModule, ctx: CompileContext, kind: str) -> bool:
 
 
 def has_multihead_attention(gm: torch.fx.GraphModule, ctx: CompileContext, kind: str) -> bool:
-    return rewrites(gm, ctx, kind) and bool(gm.graph.find_nodes(op="call_function", target=MHA))
+    return rewrites(gm, ctx, kind) and bool(find_calls(gm, {MHA}))
 
 
 def has_recurrent_layers(gm: torch.fx.GraphModule, ctx: CompileContext, kind: str) -> bool:
-    calls = [n for n in gm.graph.nodes if n.op == "call_function" and n.target in RECURRENT]
-    return rewrites(gm, ctx, kind) and bool(calls)
+    return rewrites(gm, ctx, kind) and bool(find_calls(gm, RECURRENT))
 
 
 def attention_full(gm: torch.fx.GraphModule, ctx: CompileContext, kind: str) -> bool:
     """``attention="full"`` in a graph that calls ``scaled_dot_product_attention``."""
-    has_sdpa = bool(gm.graph.find_nodes(op="call_function", target=SDPA))
-    return rewrites(gm, ctx, kind) and ctx.config.attention == "full" and has_sdpa
+    full = rewrites(gm, ctx, kind) and ctx.config.attention == "full"
+    return full and bool(find_calls(gm, {SDPA}))
 
 
 def pipelined(gm: torch.fx.GraphModule, ctx: CompileContext, kind: str) -> bool:

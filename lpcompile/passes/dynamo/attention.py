@@ -28,7 +28,15 @@ import torch.fx
 import torch.nn.functional as F
 
 from lpcompile.passes.driver import CompileContext, KeptProduct
-from lpcompile.passes.graph import ATTENTION, LAYER_NAME, inline, layer_name, replace_with
+from lpcompile.passes.graph import (
+    ATTENTION,
+    LAYER_NAME,
+    find_calls,
+    inline,
+    layer_name,
+    recompile_bodies,
+    replace_with,
+)
 
 SDPA = F.scaled_dot_product_attention
 MHA = F.multi_head_attention_forward
@@ -150,8 +158,9 @@ UNSUPPORTED_MHA = ("bias_k", "bias_v", "static_k", "static_v")
 
 
 def decompose_multihead_attention(gm: torch.fx.GraphModule, ctx: CompileContext) -> None:
-    """Each ``F.multi_head_attention_forward`` call becomes its projections and attention."""
-    for node in list(gm.graph.find_nodes(op="call_function", target=MHA)):
+    """Each ``F.multi_head_attention_forward`` call (in checkpoint bodies too) becomes its
+    projections and attention."""
+    for graph, node in find_calls(gm, {MHA}):
         args = _arguments(node, MHA_PARAMS, MHA_DEFAULTS)
         path = layer_name(node)
         unsupported = [name for name in UNSUPPORTED_MHA if args[name] is not None]
@@ -176,7 +185,7 @@ def decompose_multihead_attention(gm: torch.fx.GraphModule, ctx: CompileContext)
             f"{path}.out_proj",
         )
         out = inline(
-            gm,
+            graph,
             node,
             _mha,
             {
@@ -191,6 +200,7 @@ def decompose_multihead_attention(gm: torch.fx.GraphModule, ctx: CompileContext)
             },
         )
         replace_with(node, out)
+    recompile_bodies(gm)
 
 
 def _explicit_attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, name):
@@ -216,8 +226,10 @@ def _explicit_attention(query, key, value, attn_mask, dropout_p, is_causal, scal
 
 
 def decompose_attention(gm: torch.fx.GraphModule, ctx: CompileContext) -> None:
-    """``attention="full"``: each ``scaled_dot_product_attention`` becomes explicit matmuls."""
-    for node in list(gm.graph.find_nodes(op="call_function", target=SDPA)):
+    """``attention="full"``: each ``scaled_dot_product_attention`` (in checkpoint bodies too)
+    becomes explicit matmuls."""
+    for graph, node in find_calls(gm, {SDPA}):
         args = _arguments(node, SDPA_PARAMS, SDPA_DEFAULTS)
-        out = inline(gm, node, _explicit_attention, {**args, "name": layer_name(node)})
+        out = inline(graph, node, _explicit_attention, {**args, "name": layer_name(node)})
         replace_with(node, out)
+    recompile_bodies(gm)

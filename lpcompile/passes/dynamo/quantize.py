@@ -30,6 +30,7 @@ from lpcompile.config import QuantSpec, Role
 from lpcompile.numerics.quantize import FLOAT_DTYPES
 from lpcompile.passes.driver import CompileContext, KeptProduct, Site
 from lpcompile.passes.graph import (
+    CHECKPOINT,
     OPERAND_NAMES,
     base_of,
     gather_of_parameter,
@@ -42,7 +43,6 @@ from lpcompile.passes.graph import (
 )
 
 SEED_INPUT = "lowprec_seed"
-CHECKPOINT = torch.ops.higher_order.tag_activation_checkpoint
 CHECKPOINT_PARENT = "lowprec_checkpoint_parent"  # GraphModule.meta key of a body: (parent, call)
 BODY_INPUTS = "lowprec_body_inputs"  # GraphModule.meta key of a body: {name: its input of lowprec's own}
 

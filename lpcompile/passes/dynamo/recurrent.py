@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 from lpcompile.passes.driver import CompileContext, KeptProduct
 from lpcompile.passes.dynamo.quantize import op_name
-from lpcompile.passes.graph import LAYER_NAME, inline, layer_name, replace_with
+from lpcompile.passes.graph import LAYER_NAME, find_calls, inline, layer_name, recompile_bodies, replace_with
 
 # ATen recurrent call -> its cell
 RECURRENT = {torch.lstm: "lstm", torch.gru: "gru", torch.rnn_tanh: "tanh", torch.rnn_relu: "relu"}
@@ -87,8 +87,9 @@ def _recurrent(
 
 
 def decompose_recurrent_layers(gm: torch.fx.GraphModule, ctx: CompileContext) -> None:
-    """Each LSTM/GRU/RNN call becomes its cells, unrolled over a static sequence length."""
-    for node in [n for n in gm.graph.nodes if n.op == "call_function" and n.target in RECURRENT]:
+    """Each LSTM/GRU/RNN call (in checkpoint bodies too) becomes its cells, unrolled over a
+    static sequence length."""
+    for graph, node in find_calls(gm, RECURRENT):
         cell = RECURRENT[node.target]
         args = dict(zip(PARAMS, node.args, strict=False))
         path = layer_name(node)
@@ -105,5 +106,6 @@ def decompose_recurrent_layers(gm: torch.fx.GraphModule, ctx: CompileContext) ->
                 stacklevel=1,
             )
             continue
-        out = inline(gm, node, _recurrent, {"cell": cell, **args, "steps": steps, "path": path})
+        out = inline(graph, node, _recurrent, {"cell": cell, **args, "steps": steps, "path": path})
         replace_with(node, out)
+    recompile_bodies(gm)
