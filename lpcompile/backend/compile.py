@@ -47,6 +47,11 @@ from lpcompile.passes.joint.matmul import uses_bf16_kernel
 # would never see such a model; with it, the recurrent layer is one ATen call that
 # passes.dynamo.recurrent writes out as its cells. Set when the backend is first looked up.
 torch._dynamo.config.allow_rnn = True
+# A checkpointed forward with a Python side effect (HF transformers' layers, through the
+# `kernels` hub's context variable) makes Dynamo run the whole frame uncompiled: every
+# product in FP32 in the backward's recomputation. With this set, Dynamo compiles it and
+# applies the side effect once, in the forward, where eager checkpointing replays it.
+torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = True
 # DDP and FSDP2 run a wrapped module's forward as a frame of its own, which Dynamo skips
 # when that forward is torch.nn's (nn.Sequential, nn.Linear); so does a frame Dynamo gave
 # up on with the layers it calls: see backend/distributed.py.
