@@ -237,8 +237,10 @@ def gather_of_parameter(node: torch.fx.Node) -> torch.fx.Node | None:
     with an index tensor, ``index_select``), possibly through views: a mixture-of-experts
     layer's weights picked per token. Else ``None``."""
     node = base_of(node)
-    picks = _indexing(node) == "gather" or (
-        node.target is torch.index_select if node.op == "call_function" else node.target == "index_select"
+    picks = (
+        _indexing(node) == "gather"
+        or (node.op == "call_function" and node.target is torch.index_select)
+        or (node.op == "call_method" and node.target == "index_select")
     )
     return node if picks and parameter_of(node.args[0]) is not None else None
 

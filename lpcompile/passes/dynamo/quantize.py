@@ -298,7 +298,7 @@ def warn_unentered_subgraphs(gm: torch.fx.GraphModule, ctx: CompileContext) -> N
 def runs_under_autocast(call: torch.fx.Node, device: str) -> bool:
     """Whether ``call`` runs with autocast on for ``device``: entered around the compiled
     call (Dynamo compiles under that state, and guards on it), or inside the graph."""
-    enabled = [torch.is_autocast_enabled(device)]
+    enabled = [torch.amp.is_autocast_available(device) and torch.is_autocast_enabled(device)]
     for node in call.graph.nodes:
         if node is call:
             break
