@@ -46,11 +46,25 @@ def gradient_stats(grad: torch.Tensor, stats: str) -> torch.Tensor:
 @torch.library.custom_op("lowprec::count_bins", mutates_args=())
 def count_bins(bins: torch.Tensor, size: int) -> torch.Tensor:
     """How many elements of the integer tensor ``bins`` hold each of ``0 .. size-1``
-    (FP32 counts, as ``index_add(zeros(size), 0, bins.view(-1), ones)`` makes them)."""
+    (FP32 counts, as ``index_add(zeros(size), 0, bins.view(-1), ones)`` makes them).
+
+    On a GPU the count is :func:`bin_counts_in_range`, which checks no range:
+    ``bincount`` and the check would read back to the host and stall the backward
+    (``bincount`` stays where deterministic algorithms are asked for, which refuse
+    CUDA's ``histc``). ``count_histograms_serially`` passes bins masked into range.
+    """
+    if bins.is_cuda and not torch.are_deterministic_algorithms_enabled():
+        return bin_counts_in_range(bins, size)
     counts = torch.bincount(bins.reshape(-1), minlength=size)
     if counts.numel() != size:
         raise ValueError(f"count_bins: a bin index is {counts.numel() - 1}, outside 0..{size - 1}")
     return counts.to(torch.float32)
+
+
+def bin_counts_in_range(bins: torch.Tensor, size: int) -> torch.Tensor:
+    """FP32 counts of the values ``0 .. size-1`` in ``bins``, which must hold no other
+    (``histc`` over ``[0, size]``, exact: each integer is one bucket of width 1)."""
+    return torch.histc(bins.reshape(-1).to(torch.float32), size, 0, size)
 
 
 @count_bins.register_fake

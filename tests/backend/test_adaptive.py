@@ -6,6 +6,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from devices import TEST_DEVICE
 from torch import nn
 
 import lpcompile  # noqa: F401  (registers the ops and the backend)
@@ -399,12 +400,12 @@ def test_a_fixed_scale_has_nothing_to_calibrate():
     assert not any(torch.equal(a, b) for a, b in zip(weights, model.parameters(), strict=True))
 
 
-def test_recording_and_plain_calls_share_one_compiled_graph_on_the_cpu(monkeypatch, fresh_dynamo):
-    """On the CPU, adaptive scaling compiles one forward and one backward under Inductor:
-    the statistics are under ``torch.cond`` in that backward, and only the calls that
-    record compute them. A second variant's backward took as long to compile as the
-    plain one's; the eager executor and the Triton codegen still run two variants (see
-    test_codegen_graphs)."""
+def test_recording_and_plain_calls_share_one_compiled_graph(monkeypatch, fresh_dynamo):
+    """Adaptive scaling compiles one forward and one backward under Inductor: the
+    statistics are under ``torch.cond`` in that backward (on a CPU predicate, also on a
+    GPU), and only the calls that record compute them. A second variant's backward took
+    as long to compile as the plain one's; the eager executor and the Triton codegen
+    still run two variants (see test_codegen_graphs). On ``LOWPREC_TEST_DEVICE``."""
     import torch._inductor.codecache as codecache
 
     keys = []
@@ -416,7 +417,7 @@ def test_recording_and_plain_calls_share_one_compiled_graph_on_the_cpu(monkeypat
         return key, debug
 
     monkeypatch.setattr(codecache, "compiled_fx_graph_hash", spy)
-    model = _mlp()
+    model = _mlp().to(TEST_DEVICE)
     options = {"recipe": "fp8-e5m2-als", "executor": "inductor", "loss_scale_interval": 2}
     run = torch.compile(model, backend="lowprec", options=options)
     # Inductor compiles (no graph reused from an earlier test through AOT's cache)
@@ -425,13 +426,41 @@ def test_recording_and_plain_calls_share_one_compiled_graph_on_the_cpu(monkeypat
     with torch._inductor.config.patch(fx_graph_cache=True), no_aot_cache:
         for _ in range(6):  # calibrating calls record, then every second one
             model.zero_grad()
-            (run(torch.randn(64, 12)).square().mean() * 1e-2).backward()
+            (run(torch.randn(64, 12, device=TEST_DEVICE)).square().mean() * 1e-2).backward()
             (state,) = REGISTRY.adaptive_states(model)
             pending.append(state.hist.grad is not None)
     assert [h[0] for h in stats(model)[0].history][-2:] == [2, 4]  # both kinds of call ran
     assert pending[-2:] == [True, False], "statistics from call 4, none from call 5"
     assert [kind for kind, _ in keys] == ["forward", "backward"], keys
     assert state.hist_off.grad is not None and not state.hist_off.grad.any(), "call 5 returned zeros"
+
+
+def test_inductor_records_in_a_variant_where_it_cannot_lower_the_cond(monkeypatch, fresh_dynamo):
+    """Where Inductor cannot lower the statistics' ``torch.cond`` (torch 2.11), the calls that
+    record run a second compiled variant: the same calls record, with the same histograms."""
+    from lpcompile.passes.dynamo import loss_scale
+
+    def histograms(cond: bool) -> tuple[str, list]:
+        torch._dynamo.reset()
+        monkeypatch.setattr(loss_scale, "INDUCTOR_COND_TAKES_SIZES", cond)
+        model = _mlp()
+        options = {"recipe": "fp8-e5m2-als", "executor": "inductor", "loss_scale_interval": 2}
+        run = torch.compile(model, backend="lowprec", options=options)
+        torch.manual_seed(3)
+        recorded = []
+        for _ in range(8):
+            model.zero_grad()
+            (run(torch.randn(64, 12)).square().mean() * 1e-2).backward()
+            (state,) = REGISTRY.adaptive_states(model)
+            recorded.append(None if state.hist.grad is None else state.hist.grad.clone())
+        return state.under_cond, recorded
+
+    (under_cond, want), (in_variant, got) = histograms(True), histograms(False)
+    assert under_cond and not in_variant
+    assert [h is None for h in got] == [h is None for h in want]
+    assert None in got and got[0] is not None, "calls of both kinds ran"
+    for a, b in zip(got, want, strict=True):
+        assert a is None or torch.equal(a[:, :-2], b[:, :-2])  # counts; the moments in FP32 sums
 
 
 def test_refresh_every_interval_and_telemetry():

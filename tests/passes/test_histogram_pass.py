@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from devices import TEST_DEVICE
 from torch import nn
 from torch._functorch import config as functorch_config
 from torch._inductor.decomposition import select_decomp_table
@@ -9,17 +10,20 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 import lpcompile  # noqa: F401  (registers the ops and the backend)
 from lpcompile.backend import REGISTRY
-from lpcompile.numerics.scale_grad import EXP_BINS
+from lpcompile.numerics.scale_grad import EXP_BINS, bin_counts_in_range
 from lpcompile.passes.aot.histogram import count_histograms_serially
 
 COUNT_BINS = torch.ops.lowprec.count_bins.default
 
 
 def test_count_bins_counts_like_index_add():
+    """On ``LOWPREC_TEST_DEVICE`` (a GPU counts with ``histc``), against the CPU's index_add;
+    the GPU's form also on the CPU."""
     bins = torch.randint(-(2**20), 2**20, (37, 11), dtype=torch.int32) & 255
+    bins[0, :5] = torch.tensor([0, 255, 255, 1, 254])  # both ends of the range
     want = torch.zeros(256).index_add(0, bins.view(-1).long(), torch.ones(bins.numel()))
-    got = COUNT_BINS(bins, 256)
-    assert got.dtype == torch.float32 and torch.equal(got, want)
+    for got in (COUNT_BINS(bins.to(TEST_DEVICE), 256), bin_counts_in_range(bins, 256)):
+        assert got.dtype == torch.float32 and torch.equal(got.cpu(), want)
     with pytest.raises(ValueError, match="outside 0..255"):
         COUNT_BINS(torch.tensor([3, 256]), 256)
 
@@ -48,19 +52,23 @@ def test_only_histograms_of_masked_bins_are_replaced():
 
 @pytest.mark.slow
 def test_inductor_records_the_same_histograms_as_the_eager_executor():
+    """On ``LOWPREC_TEST_DEVICE``."""
+
     def recorded(executor):
         torch._dynamo.reset()  # a compile, not a graph Dynamo kept from another test
         torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(12, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 5))
+        model = model.to(TEST_DEVICE)
         options = {"recipe": "fp8-e5m2-als", "executor": executor, "matmul": "fp32", "loss_scale_interval": 1}
         run = torch.compile(model, backend="lowprec", options=options)
         torch.manual_seed(1)
+        x = torch.randn(64, 12).to(TEST_DEVICE)
         # no cache hits: the pass runs (and is recorded) only when Inductor compiles
         with (
             torch._inductor.config.patch(fx_graph_cache=False),
             functorch_config.patch(enable_autograd_cache=False),
         ):
-            (run(torch.randn(64, 12)).square().mean() * 1e-3).backward()  # call 0 records
+            (run(x).square().mean() * 1e-3).backward()  # call 0 records
         (state,) = REGISTRY.adaptive_states(model)
         record = next(r for r in REGISTRY.records if state in REGISTRY.adaptive_states(graph_id=r.graph_id))
         replaced = sum(
@@ -68,7 +76,7 @@ def test_inductor_records_the_same_histograms_as_the_eager_executor():
             for r in record.records
             if r.name == "count_histograms_serially" and r.graph == "backward"
         )
-        return state.hist.grad.clone(), replaced
+        return state.hist.grad.cpu(), replaced
 
     (eager, _), (inductor, replaced) = recorded("eager"), recorded("inductor")
     assert replaced == 3, "one count_bins per layer's error"

@@ -19,10 +19,11 @@ matmul/conv that the quantize pass keeps) it inserts ``lowprec::scale_grad``:
 
 How the calls that record get their statistics (:func:`recording_mode`):
 
-* ``"cond"``: where Inductor compiles the graph and its tensors are all on the
-  CPU, the histogram nodes also read ``lowprec_record``, a 0-dim bool input: the
-  backward computes the statistics under ``torch.cond`` on the calls that
-  record, so one compiled graph serves every call.
+* ``"cond"``: where Inductor compiles the graph (torch 2.13 on), the histogram
+  nodes also read ``lowprec_record``, a 0-dim bool input on the CPU (on a GPU too,
+  so that the branch waits on no device): the backward computes the statistics
+  under ``torch.cond`` on the calls that record, so one compiled graph serves
+  every call.
 * ``"every call"``: in a piece of a graph that Dynamo's DDPOptimizer split at
   DDP's gradient buckets, one compiled graph computes the statistics at every
   call and the calls that do not record drop them. DDPOptimizer keeps one AOT
@@ -31,9 +32,8 @@ How the calls that record get their statistics (:func:`recording_mode`):
   constant).
 * ``"variant"``: elsewhere the calls that record run a second variant, in which
   the probe requires grad: graphs run as FX compile in seconds (and a
-  ``TorchDispatchMode`` around them sees no ``torch.cond``), the Triton codegen
-  fuses the statistics into the kernels that quantize the errors, and on a GPU
-  the branch would wait for its predicate.
+  ``TorchDispatchMode`` around them sees no ``torch.cond``), and the Triton codegen
+  fuses the statistics into the kernels that quantize the errors.
 
 ``s_i`` is the paper's cumulative scale ``A_i`` (the rules and bounds are in
 ``lpcompile.numerics.scale_rules``). Unscaling at each layer's inputs, in FP32 and by
@@ -50,7 +50,7 @@ import torch
 import torch.fx
 
 from lpcompile.config import AdaptiveScaleConfig
-from lpcompile.numerics.compat import optimization_hint
+from lpcompile.numerics.compat import INDUCTOR_COND_TAKES_SIZES, optimization_hint
 from lpcompile.numerics.scale_grad import STATS_SIZE
 from lpcompile.passes.driver import CompileContext
 from lpcompile.passes.dynamo.quantize import graph_input, layers_in_order, outermost
@@ -135,16 +135,13 @@ def _transposes(node: torch.fx.Node) -> bool:
     return flipped
 
 
-def recording_mode(gm: torch.fx.GraphModule, ctx: CompileContext) -> str:
+def recording_mode(ctx: CompileContext) -> str:
     """How the calls that record get their statistics: every call in a piece of a split
-    graph; under ``torch.cond`` where Inductor compiles the graph and its tensors are all
-    on the CPU; else in a variant of their own."""
+    graph; under ``torch.cond`` where Inductor compiles the graph and lowers such a cond;
+    else in a variant of their own."""
     if ctx.split_from is not None:
         return RECORD_EVERY_CALL
-    examples = [node.meta.get("example_value") for node in gm.graph.find_nodes(op="placeholder")]
-    tensors = [x for x in examples if isinstance(x, torch.Tensor)]
-    inductor = ctx.config.executor == "inductor" and ctx.config.codegen != "triton"
-    if inductor and all(x.device.type == "cpu" for x in tensors):
+    if ctx.config.executor == "inductor" and ctx.config.codegen != "triton" and INDUCTOR_COND_TAKES_SIZES:
         return RECORD_UNDER_COND
     return RECORD_IN_VARIANT
 
@@ -165,7 +162,7 @@ def insert_loss_scale(gm: torch.fx.GraphModule, ctx: CompileContext) -> None:
         return
     count = len(calls)
     placeholders = gm.graph.find_nodes(op="placeholder")
-    recording = recording_mode(gm, ctx)
+    recording = recording_mode(ctx)
     examples = {
         SCALES_INPUT: torch.ones(count),
         INVERSES_INPUT: torch.ones(count),
