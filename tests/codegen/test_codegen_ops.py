@@ -188,19 +188,21 @@ def _divisions(a, d, s):
 
 
 def test_division_rounds_as_aten_on_the_device(same_bits):
-    """Tensor / tensor, / a Python number and / a 0-dim tensor around a quantize, against
+    """Tensor / tensor, / a Python number and / a 0-dim CPU tensor around a quantize, against
     ATen on the test device: IEEE division (``tl.div_rn``: a GPU's fast division is off by
     up to 2 ulp); on CUDA ATen multiplies by a CPU scalar's reciprocal, and so must the
     kernel (the interpreter run of that form: the next test)."""
-    a, d = _division_inputs()
-    s = torch.tensor(7.0)
-    gm, kernels = fuse(_divisions, a, d, s)
-    assert len(kernels) == 1 and "tl.div_rn(" in kernels[0].source
-    want = [t.cpu() for t in _divisions(*map(on_test_device, (a, d, s)))]
-    for got, expected in zip(gm(a, d, s), want, strict=True):
-        same_bits(got, expected, a, "division")
+    a, d = map(on_test_device, _division_inputs())
+    s = torch.tensor(7.0)  # a CPU scalar on every test device
+    gm = make_fx(_divisions, tracing_mode="fake")(a, d, s)
+    ctx = SimpleNamespace(kernels=[])
+    fuse_lowprec_kernels(gm, ctx)
+    assert len(ctx.kernels) == 1 and "tl.div_rn(" in ctx.kernels[0].source
+    for got, expected in zip(gm(a, d, s), _divisions(a, d, s), strict=True):
+        same_bits(got.cpu(), expected.cpu(), a.cpu(), "division")
 
 
+@pytest.mark.skipif(TEST_DEVICE.type == "cuda", reason="the CUDA form run in the interpreter")
 def test_cpu_scalar_divisor_multiplies_by_its_reciprocal_on_cuda(monkeypatch, same_bits):
     """On CUDA, ATen computes ``x / s`` for a CPU scalar ``s`` (a Python number, a 0-dim CPU
     tensor) as ``x * (1 / s)``, the reciprocal rounded to FP32 on the host. The kernel source
