@@ -1,11 +1,12 @@
 """What adaptive loss scaling adds to a cold compile: ``fp8-e5m2-als`` against
 ``fp8-e5m2-sr`` on models of the zoo (examples/zoo.py).
 
-Each run is a fresh process with an empty Inductor cache (``bench_zoo.measure``) and
-one compile thread, so that the process's CPU time (g++ included) counts the whole
-compile. Compile seconds: the training steps' time beyond their median, over the
-first steps (the adaptive variants compile at different steps). CPU seconds: the
-process's, model building and the steps included.
+Each run is a fresh process with an empty Inductor cache (``bench_zoo.measure``); on
+the CPU with one compile thread, so that the process's CPU time (g++ included) counts
+the whole compile (``--device cuda``: Inductor's default compile workers). Compile
+seconds: the training steps' time beyond their median, over the first steps (the
+adaptive variants compile at different steps). CPU seconds: the process's, model
+building and the steps included.
 """
 
 from __future__ import annotations
@@ -27,8 +28,10 @@ def main() -> None:
     parser.add_argument("--models", nargs="*", default=["gpt2", "checkpointed_mlp", "transformer_encoder"])
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--device", default="cpu")
     args = parser.parse_args()
-    os.environ["TORCHINDUCTOR_COMPILE_THREADS"] = "1"
+    if args.device == "cpu":
+        os.environ["TORCHINDUCTOR_COMPILE_THREADS"] = "1"
     rows = [
         "| model | compile s: plain | adaptive | extra / plain | CPU s: plain | adaptive | extra / plain |",
         "|---|---|---|---|---|---|---|",
@@ -36,7 +39,7 @@ def main() -> None:
     for name in args.models:
         runs = {
             variant: [
-                measure(name, [{"recipe": recipe, "attention": "operands"}], "cpu", args.steps)[0]
+                measure(name, [{"recipe": recipe, "attention": "operands"}], args.device, args.steps)[0]
                 for _ in range(args.repeats)
             ]
             for variant, recipe in RECIPES.items()
@@ -55,14 +58,16 @@ def main() -> None:
             f" | {p['cpu']:.1f} | {a['cpu']:.1f} | {a['cpu'] / p['cpu'] - 1:+.2f} |"
         )
     command = "python -m benchmarks.bench_adaptive_compile " + " ".join(sys.argv[1:])
+    threads = "one compile thread" if args.device == "cpu" else "Inductor's compile workers"
     body = "\n".join(rows) + (
-        f"\n\nCommand: `{command}`. Median of {args.repeats} run(s) per cell, Inductor executor,"
-        ' `attention="operands"`, one compile thread, an empty Inductor cache per run. Target: the'
+        f"\n\nCommand: `{command}` (device {args.device}). Median of {args.repeats} run(s) per cell,"
+        f' Inductor executor, `attention="operands"`, {threads}, an empty Inductor cache per run. Target: the'
         " adaptive variant adds at most half of the plain compile. Wall seconds move with"
         " whatever else the machine runs; CPU seconds less so."
     )
     print(body)
-    write_results("adaptive_compile", "Adaptive loss scaling: compile cost (bench_adaptive_compile.py)", body)
+    results = "adaptive_compile" if args.device == "cpu" else f"adaptive_compile_{args.device}"
+    write_results(results, "Adaptive loss scaling: compile cost (bench_adaptive_compile.py)", body)
 
 
 if __name__ == "__main__":
