@@ -11,7 +11,7 @@ pip=(.venv/bin/python -m pip install --quiet --disable-pip-version-check)
 
 if ! .venv/bin/python -c "import torch" 2>/dev/null; then
     if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
-        "${pip[@]}" "torch>=2.11"
+        "${pip[@]}" "torch>=2.13"
     elif ls /opt/wheels/torch-2.13.0+cpu-*.whl >/dev/null 2>&1; then
         "${pip[@]}" torch==2.13.0
     else

@@ -119,6 +119,15 @@ def weight_operand(node: torch.fx.Node) -> torch.fx.Node | None:
     return None
 
 
+def needs_grad(value: object) -> bool:
+    """Whether the graph value ``value`` gets a gradient (as far as its example says: a
+    frozen weight, an input batch and anything under ``no_grad`` do not)."""
+    if not isinstance(value, torch.fx.Node):
+        return False
+    example = value.meta.get("example_value")
+    return example is None or bool(getattr(example, "requires_grad", True))
+
+
 def is_unquantized_product(node: torch.fx.Node) -> bool:
     """Whether ``node`` multiplies tensors in a way the pass does not quantize."""
     return node.op == "call_function" and node.target in UNQUANTIZED_TARGETS
@@ -128,10 +137,12 @@ def _fqn(source: str) -> str:
     """``L['self']._modules['0']._parameters['w']`` -> ``0.w``.
 
     The root module is the frame's ``self``, or, where a decorator wraps ``forward``
-    (``def wrapper(*args, **kwargs)``, as transformers does), ``args[0]``.
+    (``def wrapper(*args, **kwargs)``, as transformers does), ``args[0]``. A module
+    reached through a ``__getattr__`` of its own (PEFT's wrappers) is read from
+    ``__dict__['_modules']``.
     """
     path = re.sub(r"^L\['(?:args|kwargs)'\]\[(?:\d+|'[^']*')\]|^L\['[^']*'\]", "", source)
-    path = re.sub(r"\._(?:modules|parameters)\['([^']*)'\]", r".\1", path)
+    path = re.sub(r"\.(?:__dict__\[')?_(?:modules|parameters)(?:'\])?\['([^']*)'\]", r".\1", path)
     return re.sub(r"\[(\d+)\]", r".\1", path).strip(".")
 
 

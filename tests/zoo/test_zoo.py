@@ -67,6 +67,28 @@ def test_exclude_matches_hf_module_names():
     assert "lm_head" not in layers and "model.layers.0.mlp.up_proj" in layers
 
 
+def test_peft_lora_runs_on_the_grid_with_peft_module_names():
+    """PEFT's LoRA adapters on HF Llama: base layers and adapters on the grid, layer names
+    the PeftModel's own (PEFT reaches its modules through a ``__getattr__`` of its own),
+    and no weight gradient to round for a frozen base weight."""
+    peft = pytest.importorskip("peft")
+    torch.manual_seed(0)
+    model, inputs = hf_model("llama")
+    lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
+    model = peft.get_peft_model(model, lora)
+    records = Records()
+    check = grid_step(model, inputs, EAGER)
+    assert check.count > 0 and check.off_grid == {} and not check.unknown, check.products
+    sites = [s for r in records.new for s in r.sites.values()]
+    layers = {s.layer.split("#")[0] for s in sites}
+    modules = {n for n, _ in model.named_modules()}
+    assert layers <= modules, sorted(layers - modules)
+    q_proj = "base_model.model.model.layers.0.self_attn.q_proj"
+    roles = {layer: {s.role for s in sites if s.layer == layer} for layer in layers}
+    assert roles[f"{q_proj}.base_layer"] == {"activation", "weight", "error"}
+    assert roles[f"{q_proj}.lora_A.default"] == {"activation", "weight", "error", "weight_grad"}
+
+
 @pytest.mark.parametrize("implementation", ["grouped_mm", "batched_mm"])
 def test_mixture_of_experts_weights_are_weights_rounded_whole(implementation):
     """Mixtral's experts as grouped matmuls, or with their weights picked per token: the

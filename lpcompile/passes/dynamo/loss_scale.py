@@ -61,6 +61,7 @@ from lpcompile.passes.graph import (
     SCALE_GRAD,
     base_of,
     layer_name,
+    needs_grad,
     product_operands,
     weight_operand,
 )
@@ -93,15 +94,6 @@ def _scale_grad(
     if "example_value" in value.meta:
         node.meta["example_value"] = value.meta["example_value"]
     return node
-
-
-def _needs_grad(value) -> bool:
-    """Whether a layer input gets a gradient (an input batch does not: no unscale node,
-    which would make the backward compute that gradient only to count its inf/NaN)."""
-    if not isinstance(value, torch.fx.Node):
-        return False
-    example = value.meta.get("example_value")
-    return example is None or bool(getattr(example, "requires_grad", True))
 
 
 def _numel(value) -> float:
@@ -183,13 +175,15 @@ def insert_loss_scale(gm: torch.fx.GraphModule, ctx: CompileContext) -> None:
             inverse = graph.graph.call_function(torch.select, (inverses, 0, i))
             hist_i = graph.graph.call_function(torch.select, (hist, 0, i))
             flag_i = graph.graph.call_function(torch.select, (flags, 0, i))
-            inputs = [(index, arg) for index, arg in enumerate(call.args) if _needs_grad(arg)]
-            if _needs_grad(call.kwargs.get("bias")):
+            # an input batch gets no unscale node, which would make the backward compute its
+            # gradient only to count its inf/NaN
+            inputs = [(index, arg) for index, arg in enumerate(call.args) if needs_grad(arg)]
+            if needs_grad(call.kwargs.get("bias")):
                 inputs.append(("bias", call.kwargs["bias"]))
             weight = weight_operand(call)
             is_weight = weight is not None
             out_dims.append(_out_dim(call, weight))  # before the operands are wrapped below
-            trained = is_weight and _needs_grad(weight)
+            trained = is_weight and needs_grad(weight)
             counted = None if trained else min((arg for _, arg in inputs), key=_numel, default=None)
             for where, arg in inputs:
                 probe, stats = (flag_i, "nonfinite") if arg is counted else (None, "none")

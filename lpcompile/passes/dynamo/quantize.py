@@ -38,6 +38,7 @@ from lpcompile.passes.graph import (
     is_layer_call,
     is_unquantized_product,
     layer_name,
+    needs_grad,
     parameter_of,
     product_operands,
 )
@@ -333,11 +334,12 @@ def check_operand_dtypes(call: torch.fx.Node) -> None:
 def _quantize_operand(
     gm: torch.fx.GraphModule, ctx: CompileContext, operand: torch.fx.Node, layer: str, before: torch.fx.Node
 ) -> torch.fx.Node:
-    """``operand`` of a product, quantized (with its gradient, for a weight) right before ``before``."""
+    """``operand`` of a product, quantized (with its gradient, for a trained weight) right
+    before ``before``."""
     config = ctx.config
     weight = parameter_of(operand) is not None
     value = operand
-    if weight and config.weight_grad.enabled:
+    if weight and config.weight_grad.enabled and needs_grad(operand):
         value = _insert(gm, ctx, value, Role.WEIGHT_GRAD, layer, config.weight_grad, True, before)
     role = Role.WEIGHT if weight else Role.ACTIVATION
     if config.spec(role).enabled:
