@@ -440,7 +440,7 @@ def test_inductor_records_in_a_variant_where_it_cannot_lower_the_cond(monkeypatc
     record run a second compiled variant: the same calls record, with the same histograms."""
     from lpcompile.passes.dynamo import loss_scale
 
-    def histograms(cond: bool) -> tuple[str, list]:
+    def histograms(cond: bool) -> tuple[bool, list]:
         torch._dynamo.reset()
         monkeypatch.setattr(loss_scale, "INDUCTOR_COND_TAKES_SIZES", cond)
         model = _mlp()

@@ -8,8 +8,8 @@ which makes a recording backward much slower than a plain one.
 ``count_histograms_serially`` hands the bins to ``lowprec::count_bins``
 (``torch.bincount``: one pass, no atomics) instead; the counts are the same
 integers. On a GPU, where the atomic adds pile onto the few bins that hold most
-errors (13 GB/s on an H200), ``count_bins`` runs CUDA's ``histc``, which counts
-in each block's shared memory first. The Triton codegen keeps the ``index_add`` form, which it fuses into
+errors, ``count_bins`` runs CUDA's ``histc``, which counts in each block's shared
+memory first. The Triton codegen keeps the ``index_add`` form, which it fuses into
 its kernels.
 """
 
