@@ -269,6 +269,40 @@ def parameter_of(node: torch.fx.Node) -> torch.nn.Parameter | None:
     return example if isinstance(example, torch.nn.Parameter) else None
 
 
+def computed_from_parameters(node: torch.fx.Node, budget: int = 32) -> bool:
+    """Whether ``node`` is computed in the graph from parameters, with buffers and constants
+    at most: a parametrized weight (``weight_norm``), a masked one (``prune``). A path
+    longer than ``budget`` nodes counts as data (an activation's reaches the batch)."""
+    if parameter_of(node) is not None:
+        return False  # the parameter itself
+    stack, seen, found = [node], set(), False
+    while stack:
+        current = base_of(stack.pop())
+        if current in seen:
+            continue
+        seen.add(current)
+        if len(seen) > budget:
+            return False
+        if parameter_of(current) is not None:
+            found = True
+        elif current.op in ("placeholder", "get_attr"):
+            if not _is_buffer(current):
+                return False
+        elif current.op in ("call_function", "call_method"):
+            stack.extend(current.all_input_nodes)
+        else:
+            return False
+    return found
+
+
+def _is_buffer(node: torch.fx.Node) -> bool:
+    """Whether the graph input or attribute ``node`` holds one of the model's buffers."""
+    if node.op == "get_attr":
+        return node.target in dict(node.graph.owning_module.named_buffers())
+    source = getattr(node, "_dynamo_source", None)
+    return source is not None and "_buffers" in source.name
+
+
 def inline(
     gm: torch.fx.GraphModule, node: torch.fx.Node, fn: Callable[..., Any], args: dict[str, Any]
 ) -> Any:

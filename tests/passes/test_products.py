@@ -10,6 +10,7 @@ from grid import GridCheck, grid_step, on_e5m2_grid, watched_backend
 from models import Records
 from torch import nn
 from torch.nn import functional as F
+from torch.nn.utils import prune
 
 OPTIONS = {"recipe": "fp8-e5m2-sr", "executor": "eager"}
 
@@ -182,3 +183,64 @@ def test_products_of_two_dtypes_under_autocast_run_on_the_grid(inner):
     with check:
         out.float().square().mean().backward()
     assert check.count == 9 and check.off_grid == {}, check.products  # forward 3, backward 6
+
+
+def _e5m2(t: torch.Tensor) -> torch.Tensor:
+    return t.to(torch.float8_e5m2).to(t.dtype)
+
+
+def _normed() -> tuple[nn.Module, object]:
+    layer = nn.utils.parametrizations.weight_norm(nn.Linear(16, 8, bias=False))
+    weights = layer.parametrizations.weight
+    return layer, lambda: torch._weight_norm(weights.original1, weights.original0, 0)
+
+
+def _pruned() -> tuple[nn.Module, object]:
+    layer = prune.random_unstructured(nn.Linear(16, 8, bias=False), "weight", amount=0.5)
+    return layer, lambda: layer.weight_orig * layer.weight_mask
+
+
+def _reference_grads(layer, weight, x, round_weight_grad: bool) -> list[torch.Tensor]:
+    """Round to nearest by hand: input and weight forward, the error, and (or not) the weight
+    gradient before it reaches the parameters it is computed from."""
+    layer.zero_grad()
+    w = weight()
+    if round_weight_grad:
+        w.register_hook(_e5m2)
+    y = _e5m2(x) @ (w + (_e5m2(w) - w).detach()).T
+    y.register_hook(_e5m2)
+    y.square().sum().backward()
+    return [p.grad.clone() for p in layer.parameters()]
+
+
+@pytest.mark.parametrize("make", [_normed, _pruned], ids=["weight_norm", "pruned"])
+def test_a_weight_computed_from_parameters_is_a_weight_its_gradient_rounded(make):
+    """``weight_norm``'s weight is computed in the graph from two parameters, a pruned one
+    from a parameter and a buffer mask: a weight, whose gradient is rounded before it
+    reaches those parameters. Against a hand-written round-to-nearest reference (torch's
+    float8 cast), and farther from the same reference without that rounding."""
+    torch.manual_seed(0)
+    layer, weight = make()
+    x = torch.randn(32, 16)
+    records = Records()
+    run = torch.compile(layer, backend="lowprec", options={"recipe": "fp8-e5m2", "executor": "eager"})
+    run(x).square().sum().backward()
+    got = [p.grad.clone() for p in layer.parameters()]
+    roles = {s.role for s in records.only().sites.values()}
+    assert roles == {"activation", "weight", "weight_grad", "error"}
+    want, unrounded = (_reference_grads(layer, weight, x, rounded) for rounded in (True, False))
+    for a, b, c in zip(got, want, unrounded, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=0)
+        assert (a - b).abs().max() < (a - c).abs().max()
+
+
+def test_spectral_norm_weight_is_a_weight_after_its_power_iteration_is_rounded():
+    """``spectral_norm``'s weight is divided by a norm from a power iteration, whose own
+    products come first in the graph and are rounded (reading lowprec's seed input): the
+    weight is still found to come from the parameter and the iteration's buffers."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.utils.parametrizations.spectral_norm(nn.Linear(16, 8)))
+    records = Records()
+    grid_step(model, {"input": torch.randn(4, 16)}, OPTIONS)
+    roles = {s.role for s in records.only().sites.values() if s.layer == "0"}
+    assert roles == {"activation", "weight", "weight_grad", "error"}

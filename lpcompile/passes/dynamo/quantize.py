@@ -33,6 +33,7 @@ from lpcompile.passes.graph import (
     CHECKPOINT,
     OPERAND_NAMES,
     base_of,
+    computed_from_parameters,
     gather_of_parameter,
     is_attention,
     is_layer_call,
@@ -332,12 +333,18 @@ def check_operand_dtypes(call: torch.fx.Node) -> None:
 
 
 def _quantize_operand(
-    gm: torch.fx.GraphModule, ctx: CompileContext, operand: torch.fx.Node, layer: str, before: torch.fx.Node
+    gm: torch.fx.GraphModule,
+    ctx: CompileContext,
+    operand: torch.fx.Node,
+    layer: str,
+    before: torch.fx.Node,
+    computed_weight: bool = False,
 ) -> torch.fx.Node:
     """``operand`` of a product, quantized (with its gradient, for a trained weight) right
-    before ``before``."""
+    before ``before``. A weight is a parameter, or (``computed_weight``) a tensor computed
+    from parameters."""
     config = ctx.config
-    weight = parameter_of(operand) is not None
+    weight = computed_weight or parameter_of(operand) is not None
     value = operand
     if weight and config.weight_grad.enabled and needs_grad(operand):
         value = _insert(gm, ctx, value, Role.WEIGHT_GRAD, layer, config.weight_grad, True, before)
@@ -350,6 +357,13 @@ def _quantize_operand(
 def _quantize_calls(gm: torch.fx.GraphModule, ctx: CompileContext, calls: list[torch.fx.Node]) -> None:
     config = ctx.config
     gathers: set[torch.fx.Node] = set()
+    # found before any quantize is inserted: those read lowprec's seed, an input of no parameter
+    computed = {
+        operand
+        for call in calls
+        for operand in map(call.args.__getitem__, product_operands(call))
+        if isinstance(operand, torch.fx.Node) and computed_from_parameters(operand)
+    }
     for call in calls:
         check_operand_dtypes(call)
         layer = layer_name(call)
@@ -364,7 +378,8 @@ def _quantize_calls(gm: torch.fx.GraphModule, ctx: CompileContext, calls: list[t
                     gathers.add(gather)
                     gather.update_arg(0, _quantize_operand(gm, ctx, gather.args[0], layer, gather))
                 continue
-            if (value := _quantize_operand(gm, ctx, operand, layer, call)) is not operand:
+            value = _quantize_operand(gm, ctx, operand, layer, call, operand in computed)
+            if value is not operand:
                 call.update_arg(index, value)
         if config.error.enabled:
             users = list(call.users)
