@@ -217,8 +217,8 @@ def _reference_grads(layer, weight, x, round_weight_grad: bool) -> list[torch.Te
 def test_a_weight_computed_from_parameters_is_a_weight_its_gradient_rounded(make):
     """``weight_norm``'s weight is computed in the graph from two parameters, a pruned one
     from a parameter and a buffer mask: a weight, whose gradient is rounded before it
-    reaches those parameters. Against a hand-written round-to-nearest reference (torch's
-    float8 cast), and farther from the same reference without that rounding."""
+    reaches those parameters. Bit for bit against a hand-written round-to-nearest reference
+    (torch's float8 cast), and unlike the same reference without that rounding."""
     torch.manual_seed(0)
     layer, weight = make()
     x = torch.randn(32, 16)
@@ -230,8 +230,8 @@ def test_a_weight_computed_from_parameters_is_a_weight_its_gradient_rounded(make
     assert roles == {"activation", "weight", "weight_grad", "error"}
     want, unrounded = (_reference_grads(layer, weight, x, rounded) for rounded in (True, False))
     for a, b, c in zip(got, want, unrounded, strict=True):
-        torch.testing.assert_close(a, b, rtol=1e-6, atol=0)
-        assert (a - b).abs().max() < (a - c).abs().max()
+        assert torch.equal(a, b), (a - b).abs().max()
+        assert not torch.equal(a, c), "the weight gradient's rounding changes these gradients"
 
 
 def test_spectral_norm_weight_is_a_weight_after_its_power_iteration_is_rounded():
