@@ -70,11 +70,12 @@ def test_inductor_records_the_same_histograms_as_the_eager_executor():
         ):
             (run(x).square().mean() * 1e-3).backward()  # call 0 records
         (state,) = REGISTRY.adaptive_states(model)
-        record = next(r for r in REGISTRY.records if state in REGISTRY.adaptive_states(graph_id=r.graph_id))
-        replaced = sum(
+        replaced = sum(  # in the backward; in "backward[stats]" where recording compiles a variant
             r.nodes_added
+            for record in REGISTRY.records
+            if state in REGISTRY.adaptive_states(graph_id=record.graph_id)
             for r in record.records
-            if r.name == "count_histograms_serially" and r.graph == "backward"
+            if r.name == "count_histograms_serially" and r.graph.startswith("backward")
         )
         return state.hist.grad.cpu(), replaced
 
