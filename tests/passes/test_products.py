@@ -244,3 +244,44 @@ def test_spectral_norm_weight_is_a_weight_after_its_power_iteration_is_rounded()
     grid_step(model, {"input": torch.randn(4, 16)}, OPTIONS)
     roles = {s.role for s in records.only().sites.values() if s.layer == "0"}
     assert roles == {"activation", "weight", "weight_grad", "error"}
+
+
+class EinsumForms(nn.Module):
+    """einsum's other spellings: operands as one list (HF Longformer's), and sublists of
+    ints with and without an output sublist (A-Z are 0-25, a-z 26-51: the implicit output
+    of ``[30, 2], [2, 5]`` is "Fe", the weight's axis first)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.w = nn.Parameter(torch.randn(8, 6) / 3)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return (
+            torch.einsum("bi,ij->bj", [x, self.w]),
+            torch.einsum("bi,ij->bj", (x, self.w)),
+            torch.einsum(x, [0, 1], self.w, [1, 2], [0, 2]),
+            torch.einsum(x, [30, 2], self.w, [2, 5]),
+        )
+
+
+def test_einsum_forms_compute_torch_einsum_of_rounded_operands():
+    """Each form is a product with the weight a weight (two operands on the grid, forward
+    and backward), and computes what torch's einsum computes from the operands rounded to
+    nearest (torch's own E5M2 cast)."""
+    model, x = EinsumForms(), torch.randn(4, 8)
+    records = Records()
+    check = GridCheck()
+    options = {"recipe": "fp8-e5m2", "executor": "eager"}
+    torch._dynamo.reset()
+    outs = torch.compile(model, backend=watched_backend(options, check))(x)
+    with check:
+        sum(out.sum() for out in outs).backward()
+    assert check.off_grid == {} and check.count == 4 * 2, check.products  # forward, weight gradient
+    roles = [(s.layer, s.role) for s in records.only().sites.values()]
+    assert roles.count(("w", "weight")) == 4, roles
+    e5m2 = lambda t: t.to(torch.float8_e5m2).float()  # noqa: E731
+    want = torch.einsum("bi,ij->bj", e5m2(x), e5m2(model.w.detach()))
+    for out in outs[:3]:
+        assert torch.equal(out, want)
+    assert outs[3].shape == (6, 4) and torch.equal(outs[3], want.T)

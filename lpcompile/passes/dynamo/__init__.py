@@ -9,7 +9,12 @@ from lpcompile.passes.dynamo.attention import MHA, SDPA, decompose_attention, de
 from lpcompile.passes.dynamo.conv import im2col_applies, use_im2col_convs
 from lpcompile.passes.dynamo.loss_scale import insert_loss_scale, loss_scale_applies
 from lpcompile.passes.dynamo.pipeline import insert_predict_weight, remove_pipe_splits, split_stages
-from lpcompile.passes.dynamo.quantize import forget_checkpoint_parents, has_checkpoint_bodies, insert_quantize
+from lpcompile.passes.dynamo.quantize import (
+    flatten_einsum_operands,
+    forget_checkpoint_parents,
+    has_checkpoint_bodies,
+    insert_quantize,
+)
 from lpcompile.passes.dynamo.recurrent import RECURRENT, decompose_recurrent_layers
 from lpcompile.passes.dynamo.saturation import counts_saturation, insert_saturation_counts
 from lpcompile.passes.graph import find_calls
@@ -29,6 +34,10 @@ def has_recurrent_layers(gm: torch.fx.GraphModule, ctx: CompileContext, kind: st
     return rewrites(gm, ctx, kind) and bool(find_calls(gm, RECURRENT))
 
 
+def has_einsum(gm: torch.fx.GraphModule, ctx: CompileContext, kind: str) -> bool:
+    return rewrites(gm, ctx, kind) and bool(find_calls(gm, {torch.einsum}))
+
+
 def attention_full(gm: torch.fx.GraphModule, ctx: CompileContext, kind: str) -> bool:
     """``attention="full"`` in a graph that calls ``scaled_dot_product_attention``."""
     full = rewrites(gm, ctx, kind) and ctx.config.attention == "full"
@@ -46,6 +55,7 @@ def has_stage_markers(gm: torch.fx.GraphModule, ctx: CompileContext, kind: str) 
 
 
 DYNAMO_PASSES = (
+    Pass(flatten_einsum_operands, has_einsum),
     Pass(decompose_multihead_attention, has_multihead_attention),
     Pass(decompose_attention, attention_full),
     Pass(decompose_recurrent_layers, has_recurrent_layers),

@@ -34,6 +34,7 @@ from lpcompile.passes.graph import (
     OPERAND_NAMES,
     base_of,
     computed_from_parameters,
+    find_calls,
     gather_of_parameter,
     is_attention,
     is_layer_call,
@@ -42,6 +43,7 @@ from lpcompile.passes.graph import (
     needs_grad,
     parameter_of,
     product_operands,
+    recompile_bodies,
 )
 
 SEED_INPUT = "lowprec_seed"
@@ -181,6 +183,32 @@ def _operands_to_args(call: torch.fx.Node) -> None:
             break
         args.append(kwargs.pop(name))
     call.args, call.kwargs = tuple(args), kwargs
+
+
+def flatten_einsum_operands(gm: torch.fx.GraphModule, ctx: CompileContext) -> None:
+    """Write each ``einsum`` as ``einsum(equation, *operands)``, the form the other passes
+    read: its operands may come as one list (``einsum("bi,ij->bj", [x, w])``, as HF
+    Longformer writes it) or interleaved with sublists of ints (``einsum(x, [0, 1], w,
+    [1, 2])``), which torch reads as the equation these letters spell."""
+    for _, call in find_calls(gm, {torch.einsum}):
+        args = call.args
+        if isinstance(args[0], str):
+            if len(args) == 2 and isinstance(args[1], (list, tuple)):
+                call.args = (args[0], *args[1])
+            continue
+        operands, sublists = args[0::2], args[1::2]
+        output = f"->{_subscripts(args[-1])}" if len(args) % 2 else ""
+        equation = ",".join(map(_subscripts, sublists)) + output
+        call.args = (equation, *operands[: len(sublists)])
+    recompile_bodies(gm)
+
+
+def _subscripts(sublist: list) -> str:
+    """The equation letters of an einsum sublist, as torch spells them: 0-25 are A-Z, 26-51
+    a-z (an implicit output orders its letters A-Z, then a-z)."""
+    return "".join(
+        "..." if i is Ellipsis else chr(ord("A") + i) if i < 26 else chr(ord("a") + i - 26) for i in sublist
+    )
 
 
 def kept_layers(gm: torch.fx.GraphModule, ctx: CompileContext) -> list[torch.fx.Node]:
