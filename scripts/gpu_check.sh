@@ -36,7 +36,7 @@ if [[ $parts == *" tests "* ]]; then
         tests/numerics/test_quantize_compile.py::test_inductor_matches_eager \
         tests/backend/test_backend_numerics.py::test_quantized_tensors_bit_identical \
         tests/backend/test_adaptive.py::test_recording_and_plain_calls_share_one_compiled_graph \
-        tests/passes/test_histogram_pass.py \
+        tests/passes/test_histogram_pass.py tests/passes/test_flex_attention.py \
         >"$out/tests.txt" 2>&1
     echo "exit $?"; grep -E "passed|failed|FAILED|Error|ERROR" "$out/tests.txt" | tail -25
 fi

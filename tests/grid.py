@@ -31,6 +31,13 @@ PRODUCTS = {
     aten._scaled_dot_product_flash_attention_for_cpu_backward.default: (0, 1, 2, 3),
     aten._grouped_mm.default: (0, 1),
 }
+# Products inside higher-order operators: FlexAttention's (q, k, v; its backward also the error)
+HOP_PRODUCTS = {
+    torch.ops.higher_order.flex_attention: (0, 1, 2),
+    torch.ops.higher_order.flex_attention_backward: (0, 1, 2, 5),
+}
+# Words in the names of other ops that may be products (a gap in the tables above)
+PRODUCT_WORDS = ("mm", "attention", "conv", "einsum", "bilinear")
 # Products of other libraries' operators, by name: transformers' grouped matmul of
 # mixture-of-experts layers (input, weight, offsets) and its backward (..., the error).
 LIBRARY_PRODUCTS = {
@@ -59,13 +66,15 @@ class GridCheck(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if isinstance(func, torch._ops.HigherOrderOperator):
-            return func(*args, **kwargs)
-        if (positions := PRODUCTS.get(func, LIBRARY_PRODUCTS.get(func.name()))) is not None:
+        hop = isinstance(func, torch._ops.HigherOrderOperator)
+        positions = HOP_PRODUCTS.get(func) if hop else PRODUCTS.get(func, LIBRARY_PRODUCTS.get(func.name()))
+        if positions is not None:
             operands = [args[i] for i in positions if i < len(args)]
             floats = [a for a in operands if isinstance(a, torch.Tensor) and a.is_floating_point()]
             self.products[(func.__name__, all(map(on_e5m2_grid, floats)))] += 1
-        elif any(word in func.__name__ for word in ("mm", "attention", "conv", "einsum", "bilinear")):
+        elif not hop and any(
+            word in func.__name__ for word in ("mm", "attention", "conv", "einsum", "bilinear")
+        ):
             self.unknown[func.__name__] += 1
         return func(*args, **kwargs)
 

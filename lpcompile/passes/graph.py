@@ -24,6 +24,9 @@ CONV_TRANSPOSE_TARGETS = {torch.conv_transpose1d, torch.conv_transpose2d, torch.
 MATMUL_TARGETS = {torch.matmul, torch.linalg.matmul, operator.matmul, torch.mm, torch.bmm}
 # Mixture-of-experts products: rows of the input grouped by expert, each group times its expert's matrix.
 GROUPED_MM_TARGETS = {torch._grouped_mm, F.grouped_mm}
+# FlexAttention: one fused call of (query, key, value, score_mod, block mask, ...) that
+# returns its output with the logsumexp.
+FLEX_ATTENTION = torch.ops.higher_order.flex_attention
 WEIGHTED_TARGETS = LINEAR_TARGETS | CONV_TARGETS | CONV_TRANSPOSE_TARGETS  # (input, weight, bias)
 # Every product the quantize pass rounds: target -> the positions of its multiplied operands
 # in ``node.args`` (where insert_quantize puts operands passed by keyword; see OPERAND_NAMES).
@@ -35,6 +38,7 @@ PRODUCT_OPERANDS: dict[object, tuple[int, ...]] = {
     torch.tensordot: (0, 1),
     F.bilinear: (0, 1, 2),
     F.scaled_dot_product_attention: (0, 1, 2),  # option `attention`
+    FLEX_ATTENTION: (0, 1, 2),
 }
 # Products of operators other libraries register, by qualified name -> operand positions:
 # transformers' grouped matmul of mixture-of-experts layers, where torch's cannot run
@@ -101,8 +105,17 @@ def product_operands(node: torch.fx.Node) -> tuple[int, ...] | None:
 
 
 def is_attention(node: torch.fx.Node) -> bool:
-    """Whether ``node`` is attention's product: SDPA, or one a pass wrote attention with."""
-    return node.target is F.scaled_dot_product_attention or bool(node.meta.get(ATTENTION))
+    """Whether ``node`` is attention's product: SDPA, FlexAttention, or one a pass wrote
+    attention with."""
+    return node.target in (F.scaled_dot_product_attention, FLEX_ATTENTION) or bool(node.meta.get(ATTENTION))
+
+
+def product_output(call: torch.fx.Node) -> torch.fx.Node | None:
+    """The node holding a product's result, where its error enters the backward: the call,
+    or, for FlexAttention, the item of its output (``None`` if nothing reads it)."""
+    if call.target is not FLEX_ATTENTION:
+        return call
+    return next((u for u in call.users if u.target is operator.getitem and u.args[1] == 0), None)
 
 
 def is_layer_call(node: torch.fx.Node) -> bool:
@@ -124,6 +137,8 @@ def needs_grad(value: object) -> bool:
     frozen weight, an input batch and anything under ``no_grad`` do not)."""
     if not isinstance(value, torch.fx.Node):
         return False
+    if value.op == "get_attr":  # a parameter, or a subgraph or constant of the graph's own
+        return (parameter := parameter_of(value)) is not None and parameter.requires_grad
     example = value.meta.get("example_value")
     return example is None or bool(getattr(example, "requires_grad", True))
 
@@ -262,8 +277,11 @@ def parameter_of(node: torch.fx.Node) -> torch.nn.Parameter | None:
     if node.op == "placeholder":
         grapharg = node.meta.get("grapharg")
         example = grapharg.example if grapharg is not None else None
-    elif node.op == "get_attr":
-        example = node.graph.owning_module.get_parameter(node.target)
+    elif node.op == "get_attr":  # a parameter, or a subgraph, a constant (flex attention's mask)
+        try:
+            example = node.graph.owning_module.get_parameter(node.target)
+        except AttributeError:
+            example = None
     else:
         example = None
     return example if isinstance(example, torch.nn.Parameter) else None

@@ -45,9 +45,11 @@ gradients and branches merge at a common scale with no extra nodes.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.fx
+from torch.fx.node import map_arg
 
 from lpcompile.config import AdaptiveScaleConfig
 from lpcompile.numerics.compat import INDUCTOR_COND_TAKES_SIZES, optimization_hint
@@ -63,6 +65,7 @@ from lpcompile.passes.graph import (
     layer_name,
     needs_grad,
     product_operands,
+    product_output,
     weight_operand,
 )
 
@@ -114,6 +117,18 @@ def _out_dim(call: torch.fx.Node, weight: torch.fx.Node | None) -> int:
     operands = [call.args[i] for i in product_operands(call)]
     right = operands.index(weight) == len(operands) - 1
     return int(right != _transposes(weight))
+
+
+def _nodes_in(arg: Any) -> list[torch.fx.Node]:
+    """The graph nodes in a call's argument: itself, or those of a tuple or list."""
+    nodes: list[torch.fx.Node] = []
+    map_arg(arg, nodes.append)
+    return nodes
+
+
+def _replaced(arg: Any, old: torch.fx.Node, new: torch.fx.Node) -> Any:
+    """A call's argument with ``new`` for ``old``: the node itself, or in a tuple or list."""
+    return map_arg(arg, lambda node: new if node is old else node)
 
 
 def _transposes(node: torch.fx.Node) -> bool:
@@ -177,7 +192,10 @@ def insert_loss_scale(gm: torch.fx.GraphModule, ctx: CompileContext) -> None:
             flag_i = graph.graph.call_function(torch.select, (flags, 0, i))
             # an input batch gets no unscale node, which would make the backward compute its
             # gradient only to count its inf/NaN
-            inputs = [(index, arg) for index, arg in enumerate(call.args) if needs_grad(arg)]
+            # (FlexAttention's score_mod may read parameters, passed in a tuple)
+            inputs = [
+                (i, node) for i, arg in enumerate(call.args) for node in _nodes_in(arg) if needs_grad(node)
+            ]
             if needs_grad(call.kwargs.get("bias")):
                 inputs.append(("bias", call.kwargs["bias"]))
             weight = weight_operand(call)
@@ -191,12 +209,14 @@ def insert_loss_scale(gm: torch.fx.GraphModule, ctx: CompileContext) -> None:
                 if where == "bias":
                     call.update_kwarg("bias", unscaled)
                 else:
-                    call.update_arg(where, unscaled)
-        users = list(call.users)
-        with graph.graph.inserting_after(call):
-            scaled = _scale_grad(graph, call, scale, hist_i, "histogram", layer, *record)
-        for user in users:
-            user.replace_input_with(call, scaled)
+                    call.update_arg(where, _replaced(call.args[where], arg, unscaled))
+        output = product_output(call)
+        if output is not None:
+            users = list(output.users)
+            with graph.graph.inserting_after(output):
+                scaled = _scale_grad(graph, output, scale, hist_i, "histogram", layer, *record)
+            for user in users:
+                user.replace_input_with(output, scaled)
         layers.append(layer)
         weight_inputs.append(placeholders.index(outermost(graph, weight)) if is_weight else None)
     for body in {id(g): g for g, _ in calls if g is not gm}.values():

@@ -31,6 +31,7 @@ from lpcompile.numerics.quantize import FLOAT_DTYPES
 from lpcompile.passes.driver import CompileContext, KeptProduct, Site
 from lpcompile.passes.graph import (
     CHECKPOINT,
+    FLEX_ATTENTION,
     OPERAND_NAMES,
     base_of,
     computed_from_parameters,
@@ -43,10 +44,12 @@ from lpcompile.passes.graph import (
     needs_grad,
     parameter_of,
     product_operands,
+    product_output,
     recompile_bodies,
 )
 
 SEED_INPUT = "lowprec_seed"
+FLEX_FULL = "does not write FlexAttention out"
 CHECKPOINT_PARENT = "lowprec_checkpoint_parent"  # GraphModule.meta key of a body: (parent, call)
 BODY_INPUTS = "lowprec_body_inputs"  # GraphModule.meta key of a body: {name: its input of lowprec's own}
 
@@ -234,13 +237,21 @@ def _excluded(name: str, patterns: tuple[str, ...]) -> bool:
 def warn_settings_without_effect(gm: torch.fx.GraphModule, ctx: CompileContext) -> None:
     """Warn when a layer setting does nothing in this graph: an ``exclude`` pattern that
     matches none of its layers (a typo, or a layer in another graph: each graph break
-    or pipeline stage is a graph), or ``keep_first_last`` with no layer between the
-    first and the last (then every layer stays in higher precision)."""
+    or pipeline stage is a graph), ``keep_first_last`` with no layer between the first
+    and the last (then every layer stays in higher precision), or ``attention="full"``
+    with FlexAttention calls, which stay whole."""
     # (stacklevel 1: the user's frame is far up, under torch.compile's)
     names = [layer_name(n) for n in gm.graph.nodes if is_layer_call(n)]
     kept = [layer_name(n) for n in gm.graph.nodes if is_unquantized_product(n)]  # kept anyway
     if unused := [p for p in ctx.config.exclude if not any(fnmatch.fnmatchcase(n, p) for n in names + kept)]:
         message = f"lowprec: exclude patterns {unused} match no layer of a graph with layers {names}"
+        warnings.warn(message, stacklevel=1)
+    flex = [layer_name(n) for n in gm.graph.find_nodes(op="call_function", target=FLEX_ATTENTION)]
+    if ctx.config.attention == "full" and flex:
+        message = (
+            f"lowprec: attention='full' {FLEX_FULL} (in {flex}): their Q, K, V and error are rounded,"
+            " their probabilities are not (score_mod and the block mask run inside the fused call)"
+        )
         warnings.warn(message, stacklevel=1)
     if ctx.config.keep_first_last and 0 < len(names) <= 2:
         message = f"lowprec: keep_first_last leaves every layer of a graph unquantized (its layers: {names})"
@@ -267,6 +278,9 @@ def record_kept_products(gm: torch.fx.GraphModule, ctx: CompileContext, calls: l
         else:
             reason = "keep_first_last"
         ctx.kept.append(KeptProduct(layer_name(node), op_name(node), reason))
+    if config.attention == "full":  # FlexAttention stays one call: its probabilities are not rounded
+        for node in quantized & set(gm.graph.find_nodes(op="call_function", target=FLEX_ATTENTION)):
+            ctx.kept.append(KeptProduct(layer_name(node), "flex_attention probabilities", FLEX_FULL))
 
 
 def warn_unquantized_products(gm: torch.fx.GraphModule, ctx: CompileContext) -> None:
@@ -409,8 +423,8 @@ def _quantize_calls(gm: torch.fx.GraphModule, ctx: CompileContext, calls: list[t
             value = _quantize_operand(gm, ctx, operand, layer, call, operand in computed)
             if value is not operand:
                 call.update_arg(index, value)
-        if config.error.enabled:
-            users = list(call.users)
-            error = _insert(gm, ctx, call, Role.ERROR, layer, config.error, True)
+        if config.error.enabled and (output := product_output(call)) is not None:
+            users = list(output.users)
+            error = _insert(gm, ctx, output, Role.ERROR, layer, config.error, True)
             for user in users:
-                user.replace_input_with(call, error)
+                user.replace_input_with(output, error)
