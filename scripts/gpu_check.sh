@@ -7,13 +7,13 @@
 #   bash scripts/gpu_check.sh                     # uses the python3 that has a CUDA torch
 #   PARTS="tests zoo" bash scripts/gpu_check.sh   # some parts only
 #
-# Parts: tests codegen train_step adaptive_compile zoo. Each has its own time limit, so
+# Parts: tests codegen train_step adaptive_compile zoo profile. Each has its own time limit, so
 # that a slow part leaves the others their turn.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-/tmp/lowprec_gpu}
 py=${PYTHON:-python3}
-parts=" ${PARTS:-tests codegen train_step adaptive_compile zoo} "
+parts=" ${PARTS:-tests codegen train_step adaptive_compile zoo profile} "
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
 
@@ -67,6 +67,15 @@ if [[ $parts == *" zoo "* ]]; then
     timeout "${ZOO_LIMIT:-200}" "$py" -m benchmarks.bench_zoo --device cuda --name zoo_cuda --steps 50 \
         --models ${ZOO_MODELS:-gpt2 llama bert resnet lstm_lm} >"$out/zoo.txt" 2>&1
     echo "exit $?"; grep "^|" "$out/zoo.txt" | tail -10
+fi
+
+if [[ $parts == *" profile "* ]]; then
+    echo "== where a cold compile's time goes on CUDA (cProfile): fp32 Inductor, lowprec"
+    for backend in inductor lowprec; do
+        timeout "${PROFILE_LIMIT:-60}" "$py" scripts/profile_compile.py "${PROFILE_MODEL:-gpt2}" \
+            --backend $backend --device cuda >"$out/profile_$backend.txt" 2>&1
+        echo "exit $?"; grep "first step" "$out/profile_$backend.txt"
+    done
 fi
 
 cp benchmarks/results/*_cuda.md "$out/" 2>/dev/null
