@@ -9,7 +9,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-HF_MODELS = ("gpt2", "bert", "llama", "mixtral", "t5", "vit", "resnet", "mobilenet_v2")
+HF_MODELS = ("gpt2", "bert", "llama", "mixtral", "t5", "longformer", "vit", "resnet", "mobilenet_v2")
 
 
 def hf_model(name: str) -> tuple[nn.Module, dict]:
@@ -43,6 +43,10 @@ def hf_model(name: str) -> tuple[nn.Module, dict]:
             vocab_size=100, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4, decoder_start_token_id=0
         )
         return T.T5ForConditionalGeneration(config), {"input_ids": ids, "decoder_input_ids": ids}
+    if name == "longformer":  # sliding-window attention: einsum of an operand list, bmm
+        layers = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64)
+        config = T.LongformerConfig(**layers, attention_window=4, vocab_size=100, max_position_embeddings=32)
+        return T.LongformerForMaskedLM(config), {"input_ids": ids % 98 + 2}  # not 0, 1 (start, padding)
     if name == "vit":
         layers = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64)
         config = T.ViTConfig(image_size=32, patch_size=8, num_labels=10, **layers)

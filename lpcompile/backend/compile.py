@@ -30,7 +30,7 @@ from lpcompile.backend.cache import SourceStamp, package_hash
 from lpcompile.backend.distributed import LOWPREC_BACKEND, ddp_optimizer_split, trace_wrapped_forwards
 from lpcompile.backend.records import CompiledGraph
 from lpcompile.backend.state import REGISTRY
-from lpcompile.backend.watch import outermost_module
+from lpcompile.backend.watch import compiled_module, outermost_module
 from lpcompile.codegen import fuse_lowprec_kernels
 from lpcompile.config import LowPrecConfig
 from lpcompile.kernels.cpu import gemm
@@ -39,7 +39,15 @@ from lpcompile.passes.aot import AOT_PASSES
 from lpcompile.passes.aot.layout import prefers_contiguous_layout
 from lpcompile.passes.driver import CompileContext, applicable, run_passes
 from lpcompile.passes.dynamo import DYNAMO_PASSES
-from lpcompile.passes.graph import is_layer_call, layer_name, name_canonically, parameter_of
+from lpcompile.passes.graph import (
+    ROOT_PATH,
+    is_layer_call,
+    layer_name,
+    name_canonically,
+    parameter_of,
+    relative_state_name,
+    with_checkpoint_bodies,
+)
 from lpcompile.passes.joint import JOINT_PASSES
 from lpcompile.passes.joint.matmul import uses_bf16_kernel
 
@@ -76,6 +84,35 @@ def graph_stream(gm: torch.fx.GraphModule) -> int:
         shapes = [tuple(p.shape) for p in map(parameter_of, operands) if p is not None]
         layers.append(f"{layer_name(node)}:{getattr(node.target, '__name__', node.target)}:{shapes}")
     return zlib.crc32(("|".join(layers) if layers else gm.code).encode()) & 0x7FFF
+
+
+def set_root_path(gm: torch.fx.GraphModule, model: torch.nn.Module | None) -> None:
+    """Name a graph's layers from the compiled ``model``'s root where its frame starts lower
+    (Dynamo compiled it apart after a graph break): its parameters, found in ``model``, give
+    the FQN of the frame's module. Not where that module's class occurs more than once in
+    ``model``: Dynamo may run the one graph for each of them."""
+    if model is None:
+        return
+    names: dict[int, list[str]] = {}
+    for name, parameter in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(parameter), []).append(name)
+    roots: set[str] | None = None
+    for node in gm.graph.find_nodes(op="placeholder"):
+        if (parameter := parameter_of(node)) is None or (path := relative_state_name(node)) is None:
+            continue
+        found = {
+            name.removesuffix(path).rstrip(".")
+            for name in names.get(id(parameter), ())
+            if name.endswith(path)
+        }
+        roots = found if roots is None else roots & found
+    if not roots or len(roots) > 1 or "" in roots:
+        return
+    (root,) = roots
+    kind = type(model.get_submodule(root))
+    if sum(type(module) is kind for module in model.modules()) == 1:
+        for graph in with_checkpoint_bodies(gm):
+            graph.meta[ROOT_PATH] = root
 
 
 def own_copy(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
@@ -313,6 +350,7 @@ def lowprec(
     if config.matmul == "bf16" and (why := gemm.unavailable()):
         raise ValueError(f"matmul='bf16': lowprec's bf16 matmul kernel cannot run here: {why}")
     graph_id = REGISTRY.new_graph_id()
+    set_root_path(gm, compiled_module())  # before any layer is named
     split = ddp_optimizer_split()
     ctx = CompileContext(
         config=config,

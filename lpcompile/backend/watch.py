@@ -52,6 +52,17 @@ def outermost_module() -> torch.nn.Module | None:
     return found
 
 
+def compiled_module() -> torch.nn.Module | None:
+    """The innermost module torch.compile wraps on the Python stack (``torch.compile(model)``
+    or ``model.compile()``), inside DDP's wrapper, or None (a compiled function)."""
+    for frame, owner in calling_selves(sys._getframe(1), depth=None):
+        if isinstance(owner, torch._dynamo.eval_frame.OptimizedModule):
+            return unwrapped(owner)[0]
+        if frame.f_code is torch.nn.Module._wrapped_call_impl.__code__ and owner._compiled_call_impl:
+            return unwrapped(owner)[0]
+    return None
+
+
 def module_name(name: str) -> str:
     """``name`` from ``named_modules()`` without torch.compile's ``_orig_mod`` steps."""
     return ".".join(step for step in name.split(".") if step != "_orig_mod")

@@ -79,6 +79,9 @@ INDEX_CASTS = {torch.ops.aten._to_copy.default, torch.ops.prims.convert_element_
 
 CHECKPOINT = torch.ops.higher_order.tag_activation_checkpoint
 LAYER_NAME = "lowprec_layer_name"  # node.meta key: a layer call's name, once its graph is named
+# GraphModule.meta key: the FQN, in the compiled model, of the module a graph's frame calls
+# ``self``, where that is not the model itself (a frame compiled apart after a graph break)
+ROOT_PATH = "lowprec_root_path"
 ATTENTION = "lowprec_attention"  # node.meta key: a product inside attention (option `attention`)
 SCALE_GRAD = torch.ops.lowprec.scale_grad.default
 LOWPREC_OPS = {
@@ -182,7 +185,21 @@ def layer_name(node: torch.fx.Node) -> str:
 
 def _module_path(node: torch.fx.Node) -> str:
     stack = node.meta.get("nn_module_stack") or {}
-    return _fqn(list(stack.values())[-1][0]) if stack else ""
+    return _in_model(node.graph, _fqn(list(stack.values())[-1][0])) if stack else ""
+
+
+def _in_model(graph: torch.fx.Graph, path: str) -> str:
+    """``path``, from the module the graph's frame calls ``self``, from the compiled model:
+    a frame Dynamo compiled apart (after a graph break) starts lower (:data:`ROOT_PATH`)."""
+    root = graph.owning_module.meta.get(ROOT_PATH) if graph.owning_module is not None else None
+    return f"{root}.{path}" if root and path else path
+
+
+def relative_state_name(node: torch.fx.Node) -> str | None:
+    """The FQN of the parameter or buffer a Dynamo graph input holds, from the module the
+    graph's frame calls ``self``; None for another input."""
+    source = getattr(node, "_dynamo_source", None)
+    return _fqn(source.name) if source is not None else None
 
 
 def _name_module_layers(graph: torch.fx.Graph) -> None:
@@ -227,8 +244,8 @@ def recompile_bodies(gm: torch.fx.GraphModule) -> None:
 def state_name(node: torch.fx.Node) -> str:
     """The FQN of the parameter or buffer a Dynamo graph input holds (``0.weight``), else the
     node's name."""
-    source = getattr(node, "_dynamo_source", None)
-    return _fqn(source.name) if source is not None else node.name
+    path = relative_state_name(node)
+    return _in_model(node.graph, path) if path is not None else node.name
 
 
 def base_of(node: torch.fx.Node) -> torch.fx.Node:

@@ -12,6 +12,7 @@ import warnings
 
 import torch
 from grid import GridCheck, watched_backend
+from models import Records
 from torch import nn
 
 EAGER_SR = {"recipe": "fp8-e5m2-sr", "executor": "eager"}
@@ -159,3 +160,45 @@ def test_layers_of_a_compiled_submodule_are_named_without_orig_mod():
     torch._dynamo.reset()
     found = _steps(Holder())
     assert len(found) == 1 and "the parameters of inner.head (Linear: weight) while Holder ran:" in found[0]
+
+
+class Broken(nn.Module):
+    """A graph break inside its forward: Dynamo compiles it as a frame of its own."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = nn.Linear(8, 16)
+        self.down = nn.Linear(16, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.up(x))
+        torch._dynamo.graph_break()
+        return self.down(h)
+
+
+class Nested(nn.Module):
+    def __init__(self, blocks: int) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Linear(8, 8)
+        self.body = nn.Sequential(*[Broken() for _ in range(blocks)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.body(torch.relu(self.embed(x)))
+
+
+def _layers(model: nn.Module) -> set[str]:
+    torch._dynamo.reset()
+    records = Records()
+    torch.compile(model, backend="lowprec", options=EAGER_SR)(torch.randn(4, 8)).sum().backward()
+    return {s.layer for r in records.new for s in r.sites.values()}
+
+
+def test_a_frame_compiled_after_a_graph_break_names_its_layers_from_the_model():
+    """The graph of the frame Dynamo compiled apart starts at ``body.0``: its layers are
+    named from the model's root. Where the model has several modules of that class, one
+    graph may run for each of them, and its names stay relative to the module."""
+    model = Nested(blocks=1)
+    assert _layers(model) == {"embed", "body.0.up", "body.0.down"}
+    assert {"body.0.up", "body.0.down"} <= {name for name, _ in model.named_modules()}
+    assert _layers(Nested(blocks=2)) == {"embed", "up", "down"}

@@ -40,15 +40,16 @@ def test_hf_model_step_runs_every_product_on_the_grid(name):
 def test_hf_activation_checkpointing_runs_every_product_on_the_grid(name):
     """``gradient_checkpointing_enable()``: transformers' layers set a context variable in
     their forward, a side effect that made Dynamo run them uncompiled, and their
-    recomputation in FP32. (``use_cache=False``: with the cache on, transformers logs a
-    warning, which Dynamo cannot trace, and the layers' names start below the root.)"""
+    recomputation in FP32. With the cache on (the default), transformers logs a warning,
+    which Dynamo cannot trace: the layers after it compile as a frame of their own, and
+    are still named from the model's root."""
     torch.manual_seed(0)
     model, inputs = hf_model(name)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)  # transformers: use activation_checkpointing_enable
         model.gradient_checkpointing_enable()
     records = Records()
-    check = grid_step(model, {**inputs, "use_cache": False}, {**EAGER, "attention": "full"})
+    check = grid_step(model, inputs, {**EAGER, "attention": "full"})
     assert check.count > 0 and check.off_grid == {} and not check.unknown, check.products
     layers = {s.layer.split("#")[0] for r in records.new for s in r.sites.values()}
     modules = {n for n, _ in model.named_modules()}
