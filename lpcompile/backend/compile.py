@@ -30,7 +30,7 @@ from lpcompile.backend.cache import SourceStamp, package_hash
 from lpcompile.backend.distributed import LOWPREC_BACKEND, ddp_optimizer_split, trace_wrapped_forwards
 from lpcompile.backend.records import CompiledGraph
 from lpcompile.backend.state import REGISTRY
-from lpcompile.backend.watch import compiled_module, outermost_module
+from lpcompile.backend.watch import compiled_module, outermost_module, warn_in_eager_function
 from lpcompile.codegen import fuse_lowprec_kernels
 from lpcompile.config import LowPrecConfig
 from lpcompile.kernels.cpu import gemm
@@ -351,6 +351,8 @@ def lowprec(
         raise ValueError(f"matmul='bf16': lowprec's bf16 matmul kernel cannot run here: {why}")
     graph_id = REGISTRY.new_graph_id()
     set_root_path(gm, compiled_module())  # before any layer is named
+    if config.quantizes:
+        warn_in_eager_function()
     split = ddp_optimizer_split()
     ctx = CompileContext(
         config=config,

@@ -37,6 +37,8 @@ from lpcompile.backend.distributed import (
 LISTED = 12
 # Where torch's and lpcompile's own frames come from.
 INTERNAL = tuple(os.path.dirname(path) + os.sep for path in (torch.__file__, os.path.dirname(__file__)))
+# The code of ``torch.autograd.Function.apply``: a frame of it on the stack runs a Function uncompiled.
+FUNCTION_APPLY = torch.autograd.Function.apply.__func__.__code__
 
 
 def outermost_module() -> torch.nn.Module | None:
@@ -61,6 +63,23 @@ def compiled_module() -> torch.nn.Module | None:
         if frame.f_code is torch.nn.Module._wrapped_call_impl.__code__ and owner._compiled_call_impl:
             return unwrapped(owner)[0]
     return None
+
+
+def warn_in_eager_function() -> None:
+    """Warn, naming it, when a graph compiles inside the ``forward`` of a
+    ``torch.autograd.Function`` that Dynamo runs uncompiled (it could not trace its
+    backward): the graph's products are rounded, but the Function's backward runs eagerly,
+    and a product it computes (a recomputation, as in reversible layers) in higher precision."""
+    frame = sys._getframe(1)
+    while frame is not None and frame.f_code is not FUNCTION_APPLY:
+        frame = frame.f_back
+    if frame is not None and isinstance(function := frame.f_locals.get("cls"), type):
+        warnings.warn(
+            f"lowprec: {function.__qualname__} is a torch.autograd.Function Dynamo runs uncompiled: the"
+            " layers its forward calls are rounded, but its backward runs eagerly, and any product it"
+            " computes stays in higher precision (torch.utils.checkpoint recomputes in FP8)",
+            stacklevel=caller_level(),
+        )
 
 
 def module_name(name: str) -> str:

@@ -202,3 +202,55 @@ def test_a_frame_compiled_after_a_graph_break_names_its_layers_from_the_model():
     assert _layers(model) == {"embed", "body.0.up", "body.0.down"}
     assert {"body.0.up", "body.0.down"} <= {name for name, _ in model.named_modules()}
     assert _layers(Nested(blocks=2)) == {"embed", "up", "down"}
+
+
+class Recompute(torch.autograd.Function):
+    """A reversible layer's pattern: the backward recomputes the forward and backpropagates
+    through it, which Dynamo cannot trace, so it runs the Function uncompiled."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, layer: nn.Module) -> torch.Tensor:
+        ctx.layer = layer
+        ctx.save_for_backward(x)
+        return layer(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        (x,) = ctx.saved_tensors
+        with torch.enable_grad():
+            x = x.detach().requires_grad_()
+            torch.autograd.backward(ctx.layer(x), grad)
+        return x.grad, None
+
+
+class Reversible(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.inner = nn.Linear(8, 8)
+        self.head = nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(Recompute.apply(x, self.inner))
+
+
+def test_a_function_run_uncompiled_is_named_once():
+    """Its forward's layer compiles (rounded); its backward recomputes in higher precision,
+    off the grid (tests/grid.py): one warning names the Function."""
+    check = GridCheck()
+    torch._dynamo.reset()
+    run = torch.compile(Reversible(), backend=watched_backend(EAGER_SR, check))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("default")
+        for _ in range(2):
+            loss = run(torch.randn(4, 8, requires_grad=True)).sum()
+            with check:  # (the compiled calls enter it themselves)
+                loss.backward()
+    found = [str(w.message) for w in caught if "torch.autograd.Function" in str(w.message)]
+    assert len(found) == 1 and "Recompute is a torch.autograd.Function" in found[0], found
+    assert check.off_grid, check.products  # the backward's recomputation
+    torch._dynamo.reset()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("default")
+        torch.compile(Nested(blocks=1), backend="lowprec", options=EAGER_SR)(torch.randn(4, 8))
+    assert not [w for w in caught if "torch.autograd.Function" in str(w.message)]
