@@ -101,9 +101,9 @@ def set_root_path(gm: torch.fx.GraphModule, model: torch.nn.Module | None) -> No
         if (parameter := parameter_of(node)) is None or (path := relative_state_name(node)) is None:
             continue
         found = {
-            name.removesuffix(path).rstrip(".")
+            name.removesuffix(path).removesuffix(".")
             for name in names.get(id(parameter), ())
-            if name.endswith(path)
+            if name == path or name.endswith("." + path)
         }
         roots = found if roots is None else roots & found
     if not roots or len(roots) > 1 or "" in roots:
