@@ -72,9 +72,7 @@ class GridCheck(TorchDispatchMode):
             operands = [args[i] for i in positions if i < len(args)]
             floats = [a for a in operands if isinstance(a, torch.Tensor) and a.is_floating_point()]
             self.products[(func.__name__, all(map(on_e5m2_grid, floats)))] += 1
-        elif not hop and any(
-            word in func.__name__ for word in ("mm", "attention", "conv", "einsum", "bilinear")
-        ):
+        elif not hop and any(word in func.__name__ for word in PRODUCT_WORDS):
             self.unknown[func.__name__] += 1
         return func(*args, **kwargs)
 
