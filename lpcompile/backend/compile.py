@@ -145,11 +145,11 @@ class JointPasses(SourceStamp):
     before the passes.
     """
 
-    def __init__(self, ctx: CompileContext, tag: str) -> None:
-        self.ctx, self.tag = ctx, tag
+    def __init__(self, ctx: CompileContext, tag: str, on_cpu: bool) -> None:
+        self.ctx, self.tag, self.on_cpu = ctx, tag, on_cpu
 
     def uuid(self) -> str:
-        return f"{package_hash()}-bf16-matmuls-{uses_bf16_kernel(self.ctx.config)}"
+        return f"{package_hash()}-bf16-matmuls-{uses_bf16_kernel(self.ctx.config, self.on_cpu)}"
 
     def __call__(self, graph: torch.fx.Graph) -> None:
         # Inductor runs its joint-graph passes on inference graphs too; the backend runs
@@ -296,7 +296,7 @@ def _execute(
         lowering.refresh_inductor_decompositions()
         patches = {
             "post_grad_custom_post_pass": SourceStamp(),
-            "joint_custom_post_pass": JointPasses(ctx, tag),
+            "joint_custom_post_pass": JointPasses(ctx, tag, on_cpu(example_inputs)),
             # a fused FP16/BF16 intermediate is rounded to its dtype, as eager stores it,
             # before a quantize reads it: else the quantize rounds the FP32 value elsewhere
             "emulate_precision_casts": True,
@@ -323,6 +323,12 @@ def _execute(
     for observer in observers:
         observer.graph_compiled(record, gm, tag)
     return compiled
+
+
+def on_cpu(example_inputs: Sequence[Any]) -> bool:
+    """Whether a graph may compute on the CPU: a tensor input is there, or none is a tensor."""
+    tensors = [x for x in example_inputs if isinstance(x, torch.Tensor)]
+    return not tensors or any(x.device.type == "cpu" for x in tensors)
 
 
 def uses_cpp_wrapper(wrapper: str, example_inputs: Sequence[Any]) -> bool:

@@ -358,3 +358,25 @@ def test_a_damaged_cached_kernel_is_rebuilt(tmp_path, monkeypatch):
             assert cpu_gemm.unavailable() is not None
     finally:
         cpu_gemm._library.cache_clear()
+
+
+def test_a_graph_off_the_cpu_never_builds_the_kernel(monkeypatch):
+    """A GPU graph's compile does not wait for the CPU kernel's build (nor asks if it could)."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from lpcompile.backend.compile import JointPasses, on_cpu
+    from lpcompile.config import LowPrecConfig
+    from lpcompile.passes.driver import CompileContext
+    from lpcompile.passes.joint import bf16_applies
+
+    def build(*args):
+        raise AssertionError("the CPU kernel was asked for")
+
+    monkeypatch.setattr(cpu_gemm, "unavailable", build)
+    ctx = CompileContext(LowPrecConfig.from_recipe("fp8-e5m2"), graph_id=0, stream=0)
+    meta = [torch.ones(4, 4, device="meta"), torch.ones(4, 4, device="meta")]
+    assert not on_cpu(meta)
+    assert JointPasses(ctx, "", on_cpu(meta)).uuid().endswith("bf16-matmuls-False")
+    assert not bf16_applies(make_fx(torch.mm)(*meta), ctx, "joint")
+    with pytest.raises(AssertionError, match="was asked"):  # a CPU graph asks
+        bf16_applies(make_fx(torch.mm)(torch.ones(4, 4), torch.ones(4, 4)), ctx, "joint")

@@ -11,11 +11,11 @@ import torch.fx
 
 from lpcompile.passes.driver import CompileContext, Pass
 from lpcompile.passes.joint.masks import masks_apply, recompute_bool_masks
-from lpcompile.passes.joint.matmul import use_bf16_matmuls, uses_bf16_kernel
+from lpcompile.passes.joint.matmul import has_cpu_matmuls, use_bf16_matmuls, uses_bf16_kernel
 
 
 def bf16_applies(gm: torch.fx.GraphModule, ctx: CompileContext, kind: str) -> bool:
-    return uses_bf16_kernel(ctx.config)
+    return uses_bf16_kernel(ctx.config, has_cpu_matmuls(gm))
 
 
 JOINT_PASSES = (

@@ -99,9 +99,17 @@ def _rewritable(node: torch.fx.Node) -> bool:
     return _worth_it(node)
 
 
-def uses_bf16_kernel(config: LowPrecConfig) -> bool:
-    """Whether quantized matmuls may run on the bf16 kernel (``mm_bf16``, ``bmm_bf16``) here."""
-    return config.matmul != "fp32" and cpu_gemm.unavailable() is None
+def uses_bf16_kernel(config: LowPrecConfig, on_cpu: bool) -> bool:
+    """Whether quantized matmuls of a graph with tensors on the CPU (``on_cpu``) may run on
+    the bf16 kernel (``mm_bf16``, ``bmm_bf16``) here. The kernel is built only when asked
+    of a CPU graph: a GPU graph's compile never waits for it."""
+    return on_cpu and config.matmul != "fp32" and cpu_gemm.unavailable() is None
+
+
+def has_cpu_matmuls(gm: torch.fx.GraphModule) -> bool:
+    """Whether ``gm`` has a matmul the bf16 kernel could take (FP32 operands on the CPU)."""
+    nodes = (node for target in KERNELS for node in gm.graph.find_nodes(op="call_function", target=target))
+    return any(_fp32_cpu(operand) for node in nodes for operand in node.args[-2:])
 
 
 def use_bf16_matmuls(gm: torch.fx.GraphModule, ctx: CompileContext) -> None:
