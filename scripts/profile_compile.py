@@ -1,6 +1,7 @@
 """Where a cold compile's time goes: one zoo model's first training step under cProfile,
 with fp32 Inductor or lowprec (``fp8-e5m2-sr``), in this process with an empty Inductor
-cache. Prints the functions that took longest, cumulatively, then lowprec's own.
+cache. Prints the functions that took longest, cumulatively, then lowprec's own, then
+those with the most time of their own.
 
     python scripts/profile_compile.py gpt2 --backend lowprec --device cuda
 """
@@ -48,9 +49,11 @@ def main() -> None:
         torch.accelerator.synchronize()
     profile.disable()
     print(f"{args.model} {args.backend} on {args.device}: first step {time.perf_counter() - start:.1f} s")
+    print(torch._dynamo.utils.compile_times(repr="str", aggregate=True))  # by compile phase
     stats = pstats.Stats(profile).sort_stats("cumulative")
     stats.print_stats(args.top)
     stats.print_stats("lpcompile", args.top)  # lowprec's own functions
+    stats.sort_stats("tottime").print_stats(args.top)  # where the time itself is spent
 
 
 if __name__ == "__main__":
