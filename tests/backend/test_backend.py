@@ -31,6 +31,7 @@ from models import (
 )
 from torch import nn
 
+import lpcompile
 from lpcompile.backend import step_seed, uses_cpp_wrapper
 from lpcompile.kernels.cpu import gemm
 
@@ -1095,3 +1096,52 @@ def test_dtypes_lowprec_cannot_compile_are_refused_by_layer(model_dtype, input_d
     with pytest.raises(Exception, match=message):
         compile_(model, "fp8-e5m2-sr", executor="inductor")(mlp_input().to(input_dtype))
     assert "fake_tensor" not in capfd.readouterr().err
+
+
+class RotaryTable(nn.Module):
+    """Rotary angles computed in float64, as diffusers' Flux computes them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        positions = torch.arange(x.shape[0], dtype=torch.float64) + 9  # 9, 11, 13: off the E5M2 grid
+        frequencies = 1.0 / 10000 ** (torch.arange(0, 8, 2, dtype=torch.float64) / 8)
+        angles = torch.outer(positions, frequencies.to(x.device))
+        return self.proj(x * torch.cat([angles.cos(), angles.sin()], -1).float())
+
+
+@pytest.mark.parametrize("executor", ["eager", "inductor"])
+def test_a_float64_table_without_gradient_stays_float64_and_is_reported(executor):
+    """A float64 product of no parameter and no gradient compiled as written (lowprec refused
+    the whole model), with a warning and a coverage row; the model's layers are rounded."""
+    model, x = RotaryTable(), torch.randn(6, 8)
+    torch._dynamo.reset()
+    with pytest.warns(
+        UserWarning, match=r"left in float64: outer in 'angles': the model computes it in float64"
+    ):
+        out = compile_(model, "fp8-e5m2-sr", executor=executor, exclude=["proj"])(x)
+    torch.testing.assert_close(out, model(x))  # the angles unrounded (E5M2 would move them by 1e-1)
+    rows = lpcompile.coverage(model)
+    assert [(r.layer, "float64" in r.kept) for r in rows if r.op == "outer"] == [("angles", True)]
+    torch._dynamo.reset()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        compile_(model, "fp8-e5m2-sr", executor=executor)(x).sum().backward()
+    assert {r.layer: sorted(r.quantized) for r in lpcompile.coverage(model) if r.quantized} == {
+        "proj": ["activation", "error", "weight", "weight_grad"]
+    }
+
+
+def test_a_float64_product_in_the_trained_path_is_still_refused():
+    """The float64 operand gets a gradient: the product is part of what trains."""
+    model, x = RotaryTable(), torch.randn(6, 8)
+    table = torch.randn(6, 4, dtype=torch.float64, requires_grad=True)
+
+    def angles_from(t: torch.Tensor) -> torch.Tensor:
+        return model(x) + torch.outer(t.sum(-1), t.sum(0)).sum().float()
+
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match=r"layer 'outer_1' \(outer\) computes in torch.float64"):
+        torch.compile(angles_from, backend="lowprec", options={"recipe": "fp8-e5m2-sr"})(table)

@@ -50,6 +50,7 @@ from lpcompile.passes.graph import (
 
 SEED_INPUT = "lowprec_seed"
 FLEX_FULL = "does not write FlexAttention out"
+FLOAT64_TABLE = "the model computes it in float64, and no gradient flows through it"
 CHECKPOINT_PARENT = "lowprec_checkpoint_parent"  # GraphModule.meta key of a body: (parent, call)
 BODY_INPUTS = "lowprec_body_inputs"  # GraphModule.meta key of a body: {name: its input of lowprec's own}
 
@@ -221,13 +222,27 @@ def kept_layers(gm: torch.fx.GraphModule, ctx: CompileContext) -> list[torch.fx.
     code passed them by keyword.
     """
     calls = [n for n in gm.graph.nodes if is_layer_call(n)]
-    if ctx.config.attention == "off":
-        calls = [n for n in calls if not is_attention(n)]
     for call in calls:
         _operands_to_args(call)
+    calls = [n for n in calls if not is_constant_beyond_fp32(n)]
+    if ctx.config.attention == "off":
+        calls = [n for n in calls if not is_attention(n)]
     if ctx.config.keep_first_last:
         calls = calls[1:-1]
     return [n for n in calls if not _excluded(layer_name(n), ctx.config.exclude)]
+
+
+def is_constant_beyond_fp32(call: torch.fx.Node) -> bool:
+    """Whether ``call`` multiplies float64 tensors that are no parameters and get no
+    gradient: a table the model's code computes in float64 on purpose (the rotary-embedding
+    angles of diffusers' Flux), which stays as written. A float64 product of a layer's
+    weight or in the trained path is refused instead (:func:`check_operand_dtypes`)."""
+    operands = [call.args[i] for i in product_operands(call) if i < len(call.args)]
+    operands = [o for o in operands if isinstance(o, torch.fx.Node)]
+    values = [o.meta.get("example_value") for o in operands]
+    beyond = any(isinstance(v, torch.Tensor) and v.dtype == torch.float64 for v in values)
+    trained = any(needs_grad(o) or parameter_of(o) is not None for o in operands)
+    return beyond and not trained
 
 
 def _excluded(name: str, patterns: tuple[str, ...]) -> bool:
@@ -271,6 +286,8 @@ def record_kept_products(gm: torch.fx.GraphModule, ctx: CompileContext, calls: l
             reason = "a product the quantize pass does not know"
         elif not is_layer_call(node) or node in quantized:
             continue
+        elif is_constant_beyond_fp32(node):
+            reason = FLOAT64_TABLE
         elif config.attention == "off" and is_attention(node):
             reason = "attention='off'"
         elif _excluded(layer_name(node), config.exclude):
@@ -297,6 +314,11 @@ def warn_unquantized_products(gm: torch.fx.GraphModule, ctx: CompileContext) -> 
             "every product but these (see docs/known-limitations.md)"
         )
         warnings.warn(message, stacklevel=1)
+    layers = (n for n in gm.graph.nodes if is_layer_call(n) and not _excluded(layer_name(n), exclude))
+    tables = [n for n in layers if is_constant_beyond_fp32(n)]
+    if tables:
+        found = ", ".join(f"{op_name(n)} in {layer_name(n)!r}" for n in tables)
+        warnings.warn(f"lowprec: products left in float64: {found}: {FLOAT64_TABLE}", stacklevel=1)
 
 
 def insert_quantize(gm: torch.fx.GraphModule, ctx: CompileContext) -> None:
