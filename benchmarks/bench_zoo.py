@@ -35,7 +35,7 @@ CHILD = """
 import json, resource, statistics, sys, time, warnings
 import torch
 import lpcompile
-from examples.zoo import zoo_model
+from examples.zoo import output_tensor, zoo_model
 
 name, backends, device, steps = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3], int(sys.argv[4])
 warnings.simplefilter("ignore")
@@ -60,7 +60,7 @@ def training_step(backend):
 
     def step():
         out = run(**inputs)
-        out = out.logits if hasattr(out, "logits") else out
+        out = output_tensor(out)
         loss = out.float().square().mean()
         optimizer.zero_grad()
         scaler.scale(loss).backward()

@@ -1,6 +1,7 @@
 """The model zoo: third-party and torch.nn models as users build them, from tiny
 configs with random weights, each with one batch of inputs. The zoo tests
-(tests/zoo/) and ``benchmarks/bench_zoo.py`` use it; HF models need ``transformers``."""
+(tests/zoo/) and ``benchmarks/bench_zoo.py`` use it; HF models need ``transformers``,
+diffusion models ``diffusers``."""
 
 from __future__ import annotations
 
@@ -60,6 +61,56 @@ def hf_model(name: str) -> tuple[nn.Module, dict]:
     raise ValueError(name)
 
 
+DIFFUSERS_MODELS = ("unet2d", "flux")
+
+
+def diffusers_model(name: str) -> tuple[nn.Module, dict]:
+    """A ``diffusers`` denoiser from a tiny config with random weights, and its inputs."""
+    import diffusers as D
+
+    timesteps = torch.tensor([3, 7])
+    if name == "unet2d":  # DDPM's UNet: convolutions, group norms, self-attention blocks
+        model = D.UNet2DModel(
+            sample_size=16,
+            block_out_channels=(8, 16),
+            layers_per_block=1,
+            down_block_types=("DownBlock2D", "AttnDownBlock2D"),
+            up_block_types=("AttnUpBlock2D", "UpBlock2D"),
+            norm_num_groups=4,
+            attention_head_dim=8,
+        )
+        return model, {"sample": torch.randn(2, 3, 16, 16), "timestep": timesteps}
+    if name == "flux":  # a rectified-flow transformer: joint text-image attention, rotary tables in float64
+        model = D.FluxTransformer2DModel(
+            in_channels=8,
+            num_layers=1,
+            num_single_layers=1,
+            attention_head_dim=8,
+            num_attention_heads=2,
+            joint_attention_dim=16,
+            pooled_projection_dim=8,
+            axes_dims_rope=(2, 2, 4),
+        )
+        inputs = {
+            "hidden_states": torch.randn(2, 16, 8),
+            "encoder_hidden_states": torch.randn(2, 5, 16),
+            "pooled_projections": torch.randn(2, 8),
+            "timestep": timesteps / 10,
+            "img_ids": torch.zeros(16, 3),
+            "txt_ids": torch.zeros(5, 3),
+        }
+        return model, inputs
+    raise ValueError(name)
+
+
+def output_tensor(out: object) -> torch.Tensor:
+    """The tensor a zoo model's output holds: HF's ``logits``, diffusers' ``sample``, or itself."""
+    for field in ("logits", "sample"):
+        if hasattr(out, field):
+            return getattr(out, field)
+    return out
+
+
 class EinsumAttention(nn.Module):
     """Attention written with einsum and baddbmm, as some research code does."""
 
@@ -115,8 +166,10 @@ TORCH_MODELS: dict[str, Callable[[], tuple[nn.Module, dict]]] = {
 
 
 def zoo_model(name: str) -> tuple[nn.Module, dict]:
-    """Any zoo model by name (HF or torch.nn), with its inputs."""
-    return hf_model(name) if name in HF_MODELS else TORCH_MODELS[name]()
+    """Any zoo model by name (HF, diffusers or torch.nn), with its inputs."""
+    if name in HF_MODELS:
+        return hf_model(name)
+    return diffusers_model(name) if name in DIFFUSERS_MODELS else TORCH_MODELS[name]()
 
 
-ZOO: tuple[str, ...] = (*HF_MODELS, *sorted(TORCH_MODELS))
+ZOO: tuple[str, ...] = (*HF_MODELS, *DIFFUSERS_MODELS, *sorted(TORCH_MODELS))

@@ -31,7 +31,7 @@ def main() -> None:
 
     import torch
 
-    from examples.zoo import zoo_model
+    from examples.zoo import output_tensor, zoo_model
 
     torch.manual_seed(0)
     model, inputs = zoo_model(args.model)
@@ -43,7 +43,7 @@ def main() -> None:
     start = time.perf_counter()
     profile.enable()
     out = run(**inputs)
-    out = out.logits if hasattr(out, "logits") else out
+    out = output_tensor(out)
     out.float().square().mean().backward()
     if args.device != "cpu":
         torch.accelerator.synchronize()

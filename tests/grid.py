@@ -11,6 +11,7 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from examples.zoo import output_tensor
 from lpcompile.backend import lowprec
 from lpcompile.backend.distributed import LOWPREC_BACKEND
 
@@ -107,7 +108,7 @@ def grid_step(model: torch.nn.Module, inputs: dict[str, Any], options: dict[str,
     check = GridCheck()
     torch._dynamo.reset()
     out = torch.compile(model, backend=watched_backend(options, check))(**inputs)
-    out = out.logits if hasattr(out, "logits") else out
+    out = output_tensor(out)
     loss = out.float().square().mean()
     with check:
         loss.backward()

@@ -13,7 +13,7 @@ from grid import grid_step, on_e5m2_grid
 from models import Records
 
 import lpcompile
-from examples.zoo import HF_MODELS, TORCH_MODELS, hf_model, zoo_model
+from examples.zoo import DIFFUSERS_MODELS, HF_MODELS, TORCH_MODELS, diffusers_model, hf_model, zoo_model
 
 pytest.importorskip("transformers")
 
@@ -31,6 +31,38 @@ def test_hf_model_step_runs_every_product_on_the_grid(name):
     assert check.count > 0 and check.off_grid == {}, check.products
     assert not check.unknown, check.unknown
     assert not [w for w in caught if "lowprec" in str(w.message)], [str(w.message) for w in caught]
+    modules = {n for n, _ in model.named_modules()}
+    layers = {s.layer.split("#")[0] for r in records.new for s in r.sites.values()}
+    assert layers and layers <= modules, sorted(layers - modules)
+
+
+# What a diffusers model computes beyond FP32 on purpose: Flux's rotary angles, per position axis.
+FLOAT64_TABLES = {"unet2d": [], "flux": ["pos_embed#0", "pos_embed#1", "pos_embed#2"]}
+
+
+@pytest.mark.parametrize("name", DIFFUSERS_MODELS)
+def test_diffusers_model_step_runs_every_product_on_the_grid(name):
+    """A diffusion UNet (convolutions, attention blocks) and a Flux transformer (joint
+    attention; lowprec refused it for its float64 rotary tables, which now stay float64)."""
+    pytest.importorskip("diffusers")
+    torch.manual_seed(0)
+    model, inputs = diffusers_model(name)
+    records = Records()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        check = grid_step(model, inputs, {**EAGER, "attention": "full"})
+    assert check.count > 0 and check.off_grid == {} and not check.unknown, check.products
+    warned = [str(w.message) for w in caught if "lowprec" in str(w.message)]
+    tables = FLOAT64_TABLES[name]
+    assert warned == (
+        [
+            f"lowprec: products left in float64: {', '.join(f'outer in {t!r}' for t in tables)}"
+            ": the model computes it in float64, and no gradient flows through it"
+        ]
+        if tables
+        else []
+    )
+    assert sorted(r.layer for r in lpcompile.coverage(model) if r.kept) == tables
     modules = {n for n, _ in model.named_modules()}
     layers = {s.layer.split("#")[0] for r in records.new for s in r.sites.values()}
     assert layers and layers <= modules, sorted(layers - modules)

@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch import nn
 
-from examples.zoo import zoo_model
+from examples.zoo import DIFFUSERS_MODELS, output_tensor, zoo_model
 
 pytestmark = pytest.mark.slow
 STEPS = 20
@@ -22,7 +22,7 @@ TOLERANCE = 0.15
 
 def _loss(model: nn.Module, inputs: dict) -> torch.Tensor:
     out = model(**inputs)
-    out = out.logits if hasattr(out, "logits") else out
+    out = output_tensor(out)
     target = torch.linspace(-1, 1, out.numel()).view_as(out)  # a fixed regression target
     return (out.float() - target).square().mean()
 
@@ -48,6 +48,8 @@ MODELS = (
     "bert",
     "llama",
     "mixtral",
+    "unet2d",
+    "flux",
     "checkpointed_mlp",
     "einsum_attention",
     "gru_lm",
@@ -58,7 +60,7 @@ MODELS = (
 
 @pytest.mark.parametrize("name", MODELS)
 def test_fp8_training_tracks_fp32(name):
-    pytest.importorskip("transformers")
+    pytest.importorskip("diffusers" if name in DIFFUSERS_MODELS else "transformers")
     torch.manual_seed(0)
     model, inputs = zoo_model(name)
     for module in model.modules():  # dropout would make the two runs differ by more than rounding
