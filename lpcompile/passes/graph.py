@@ -66,9 +66,6 @@ OPERAND_NAMES: dict[object, tuple[str, ...]] = {
     F.bilinear: ("input1", "input2", "weight", "bias"),
     F.scaled_dot_product_attention: ("query", "key", "value"),
 }
-# Products left in higher precision, with a warning: the products are inside one opaque
-# call, or their operands are a list. (Attention has an option of its own: `attention`.)
-UNQUANTIZED_TARGETS = {torch.linalg.multi_dot, torch.chain_matmul}
 # Ops through which a parameter is still "the weight" (x @ self.w.t()).
 VIEW_METHODS = {"t", "transpose", "permute", "view", "reshape", "contiguous", "T", "mT", "narrow"}
 VIEW_FUNCTIONS = {torch.t, torch.transpose, torch.permute, torch.reshape, torch.narrow}
@@ -144,11 +141,6 @@ def needs_grad(value: object) -> bool:
         return (parameter := parameter_of(value)) is not None and parameter.requires_grad
     example = value.meta.get("example_value")
     return example is None or bool(getattr(example, "requires_grad", True))
-
-
-def is_unquantized_product(node: torch.fx.Node) -> bool:
-    """Whether ``node`` multiplies tensors in a way the pass does not quantize."""
-    return node.op == "call_function" and node.target in UNQUANTIZED_TARGETS
 
 
 def _fqn(source: str) -> str:

@@ -6,6 +6,7 @@ import torch.fx
 
 from lpcompile.passes.driver import CompileContext, Pass
 from lpcompile.passes.dynamo.attention import MHA, SDPA, decompose_attention, decompose_multihead_attention
+from lpcompile.passes.dynamo.chains import MATRIX_CHAINS, write_matrix_chains
 from lpcompile.passes.dynamo.conv import im2col_applies, use_im2col_convs
 from lpcompile.passes.dynamo.loss_scale import insert_loss_scale, loss_scale_applies
 from lpcompile.passes.dynamo.pipeline import insert_predict_weight, remove_pipe_splits, split_stages
@@ -38,6 +39,10 @@ def has_einsum(gm: torch.fx.GraphModule, ctx: CompileContext, kind: str) -> bool
     return rewrites(gm, ctx, kind) and bool(find_calls(gm, {torch.einsum}))
 
 
+def has_matrix_chains(gm: torch.fx.GraphModule, ctx: CompileContext, kind: str) -> bool:
+    return ctx.config.quantizes and bool(find_calls(gm, MATRIX_CHAINS))
+
+
 def attention_full(gm: torch.fx.GraphModule, ctx: CompileContext, kind: str) -> bool:
     """``attention="full"`` in a graph that calls ``scaled_dot_product_attention``."""
     full = rewrites(gm, ctx, kind) and ctx.config.attention == "full"
@@ -56,6 +61,7 @@ def has_stage_markers(gm: torch.fx.GraphModule, ctx: CompileContext, kind: str) 
 
 DYNAMO_PASSES = (
     Pass(flatten_einsum_operands, has_einsum),
+    Pass(write_matrix_chains, has_matrix_chains),
     Pass(decompose_multihead_attention, has_multihead_attention),
     Pass(decompose_attention, attention_full),
     Pass(decompose_recurrent_layers, has_recurrent_layers),

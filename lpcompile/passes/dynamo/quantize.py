@@ -39,7 +39,6 @@ from lpcompile.passes.graph import (
     gather_of_parameter,
     is_attention,
     is_layer_call,
-    is_unquantized_product,
     layer_name,
     needs_grad,
     parameter_of,
@@ -257,8 +256,7 @@ def warn_settings_without_effect(gm: torch.fx.GraphModule, ctx: CompileContext) 
     with FlexAttention calls, which stay whole."""
     # (stacklevel 1: the user's frame is far up, under torch.compile's)
     names = [layer_name(n) for n in gm.graph.nodes if is_layer_call(n)]
-    kept = [layer_name(n) for n in gm.graph.nodes if is_unquantized_product(n)]  # kept anyway
-    if unused := [p for p in ctx.config.exclude if not any(fnmatch.fnmatchcase(n, p) for n in names + kept)]:
+    if unused := [p for p in ctx.config.exclude if not any(fnmatch.fnmatchcase(n, p) for n in names)]:
         message = f"lowprec: exclude patterns {unused} match no layer of a graph with layers {names}"
         warnings.warn(message, stacklevel=1)
     flex = [layer_name(n) for n in gm.graph.find_nodes(op="call_function", target=FLEX_ATTENTION)]
@@ -282,9 +280,7 @@ def record_kept_products(gm: torch.fx.GraphModule, ctx: CompileContext, calls: l
     config = ctx.config
     quantized = set(calls)
     for node in gm.graph.nodes:
-        if is_unquantized_product(node):
-            reason = "a product the quantize pass does not know"
-        elif not is_layer_call(node) or node in quantized:
+        if not is_layer_call(node) or node in quantized:
             continue
         elif is_constant_beyond_fp32(node):
             reason = FLOAT64_TABLE
@@ -300,20 +296,12 @@ def record_kept_products(gm: torch.fx.GraphModule, ctx: CompileContext, calls: l
             ctx.kept.append(KeptProduct(layer_name(node), "flex_attention probabilities", FLEX_FULL))
 
 
-def warn_unquantized_products(gm: torch.fx.GraphModule, ctx: CompileContext) -> None:
-    """Warn about the products in a graph that the pass leaves in higher precision (but
-    those of layers ``exclude`` keeps there anyway)."""
+def warn_float64_tables(gm: torch.fx.GraphModule, ctx: CompileContext) -> None:
+    """Warn about the float64 tables a graph computes as written (but those of layers
+    ``exclude`` keeps in higher precision anyway)."""
     if not ctx.config.quantizes:
         return
     exclude = ctx.config.exclude
-    calls = [n for n in gm.graph.nodes if is_unquantized_product(n) and not _excluded(layer_name(n), exclude)]
-    if calls:
-        found = ", ".join(f"{op_name(n)} in {layer_name(n)!r}" for n in calls)
-        message = (
-            f"lowprec: products left in higher precision: {found}. The quantize pass knows "
-            "every product but these (see docs/known-limitations.md)"
-        )
-        warnings.warn(message, stacklevel=1)
     layers = (n for n in gm.graph.nodes if is_layer_call(n) and not _excluded(layer_name(n), exclude))
     tables = [n for n in layers if is_constant_beyond_fp32(n)]
     if tables:
@@ -327,7 +315,7 @@ def insert_quantize(gm: torch.fx.GraphModule, ctx: CompileContext) -> None:
     in the graph and in the activation-checkpoint bodies it calls."""
     calls = kept_layers(gm, ctx)  # (first: it moves keyword operands, which name some layers)
     warn_settings_without_effect(gm, ctx)
-    warn_unquantized_products(gm, ctx)
+    warn_float64_tables(gm, ctx)
     if ctx.config.quantizes:
         record_kept_products(gm, ctx, calls)
     _quantize_calls(gm, ctx, calls)
