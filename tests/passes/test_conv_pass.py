@@ -15,7 +15,7 @@ from models import Records, aot_cache_counts, assert_close_through_rounding, ind
 from torch import nn
 
 from lpcompile.backend import CompiledGraph
-from lpcompile.passes.dynamo.conv import MAX_IM2COL, MAX_TAPS, im2col_conv2d
+from lpcompile.passes.dynamo.conv import MAX_IM2COL, MAX_TAPS, TAPS_PER_GRAPH, im2col_conv2d
 
 # (batch, in_channels, height, width, out_channels, kernel, stride, padding, dilation)
 GEOMETRIES = [
@@ -199,6 +199,33 @@ def test_kernels_of_more_positions_than_the_limit_keep_atens_unless_they_are_pat
     x = torch.rand(2, 1, 8, 8, generator=torch.Generator().manual_seed(4))
     (conv,), im2col = compile_and_split(Kernels(), x)
     assert "wide_parameters_bias" in conv and len(im2col) == 2
+
+
+class ManySmall(nn.Module):
+    """Four 3x3 convolutions (36 taps to gather) with a 1x1 one (patches: none) between."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.convs = nn.ModuleList(nn.Conv2d(4, 4, 3, padding=1) for _ in range(4))
+        self.mix = nn.Conv2d(4, 4, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for i, conv in enumerate(self.convs):
+            x = conv(x).relu()
+            x = self.mix(x) if i == 1 else x
+        return x.sum((2, 3))
+
+
+def test_a_graph_gathers_at_most_its_budget_of_taps_fewest_first(monkeypatch):
+    """Each gathered tap lengthens Inductor's compile: past the budget, convolutions keep
+    ATen's (diffusers' UNet, nineteen 3x3 convolutions, compiled in twice Inductor's time)."""
+    assert TAPS_PER_GRAPH == 24
+    inductor_runs_fx(monkeypatch)
+    x = torch.rand(2, 4, 8, 8, generator=torch.Generator().manual_seed(4))
+    convs, im2col = compile_and_split(ManySmall(), x)
+    assert len(im2col) == 3  # the 1x1 and two 3x3, in graph order
+    assert ["convs_modules_2_" in convs[0], "convs_modules_3_" in convs[1]] == [True, True], convs
 
 
 def assert_close_steps(got, want) -> None:
