@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import warnings
 import zlib
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -32,7 +33,7 @@ from lpcompile.backend.records import CompiledGraph
 from lpcompile.backend.state import REGISTRY
 from lpcompile.backend.watch import compiled_module, outermost_module, warn_in_eager_function
 from lpcompile.codegen import fuse_lowprec_kernels
-from lpcompile.config import LowPrecConfig
+from lpcompile.config import LowPrecConfig, recipes
 from lpcompile.kernels.cpu import gemm
 from lpcompile.numerics import lowering
 from lpcompile.passes.aot import AOT_PASSES
@@ -353,6 +354,12 @@ def lowprec(
             " settings itself; pass lowprec's own settings as options={...}"
         )
     config = LowPrecConfig.from_options(options)
+    if "recipe" not in (options or {}) and not config.quantizes and config.pipeline is None:
+        warnings.warn(
+            "lowprec: no recipe given (options={'recipe': ...}): the graph compiles in FP32, as"
+            f" Inductor would; recipes: {', '.join(recipes())}",
+            stacklevel=1,  # (the user's frame is far up, under torch.compile's)
+        )
     if config.matmul == "bf16" and (why := gemm.unavailable()):
         raise ValueError(f"matmul='bf16': lowprec's bf16 matmul kernel cannot run here: {why}")
     graph_id = REGISTRY.new_graph_id()

@@ -1031,6 +1031,19 @@ def test_dtypes_lowprec_cannot_compile_are_refused_by_layer(model_dtype, input_d
     assert "fake_tensor" not in capfd.readouterr().err
 
 
+def test_no_recipe_compiles_in_fp32_and_says_so():
+    """``backend="lowprec"`` without options (as a trainer that passes none compiles) ran
+    the model in FP32 silently."""
+    with pytest.warns(UserWarning, match=r"no recipe given \(options=.*\): the graph compiles in FP32"):
+        torch.compile(mlp(), backend="lowprec")(mlp_input())
+    torch._dynamo.reset()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        compile_(mlp(), "fp32")(mlp_input())  # asked for
+        torch._dynamo.reset()
+        torch.compile(mlp(), backend="lowprec", options={"activation": "e5m2"})(mlp_input())  # rounds
+
+
 class RotaryTable(nn.Module):
     """Rotary angles computed in float64, as diffusers' Flux computes them."""
 
