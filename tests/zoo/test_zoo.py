@@ -9,7 +9,7 @@ import warnings
 
 import pytest
 import torch
-from grid import grid_step, on_e5m2_grid
+from grid import GridCheck, grid_step, on_e5m2_grid
 from models import Records
 
 import lpcompile
@@ -20,19 +20,26 @@ pytest.importorskip("transformers")
 EAGER = {"recipe": "fp8-e5m2-sr", "executor": "eager"}
 
 
-@pytest.mark.parametrize("name", HF_MODELS)
-def test_hf_model_step_runs_every_product_on_the_grid(name):
-    torch.manual_seed(0)
-    model, inputs = hf_model(name)
+def full_step(model: torch.nn.Module, inputs: dict) -> tuple[GridCheck, list[str], set[str]]:
+    """One watched step (``attention="full"``): the grid check, lowprec's warnings, and the
+    names of the layers rounded (their call numbers dropped)."""
     records = Records()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         check = grid_step(model, inputs, {**EAGER, "attention": "full"})
+    warned = [str(w.message) for w in caught if "lowprec" in str(w.message)]
+    return check, warned, {s.layer.split("#")[0] for r in records.new for s in r.sites.values()}
+
+
+@pytest.mark.parametrize("name", HF_MODELS)
+def test_hf_model_step_runs_every_product_on_the_grid(name):
+    torch.manual_seed(0)
+    model, inputs = hf_model(name)
+    check, warned, layers = full_step(model, inputs)
     assert check.count > 0 and check.off_grid == {}, check.products
     assert not check.unknown, check.unknown
-    assert not [w for w in caught if "lowprec" in str(w.message)], [str(w.message) for w in caught]
+    assert not warned, warned
     modules = {n for n, _ in model.named_modules()}
-    layers = {s.layer.split("#")[0] for r in records.new for s in r.sites.values()}
     assert layers and layers <= modules, sorted(layers - modules)
 
 
@@ -43,28 +50,18 @@ FLOAT64_TABLES = {"unet2d": [], "flux": ["pos_embed#0", "pos_embed#1", "pos_embe
 @pytest.mark.parametrize("name", DIFFUSERS_MODELS)
 def test_diffusers_model_step_runs_every_product_on_the_grid(name):
     """A diffusion UNet (convolutions, attention blocks) and a Flux transformer (joint
-    attention; lowprec refused it for its float64 rotary tables, which now stay float64)."""
+    attention; rotary tables computed in float64, which stay float64)."""
     pytest.importorskip("diffusers")
     torch.manual_seed(0)
     model, inputs = diffusers_model(name)
-    records = Records()
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        check = grid_step(model, inputs, {**EAGER, "attention": "full"})
+    check, warned, layers = full_step(model, inputs)
     assert check.count > 0 and check.off_grid == {} and not check.unknown, check.products
-    warned = [str(w.message) for w in caught if "lowprec" in str(w.message)]
     tables = FLOAT64_TABLES[name]
-    assert warned == (
-        [
-            f"lowprec: products left in float64: {', '.join(f'outer in {t!r}' for t in tables)}"
-            ": the model computes it in float64, and no gradient flows through it"
-        ]
-        if tables
-        else []
-    )
+    found = ", ".join(f"outer in {t!r}" for t in tables)
+    said = f"lowprec: products left in float64: {found}: the model computes it in float64, and no gradient"
+    assert [w.startswith(said) for w in warned] == ([True] if tables else []), warned
     assert sorted(r.layer for r in lpcompile.coverage(model) if r.kept) == tables
     modules = {n for n, _ in model.named_modules()}
-    layers = {s.layer.split("#")[0] for r in records.new for s in r.sites.values()}
     assert layers and layers <= modules, sorted(layers - modules)
 
 
