@@ -47,7 +47,7 @@ from lpcompile.passes.graph import (
     name_canonically,
     parameter_of,
     relative_state_name,
-    with_checkpoint_bodies,
+    with_bodies,
 )
 from lpcompile.passes.joint import JOINT_PASSES
 from lpcompile.passes.joint.matmul import uses_bf16_kernel
@@ -112,7 +112,7 @@ def set_root_path(gm: torch.fx.GraphModule, model: torch.nn.Module | None) -> No
     (root,) = roots
     kind = type(model.get_submodule(root))
     if sum(type(module) is kind for module in model.modules()) == 1:
-        for graph in with_checkpoint_bodies(gm):
+        for graph in with_bodies(gm):
             graph.meta[ROOT_PATH] = root
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import operator
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -75,6 +75,8 @@ RESHAPES = {torch.ops.aten.view.default, torch.ops.aten.reshape.default, torch.o
 INDEX_CASTS = {torch.ops.aten._to_copy.default, torch.ops.prims.convert_element_type.default}
 
 CHECKPOINT = torch.ops.higher_order.tag_activation_checkpoint
+# A custom torch.autograd.Function Dynamo traced: (forward body, backward body, *inputs)
+FUNCTION_APPLY = torch.ops.higher_order.autograd_function_apply
 LAYER_NAME = "lowprec_layer_name"  # node.meta key: a layer call's name, once its graph is named
 # GraphModule.meta key: the FQN, in the compiled model, of the module a graph's frame calls
 # ``self``, where that is not the model itself (a frame compiled apart after a graph break)
@@ -123,9 +125,27 @@ def is_layer_call(node: torch.fx.Node) -> bool:
     return product_operands(node) is not None
 
 
+def is_function_call(node: torch.fx.Node) -> bool:
+    """Whether ``node`` calls a custom ``torch.autograd.Function`` (forward and backward
+    bodies of its own)."""
+    return node.op == "call_function" and node.target is FUNCTION_APPLY
+
+
+def is_named_call(node: torch.fx.Node) -> bool:
+    """Whether ``node`` is a layer: a product, or a call of a Function with products (named
+    after the call). A Function without products (a fused norm, a straight-through
+    estimator) is no layer: its parameters' gradients stay as they are."""
+    if not is_function_call(node):
+        return is_layer_call(node)
+    bodies = (getattr(node.graph.owning_module, body.target) for body in node.args[:2])
+    return any(is_layer_call(inner) for body in bodies for inner in body.graph.nodes)
+
+
 def weight_operand(node: torch.fx.Node) -> torch.fx.Node | None:
-    """The product operand of a layer call that reads a parameter (its weight), if any."""
-    for index in product_operands(node) or ():
+    """The product operand of a layer call that reads a parameter (its weight), if any; for a
+    Function call, its first input that is a parameter."""
+    positions = range(2, len(node.args)) if is_function_call(node) else product_operands(node)
+    for index in positions or ():
         operand = node.args[index] if index < len(node.args) else None
         if isinstance(operand, torch.fx.Node) and parameter_of(operand) is not None:
             return operand
@@ -167,10 +187,10 @@ def layer_name(node: torch.fx.Node) -> str:
     if (name := node.meta.get(LAYER_NAME)) is not None:
         return name
     path = _module_path(node)
-    if path and is_layer_call(node):
+    if path and is_named_call(node):
         _name_module_layers(node.graph)
         return node.meta[LAYER_NAME]
-    if not path and is_layer_call(node) and (weight := weight_operand(node)) is not None:
+    if not path and is_named_call(node) and (weight := weight_operand(node)) is not None:
         path = state_name(base_of(weight))
     return path or node.name
 
@@ -195,9 +215,10 @@ def relative_state_name(node: torch.fx.Node) -> str | None:
 
 
 def _name_module_layers(graph: torch.fx.Graph) -> None:
-    """Name every layer call of ``graph`` made by a submodule (numbered where one makes several)."""
+    """Name every layer call (and Function call) of ``graph`` made by a submodule (numbered
+    where one makes several)."""
     calls: dict[str, list[torch.fx.Node]] = {}
-    for node in filter(is_layer_call, graph.nodes):
+    for node in filter(is_named_call, graph.nodes):
         if path := _module_path(node):
             calls.setdefault(path, []).append(node)
     for path, nodes in calls.items():
@@ -206,29 +227,33 @@ def _name_module_layers(graph: torch.fx.Graph) -> None:
             node.meta[LAYER_NAME] = path if len(nodes) == 1 else f"{path}#{i}"
 
 
-def with_checkpoint_bodies(gm: torch.fx.GraphModule) -> list[torch.fx.GraphModule]:
-    """``gm`` and the activation-checkpoint bodies it calls, theirs too: a pass that
-    rewrites calls enters them (a checkpoint call is one opaque node of ``gm``)."""
+def with_bodies(gm: torch.fx.GraphModule) -> list[torch.fx.GraphModule]:
+    """``gm`` and the bodies it calls (activation checkpoints, Functions' forward and
+    backward), theirs too: a pass that rewrites calls enters them (each call is one opaque
+    node of ``gm``)."""
     graphs = [gm]
-    for call in gm.graph.find_nodes(op="call_function", target=CHECKPOINT):
-        graphs += with_checkpoint_bodies(getattr(gm, call.args[0].target))
+    for call in gm.graph.nodes:
+        if call.op != "call_function" or call.target not in (CHECKPOINT, FUNCTION_APPLY):
+            continue
+        for body in call.args[: 1 if call.target is CHECKPOINT else 2]:
+            graphs += with_bodies(getattr(gm, body.target))
     return graphs
 
 
 def find_calls(gm: torch.fx.GraphModule, targets: Any) -> list[tuple[torch.fx.GraphModule, torch.fx.Node]]:
-    """The calls of ``targets`` in ``gm`` and its checkpoint bodies, each with its graph."""
+    """The calls of ``targets`` in ``gm`` and its bodies, each with its graph."""
     return [
         (graph, node)
-        for graph in with_checkpoint_bodies(gm)
+        for graph in with_bodies(gm)
         for node in graph.graph.nodes
         if node.op == "call_function" and node.target in targets
     ]
 
 
 def recompile_bodies(gm: torch.fx.GraphModule) -> None:
-    """Check and regenerate the code of ``gm``'s checkpoint bodies after a rewrite (the
-    driver does ``gm``'s own)."""
-    for body in with_checkpoint_bodies(gm)[1:]:
+    """Check and regenerate the code of ``gm``'s bodies after a rewrite (the driver does
+    ``gm``'s own)."""
+    for body in with_bodies(gm)[1:]:
         body.graph.lint()
         body.recompile()
 
@@ -294,6 +319,18 @@ def parameter_of(node: torch.fx.Node) -> torch.nn.Parameter | None:
     else:
         example = None
     return example if isinstance(example, torch.nn.Parameter) else None
+
+
+def mark_parameters(pairs: Iterable[tuple[torch.fx.Node, Any]]) -> None:
+    """Give each input of a body (a subgraph another graph calls) that reads a parameter, in
+    ``pairs`` of (the body's input, what its caller passes it), the parameter's Dynamo record,
+    so that :func:`parameter_of` finds it there too."""
+    for inner, outer in pairs:
+        if isinstance(outer, torch.fx.Node) and parameter_of(outer) is not None:
+            source = base_of(outer)
+            inner.meta["grapharg"] = source.meta.get("grapharg")
+            if hasattr(source, "_dynamo_source"):
+                inner._dynamo_source = source._dynamo_source
 
 
 def computed_from_parameters(node: torch.fx.Node, budget: int = 32) -> bool:

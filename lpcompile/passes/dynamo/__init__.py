@@ -12,8 +12,8 @@ from lpcompile.passes.dynamo.loss_scale import insert_loss_scale, loss_scale_app
 from lpcompile.passes.dynamo.pipeline import insert_predict_weight, remove_pipe_splits, split_stages
 from lpcompile.passes.dynamo.quantize import (
     flatten_einsum_operands,
-    forget_checkpoint_parents,
-    has_checkpoint_bodies,
+    forget_body_parents,
+    has_bodies,
     insert_quantize,
 )
 from lpcompile.passes.dynamo.recurrent import RECURRENT, decompose_recurrent_layers
@@ -72,5 +72,5 @@ DYNAMO_PASSES = (
     Pass(insert_predict_weight, pipelined),
     Pass(remove_pipe_splits, has_stage_markers),
     Pass(insert_saturation_counts, counts_saturation),
-    Pass(forget_checkpoint_parents, has_checkpoint_bodies),
+    Pass(forget_body_parents, has_bodies),
 )

@@ -44,6 +44,7 @@ gradients and branches merge at a common scale with no extra nodes.
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 from typing import Any
 
@@ -62,6 +63,7 @@ from lpcompile.passes.graph import (
     LINEAR_TARGETS,
     SCALE_GRAD,
     base_of,
+    is_function_call,
     layer_name,
     needs_grad,
     product_operands,
@@ -89,11 +91,21 @@ class AdaptiveLayout:
 
 
 def _scale_grad(
-    gm: torch.fx.GraphModule, value: torch.fx.Node, scale, probe, stats: str, layer: str, record=None
+    gm: torch.fx.GraphModule,
+    value: torch.fx.Node,
+    scale,
+    probe,
+    stats: str,
+    layer: str,
+    record=None,
+    role=None,
 ) -> torch.fx.Node:
+    """``lowprec::scale_grad`` of ``value``: its gradient times ``scale``, with the statistics
+    ``stats`` (role: ``loss_scale`` where it measures the error, else ``loss_unscale``)."""
     args = (value, scale, probe, stats) if record is None else (value, scale, probe, stats, record)
     node = gm.graph.call_function(SCALE_GRAD, args)
-    node.meta["lowprec"] = {"role": "loss_scale" if stats == "histogram" else "loss_unscale", "layer": layer}
+    role = role or ("loss_scale" if stats == "histogram" else "loss_unscale")
+    node.meta["lowprec"] = {"role": role, "layer": layer}
     if "example_value" in value.meta:
         node.meta["example_value"] = value.meta["example_value"]
     return node
@@ -129,6 +141,16 @@ def _nodes_in(arg: Any) -> list[torch.fx.Node]:
 def _replaced(arg: Any, old: torch.fx.Node, new: torch.fx.Node) -> Any:
     """A call's argument with ``new`` for ``old``: the node itself, or in a tuple or list."""
     return map_arg(arg, lambda node: new if node is old else node)
+
+
+def _outputs(call: torch.fx.Node) -> list[torch.fx.Node]:
+    """Where a layer's errors enter the backward: a product's output; a Function's float
+    outputs, in order."""
+    if not is_function_call(call):
+        return [output] if (output := product_output(call)) is not None else []
+    items = [u for u in call.users if u.target is operator.getitem]
+    items = [u for u in items if getattr(u.meta.get("example_value"), "is_floating_point", bool)()]
+    return sorted(items, key=lambda item: item.args[1])
 
 
 def _transposes(node: torch.fx.Node) -> bool:
@@ -198,7 +220,8 @@ def insert_loss_scale(gm: torch.fx.GraphModule, ctx: CompileContext) -> None:
             ]
             if needs_grad(call.kwargs.get("bias")):
                 inputs.append(("bias", call.kwargs["bias"]))
-            weight = weight_operand(call)
+            # a Function's weight has no known layout: its layers scale by the quantile rule
+            weight = None if is_function_call(call) else weight_operand(call)
             is_weight = weight is not None
             out_dims.append(_out_dim(call, weight))  # before the operands are wrapped below
             trained = is_weight and needs_grad(weight)
@@ -210,11 +233,13 @@ def insert_loss_scale(gm: torch.fx.GraphModule, ctx: CompileContext) -> None:
                     call.update_kwarg("bias", unscaled)
                 else:
                     call.update_arg(where, _replaced(call.args[where], arg, unscaled))
-        output = product_output(call)
-        if output is not None:
+        for k, output in enumerate(_outputs(call)):  # a Function's all scaled, the first measured
             users = list(output.users)
             with graph.graph.inserting_after(output):
-                scaled = _scale_grad(graph, output, scale, hist_i, "histogram", layer, *record)
+                if k == 0:
+                    scaled = _scale_grad(graph, output, scale, hist_i, "histogram", layer, *record)
+                else:
+                    scaled = _scale_grad(graph, output, scale, None, "none", layer, role="loss_scale")
             for user in users:
                 user.replace_input_with(output, scaled)
         layers.append(layer)

@@ -29,17 +29,31 @@ import torch.fx
 from lpcompile.config import QuantSpec, Role
 from lpcompile.numerics.quantize import FLOAT_DTYPES
 from lpcompile.passes.driver import CompileContext, KeptProduct, Site
+from lpcompile.passes.dynamo.functions import (
+    BACKWARD,
+    FUNCTION_BODY,
+    backward_inputs,
+    from_gradients,
+    function_bodies,
+    pass_to_backward,
+    pass_to_forward,
+    saved_values,
+)
 from lpcompile.passes.graph import (
     CHECKPOINT,
     FLEX_ATTENTION,
+    FUNCTION_APPLY,
     OPERAND_NAMES,
     base_of,
     computed_from_parameters,
     find_calls,
     gather_of_parameter,
     is_attention,
+    is_function_call,
     is_layer_call,
+    is_named_call,
     layer_name,
+    mark_parameters,
     needs_grad,
     parameter_of,
     product_operands,
@@ -63,22 +77,25 @@ def _insert(
     spec: QuantSpec,
     grad: bool,
     before: torch.fx.Node | None = None,
+    site: Site | None = None,
 ) -> torch.fx.Node:
     """Insert a quantize (``grad=False``) or quantize_grad node of ``value``.
 
     It goes right before ``before`` (the layer call that reads it) or, without
-    one, right after ``value``.
+    one, right after ``value``. Given a ``site``, it rounds with that site's random
+    stream: the same tensor then gets the same bits.
     """
-    site = Site(
-        offset=ctx.new_offset(),
-        role=role.value,
-        layer=layer,
-        fmt=spec.fmt,
-        rounding=spec.rounding,
-        overflow=spec.overflow,
-        op="quantize_grad" if grad else "quantize",
-    )
-    ctx.sites[site.offset] = site
+    if site is None:
+        site = Site(
+            offset=ctx.new_offset(),
+            role=role.value,
+            layer=layer,
+            fmt=spec.fmt,
+            rounding=spec.rounding,
+            overflow=spec.overflow,
+            op="quantize_grad" if grad else "quantize",
+        )
+        ctx.sites[site.offset] = site
     seed = (
         graph_input(gm, ctx, SEED_INPUT, torch.zeros((), dtype=torch.int64))
         if spec.rounding == "stochastic"
@@ -100,20 +117,30 @@ def graph_input(
     gm: torch.fx.GraphModule, ctx: CompileContext, name: str, example: torch.Tensor
 ) -> torch.fx.Node:
     """Lowprec's own input ``name`` (the step's seed, the adaptive scales) in ``gm``: the
-    Dynamo graph's (``ctx.add_input``), or, in an activation-checkpoint body, a body input
-    its checkpoint call passes it to (so the recomputation in the backward reads the same
-    seed, and rounds with the same bits, as the forward)."""
-    parent = gm.meta.get(CHECKPOINT_PARENT)
-    if parent is None:
+    Dynamo graph's (``ctx.add_input``), or, in a body, an input its call passes it to: an
+    activation-checkpoint body's (so the recomputation in the backward reads the same seed,
+    and rounds with the same bits, as the forward), a Function's forward body's, or one its
+    forward body saves for its backward body."""
+    checkpoint, function = gm.meta.get(CHECKPOINT_PARENT), gm.meta.get(FUNCTION_BODY)
+    if checkpoint is None and function is None:
         return ctx.add_input(gm, name, example)
     inputs = gm.meta.setdefault(BODY_INPUTS, {})
-    if name not in inputs:
-        parent_gm, call = parent
-        outer = graph_input(parent_gm, ctx, name, example)
-        with gm.graph.inserting_after(gm.graph.find_nodes(op="placeholder")[-1]):
-            inputs[name] = gm.graph.placeholder(name)
-        inputs[name].meta["example_value"] = outer.meta.get("example_value")
-        call.args = (*call.args, outer)
+    if name in inputs:
+        return inputs[name]
+    if function is not None:
+        parent_gm, call, phase = function
+        forward = getattr(parent_gm, call.args[0].target)
+        if phase == BACKWARD:
+            inputs[name] = pass_to_backward(forward, gm, graph_input(forward, ctx, name, example))
+        else:
+            inputs[name] = pass_to_forward(forward, call, graph_input(parent_gm, ctx, name, example))
+        return inputs[name]
+    parent_gm, call = checkpoint
+    outer = graph_input(parent_gm, ctx, name, example)
+    with gm.graph.inserting_after(gm.graph.find_nodes(op="placeholder")[-1]):
+        inputs[name] = gm.graph.placeholder(name)
+    inputs[name].meta["example_value"] = outer.meta.get("example_value")
+    call.args = (*call.args, outer)
     return inputs[name]
 
 
@@ -151,22 +178,20 @@ def checkpoint_bodies(gm: torch.fx.GraphModule) -> list[tuple[torch.fx.GraphModu
     for call in gm.graph.find_nodes(op="call_function", target=CHECKPOINT):
         body = getattr(gm, call.args[0].target)
         body.meta[CHECKPOINT_PARENT] = (gm, call)
-        for inner, outer in zip(body.graph.find_nodes(op="placeholder"), call.args[1:], strict=False):
-            if isinstance(outer, torch.fx.Node) and parameter_of(outer) is not None:
-                source = base_of(outer)
-                inner.meta["grapharg"] = source.meta.get("grapharg")
-                if hasattr(source, "_dynamo_source"):
-                    inner._dynamo_source = source._dynamo_source
+        mark_parameters(zip(body.graph.find_nodes(op="placeholder"), call.args[1:], strict=False))
         found.append((body, call))
     return found
 
 
-def has_checkpoint_bodies(gm: torch.fx.GraphModule, ctx: CompileContext, kind: str) -> bool:
-    return bool(gm.graph.find_nodes(op="call_function", target=CHECKPOINT))
+def has_bodies(gm: torch.fx.GraphModule, ctx: CompileContext, kind: str) -> bool:
+    """Whether ``gm`` calls activation-checkpoint or Function bodies."""
+    targets = (CHECKPOINT, FUNCTION_APPLY)
+    return any(gm.graph.find_nodes(op="call_function", target=target) for target in targets)
 
 
-def forget_checkpoint_parents(gm: torch.fx.GraphModule, ctx: CompileContext) -> None:
-    """Take off the bodies the marks :func:`checkpoint_bodies` and :func:`graph_input` left.
+def forget_body_parents(gm: torch.fx.GraphModule, ctx: CompileContext) -> None:
+    """Take off the bodies the marks :func:`checkpoint_bodies`, :func:`function_bodies` and
+    :func:`graph_input` left.
 
     They point back into the parent graph, and AOT autograd keys its cache on a pickle of
     every submodule's ``meta``: with a cycle there it logged a pickling error and compiled
@@ -175,6 +200,7 @@ def forget_checkpoint_parents(gm: torch.fx.GraphModule, ctx: CompileContext) -> 
     for module in gm.modules():
         if isinstance(module, torch.fx.GraphModule):
             module.meta.pop(CHECKPOINT_PARENT, None)
+            module.meta.pop(FUNCTION_BODY, None)
             module.meta.pop(BODY_INPUTS, None)
 
 
@@ -215,13 +241,14 @@ def _subscripts(sublist: list) -> str:
 
 
 def kept_layers(gm: torch.fx.GraphModule, ctx: CompileContext) -> list[torch.fx.Node]:
-    """The layer calls to quantize, after ``exclude`` and ``keep_first_last``.
+    """The layer calls (products and Function calls) to quantize, after ``exclude`` and
+    ``keep_first_last``.
 
     Their operands are in ``call.args`` (input, weight, bias), wherever the user's
     code passed them by keyword.
     """
-    calls = [n for n in gm.graph.nodes if is_layer_call(n)]
-    for call in calls:
+    calls = [n for n in gm.graph.nodes if is_named_call(n)]
+    for call in filter(is_layer_call, calls):
         _operands_to_args(call)
     calls = [n for n in calls if not is_constant_beyond_fp32(n)]
     if ctx.config.attention == "off":
@@ -236,7 +263,7 @@ def is_constant_beyond_fp32(call: torch.fx.Node) -> bool:
     gradient: a table the model's code computes in float64 on purpose (the rotary-embedding
     angles of diffusers' Flux), which stays as written. A float64 product of a layer's
     weight or in the trained path is refused instead (:func:`check_operand_dtypes`)."""
-    operands = [call.args[i] for i in product_operands(call) if i < len(call.args)]
+    operands = [call.args[i] for i in product_operands(call) or () if i < len(call.args)]
     operands = [o for o in operands if isinstance(o, torch.fx.Node)]
     values = [o.meta.get("example_value") for o in operands]
     beyond = any(isinstance(v, torch.Tensor) and v.dtype == torch.float64 for v in values)
@@ -255,7 +282,7 @@ def warn_settings_without_effect(gm: torch.fx.GraphModule, ctx: CompileContext) 
     and the last (then every layer stays in higher precision), or ``attention="full"``
     with FlexAttention calls, which stay whole."""
     # (stacklevel 1: the user's frame is far up, under torch.compile's)
-    names = [layer_name(n) for n in gm.graph.nodes if is_layer_call(n)]
+    names = [layer_name(n) for n in gm.graph.nodes if is_named_call(n)]
     if unused := [p for p in ctx.config.exclude if not any(fnmatch.fnmatchcase(n, p) for n in names)]:
         message = f"lowprec: exclude patterns {unused} match no layer of a graph with layers {names}"
         warnings.warn(message, stacklevel=1)
@@ -272,6 +299,8 @@ def warn_settings_without_effect(gm: torch.fx.GraphModule, ctx: CompileContext) 
 
 
 def op_name(node: torch.fx.Node) -> str:
+    if is_function_call(node):
+        return "autograd.Function"
     return str(getattr(node.target, "__name__", node.target))
 
 
@@ -280,7 +309,7 @@ def record_kept_products(gm: torch.fx.GraphModule, ctx: CompileContext, calls: l
     config = ctx.config
     quantized = set(calls)
     for node in gm.graph.nodes:
-        if not is_layer_call(node) or node in quantized:
+        if not is_named_call(node) or node in quantized:
             continue
         elif is_constant_beyond_fp32(node):
             reason = FLOAT64_TABLE
@@ -318,7 +347,9 @@ def insert_quantize(gm: torch.fx.GraphModule, ctx: CompileContext) -> None:
     warn_float64_tables(gm, ctx)
     if ctx.config.quantizes:
         record_kept_products(gm, ctx, calls)
-    _quantize_calls(gm, ctx, calls)
+    _quantize_calls(gm, ctx, [call for call in calls if is_layer_call(call)])
+    for call in filter(is_function_call, calls):
+        _quantize_function(gm, ctx, call)
     for body, _ in checkpoint_bodies(gm):
         insert_quantize(body, ctx)
         body.graph.lint()
@@ -328,13 +359,15 @@ def insert_quantize(gm: torch.fx.GraphModule, ctx: CompileContext) -> None:
 
 def warn_unentered_subgraphs(gm: torch.fx.GraphModule, ctx: CompileContext) -> None:
     """Warn about products inside subgraphs of higher-order ops the pass does not enter
-    (all but activation checkpointing: ``torch.cond``, ``wrap``, ...): they run unrounded."""
+    (all but activation checkpointing and Functions: ``torch.cond``, ``wrap``, ...): they
+    run unrounded."""
     if not ctx.config.quantizes:
         return
     missed = []
     for node in gm.graph.find_nodes(op="get_attr"):
         sub = getattr(gm, node.target, None)
-        if not isinstance(sub, torch.fx.GraphModule) or any(u.target is CHECKPOINT for u in node.users):
+        entered = any(u.target in (CHECKPOINT, FUNCTION_APPLY) for u in node.users)
+        if not isinstance(sub, torch.fx.GraphModule) or entered:
             continue
         for inner in sub.graph.nodes:
             if is_layer_call(inner):
@@ -344,7 +377,8 @@ def warn_unentered_subgraphs(gm: torch.fx.GraphModule, ctx: CompileContext) -> N
     if missed:
         warnings.warn(
             "lowprec: products inside higher-order-op subgraphs stay in higher precision:"
-            f" {', '.join(missed)} (the quantize pass enters only activation-checkpoint bodies)",
+            f" {', '.join(missed)} (the quantize pass enters only activation-checkpoint and"
+            " autograd.Function bodies)",
             stacklevel=1,
         )
 
@@ -438,3 +472,88 @@ def _quantize_calls(gm: torch.fx.GraphModule, ctx: CompileContext, calls: list[t
             error = _insert(gm, ctx, output, Role.ERROR, layer, config.error, True)
             for user in users:
                 user.replace_input_with(output, error)
+
+
+def _quantize_function(gm: torch.fx.GraphModule, ctx: CompileContext, call: torch.fx.Node) -> None:
+    """Quantize the products of a custom ``torch.autograd.Function``, named after its call.
+
+    Its forward body rounds each product operand (weight if it reads a parameter, else
+    activation) at its base, the tensor before views, once. Its backward body rounds
+    operands computed from the outputs' gradients as errors and those read from saved
+    tensors with their forward role, a saved tensor the forward rounded with the forward's
+    random stream (the same bits). The gradient it returns for a parameter its forward
+    multiplies is rounded as a weight gradient.
+    """
+    config, layer = ctx.config, layer_name(call)
+    forward, backward = function_bodies(gm, call)
+    rounded = _round_body_operands(forward, ctx, layer, set(), {})
+    if torch.is_grad_enabled():  # (compiled under no_grad, its backward never runs)
+        spec = config.weight_grad
+        for index, inner in enumerate(forward.graph.find_nodes(op="placeholder")[: len(call.args) - 2], 2):
+            weight = inner in rounded and rounded[inner].role == Role.WEIGHT.value
+            if spec.enabled and weight and needs_grad(arg := call.args[index]):
+                call.update_arg(index, _insert(gm, ctx, arg, Role.WEIGHT_GRAD, layer, spec, True, call))
+        grads, saved = backward_inputs(forward, backward)
+        pairs = zip(saved, saved_values(forward), strict=True)
+        reuse = {inner: rounded[outer] for inner, outer in pairs if outer in rounded}
+        _round_body_operands(backward, ctx, layer, from_gradients(backward, grads), reuse)
+    for body in (forward, backward):
+        warn_unentered_subgraphs(body, ctx)
+        body.graph.lint()
+        body.recompile()
+
+
+def _round_body_operands(
+    body: torch.fx.GraphModule,
+    ctx: CompileContext,
+    layer: str,
+    errors: set[torch.fx.Node],
+    reuse: dict[torch.fx.Node, Site],
+) -> dict[torch.fx.Node, Site]:
+    """Round the float operands of every product of a Function body at their bases (the
+    tensors their views read): a base in ``errors`` as an error, one that reads a parameter
+    as a weight, else as an activation; a base in ``reuse`` with that site. The products
+    read views of the rounded bases. Returns each rounded base's site."""
+    rounded: dict[torch.fx.Node, torch.fx.Node] = {}
+    sites: dict[torch.fx.Node, Site] = {}
+    for call in [n for n in body.graph.nodes if is_layer_call(n)]:
+        _operands_to_args(call)
+        check_operand_dtypes(call)
+        for index in product_operands(call):
+            operand = call.args[index] if index < len(call.args) else None
+            if not isinstance(operand, torch.fx.Node) or not _is_float(operand):
+                continue
+            base = base_of(operand)
+            weight = parameter_of(base) is not None
+            role = Role.ERROR if base in errors else Role.WEIGHT if weight else Role.ACTIVATION
+            spec = ctx.config.spec(role)
+            if not spec.enabled:
+                continue
+            if base not in rounded:
+                rounded[base] = _insert(body, ctx, base, role, layer, spec, False, call, reuse.get(base))
+                sites[base] = ctx.sites[rounded[base].args[5]]
+            call.update_arg(index, _views_of(body, operand, base, rounded[base], call))
+    return sites
+
+
+def _is_float(node: torch.fx.Node) -> bool:
+    value = node.meta.get("example_value")
+    return isinstance(value, torch.Tensor) and value.is_floating_point()
+
+
+def _views_of(
+    gm: torch.fx.GraphModule,
+    operand: torch.fx.Node,
+    base: torch.fx.Node,
+    value: torch.fx.Node,
+    before: torch.fx.Node,
+) -> torch.fx.Node:
+    """``operand``'s views of ``base`` taken of ``value`` instead, right before ``before``."""
+    chain = [operand]
+    while chain[-1] is not base:
+        chain.append(chain[-1].args[0])
+    copies = {base: value}
+    for view in reversed(chain[:-1]):
+        with gm.graph.inserting_before(before):
+            copies[view] = gm.graph.node_copy(view, lambda node: copies.get(node, node))
+    return copies[operand]
