@@ -39,3 +39,14 @@ def test_coverage_lists_rounded_roles_and_the_reason_for_each_kept_product():
     kept = {row.op: row.kept for row in rows.values() if row.kept}
     assert kept["scaled_dot_product_attention"] == "attention='off'"
     assert lpcompile.coverage(nn.Linear(2, 2)) == []  # a model never compiled
+
+
+def test_a_graph_compiled_under_no_grad_lists_no_backward_roles():
+    """Its products have no backward: no error or weight gradient is listed as rounded."""
+    model = Mixed()
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="lowprec", options={"recipe": "fp8-e5m2-sr", "executor": "eager"})
+    with torch.no_grad():
+        compiled(torch.randn(2, 8))
+    rows = {row.layer: row.quantized for row in lpcompile.coverage(model)}
+    assert rows["first"] == {"activation": "e5m2 nearest saturate", "weight": "e5m2 nearest saturate"}, rows

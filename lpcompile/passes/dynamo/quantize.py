@@ -432,7 +432,7 @@ def _quantize_operand(
     config = ctx.config
     weight = computed_weight or parameter_of(operand) is not None
     value = operand
-    if weight and config.weight_grad.enabled and needs_grad(operand):
+    if weight and config.weight_grad.enabled and needs_grad(operand) and torch.is_grad_enabled():
         value = _insert(gm, ctx, value, Role.WEIGHT_GRAD, layer, config.weight_grad, True, before)
     role = Role.WEIGHT if weight else Role.ACTIVATION
     if config.spec(role).enabled:
@@ -467,7 +467,8 @@ def _quantize_calls(gm: torch.fx.GraphModule, ctx: CompileContext, calls: list[t
             value = _quantize_operand(gm, ctx, operand, layer, call, operand in computed)
             if value is not operand:
                 call.update_arg(index, value)
-        if config.error.enabled and (output := product_output(call)) is not None:
+        # (a graph compiled under no_grad has no backward: Dynamo guards on the grad mode)
+        if config.error.enabled and torch.is_grad_enabled() and (output := product_output(call)) is not None:
             users = list(output.users)
             error = _insert(gm, ctx, output, Role.ERROR, layer, config.error, True)
             for user in users:
