@@ -40,6 +40,7 @@ from lpcompile.passes.aot import AOT_PASSES
 from lpcompile.passes.aot.layout import prefers_contiguous_layout
 from lpcompile.passes.driver import CompileContext, applicable, run_passes
 from lpcompile.passes.dynamo import DYNAMO_PASSES
+from lpcompile.passes.dynamo.regions import has_regions, write_out_regions
 from lpcompile.passes.graph import (
     ROOT_PATH,
     is_layer_call,
@@ -77,8 +78,11 @@ def graph_stream(gm: torch.fx.GraphModule) -> int:
     It depends on the model alone, not on what the process compiled before nor on the
     sizes Dynamo made symbolic: a recompile for new shapes keeps the stream (and its
     call count), the same model and seed give the same bits in any process, and
-    Inductor's cache keys stay stable. A graph without layers hashes its code.
+    Inductor's cache keys stay stable. A graph without layers hashes its code. Nested
+    compile regions count as written out: decorating a block keeps its bits.
     """
+    if has_regions(gm):
+        gm = write_out_regions(own_copy(gm))
     layers = []
     for node in filter(is_layer_call, gm.graph.nodes):
         operands = [a for a in node.args[:2] if isinstance(a, torch.fx.Node)]

@@ -17,6 +17,7 @@ from lpcompile.passes.dynamo.quantize import (
     insert_quantize,
 )
 from lpcompile.passes.dynamo.recurrent import RECURRENT, decompose_recurrent_layers
+from lpcompile.passes.dynamo.regions import has_regions, inline_nested_regions
 from lpcompile.passes.dynamo.saturation import counts_saturation, insert_saturation_counts
 from lpcompile.passes.graph import find_calls
 from lpcompile.passes.stages import is_pipe_split
@@ -25,6 +26,10 @@ from lpcompile.passes.stages import is_pipe_split
 def rewrites(gm: torch.fx.GraphModule, ctx: CompileContext, kind: str) -> bool:
     """A recipe that quantizes, or a pipeline."""
     return ctx.config.quantizes or ctx.config.pipeline is not None
+
+
+def has_nested_regions(gm: torch.fx.GraphModule, ctx: CompileContext, kind: str) -> bool:
+    return rewrites(gm, ctx, kind) and has_regions(gm)
 
 
 def has_multihead_attention(gm: torch.fx.GraphModule, ctx: CompileContext, kind: str) -> bool:
@@ -60,6 +65,7 @@ def has_stage_markers(gm: torch.fx.GraphModule, ctx: CompileContext, kind: str) 
 
 
 DYNAMO_PASSES = (
+    Pass(inline_nested_regions, has_nested_regions),
     Pass(flatten_einsum_operands, has_einsum),
     Pass(write_matrix_chains, has_matrix_chains),
     Pass(decompose_multihead_attention, has_multihead_attention),
