@@ -12,6 +12,9 @@ from torch import nn
 from torch.nn import functional as F
 from torch.nn.utils import prune
 
+import lpcompile
+from lpcompile.passes.dynamo.quantize import OPAQUE
+
 OPTIONS = {"recipe": "fp8-e5m2-sr", "executor": "eager"}
 
 
@@ -285,3 +288,49 @@ def test_einsum_forms_compute_torch_einsum_of_rounded_operands():
     for out in outs[:3]:
         assert torch.equal(out, want)
     assert outs[3].shape == (6, 4) and torch.equal(outs[3], want.T)
+
+
+@torch.library.custom_op("lowprec_test::fused_mm", mutates_args=())
+def fused_mm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """A library's fused product: its matmul runs inside the operator."""
+    return torch.relu(x @ w.t())
+
+
+@fused_mm.register_fake
+def _(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return x.new_empty(x.shape[0], w.shape[0])
+
+
+@torch.library.custom_op("lowprec_test::double", mutates_args=())
+def double(x: torch.Tensor) -> torch.Tensor:
+    return x * 2
+
+
+@double.register_fake
+def _(x: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
+class LibraryOps(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.w = nn.Parameter(torch.randn(8, 8) / 3)
+        self.head = nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(double(fused_mm(x, self.w)))
+
+
+def test_custom_operators_that_may_multiply_warn_and_are_listed():
+    """lowprec cannot see inside another library's operator: one of two float tensors, which
+    may multiply them, is named in a warning and in coverage; one of one tensor is not."""
+    model = LibraryOps()
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="lowprec", options=OPTIONS)
+    warning = r"custom operators run as they are: lowprec_test::fused_mm in"
+    with pytest.warns(UserWarning, match=warning) as caught, torch.no_grad():  # (no autograd formulas)
+        compiled(torch.randn(4, 8))
+    assert not [w for w in caught if "lowprec_test::double" in str(w.message)]
+    kept = [(row.op, row.kept) for row in lpcompile.coverage(model) if row.kept]
+    assert kept == [("lowprec_test::fused_mm", OPAQUE)]

@@ -355,6 +355,49 @@ def insert_quantize(gm: torch.fx.GraphModule, ctx: CompileContext) -> None:
         body.graph.lint()
         body.recompile()
     warn_unentered_subgraphs(gm, ctx)
+    warn_opaque_operators(gm, ctx)
+
+
+# Operator namespaces of torch's own ops, lowprec's, and the collectives DDP and FSDP2 add
+TORCH_NAMESPACES = {
+    *("aten", "prims", "lowprec", "inductor", "profiler", "streams"),
+    *("c10d", "c10d_functional", "_c10d_functional", "_dtensor", "fsdp"),
+}
+OPAQUE = "a custom operator: any product inside it, forward or backward, runs unrounded"
+
+
+def _library_operator(node: torch.fx.Node) -> str | None:
+    """The qualified name of the operator ``node`` calls (``aten::mm``), if it calls one."""
+    if node.op != "call_function":
+        return None
+    if isinstance(node.target, torch._ops.OpOverload):
+        return node.target.name()
+    if isinstance(node.target, torch._ops.OpOverloadPacket):
+        return node.target._qualified_op_name
+    return None
+
+
+def warn_opaque_operators(gm: torch.fx.GraphModule, ctx: CompileContext) -> None:
+    """Warn about calls of other libraries' operators (``torch.library``) that take two or
+    more float tensors: whatever they multiply runs inside them, unrounded."""
+    if not ctx.config.quantizes:
+        return
+    found = []
+    for node in gm.graph.nodes:
+        name = _library_operator(node)
+        if name is None or is_layer_call(node) or name.split("::")[0] in TORCH_NAMESPACES:
+            continue
+        if len([n for n in node.all_input_nodes if _is_float(n)]) < 2:
+            continue
+        found.append(f"{name} in {layer_name(node)!r}")
+        ctx.kept.append(KeptProduct(layer_name(node), name, OPAQUE))
+    if found:
+        warnings.warn(
+            f"lowprec: custom operators run as they are: {', '.join(found)}; lowprec cannot see"
+            " inside them, so any product they compute, forward or backward, is not rounded"
+            " (written with torch ops, in a module or a torch.autograd.Function, it would be)",
+            stacklevel=1,
+        )
 
 
 def warn_unentered_subgraphs(gm: torch.fx.GraphModule, ctx: CompileContext) -> None:
@@ -500,6 +543,7 @@ def _quantize_function(gm: torch.fx.GraphModule, ctx: CompileContext, call: torc
         _round_body_operands(backward, ctx, layer, from_gradients(backward, grads), reuse)
     for body in (forward, backward):
         warn_unentered_subgraphs(body, ctx)
+        warn_opaque_operators(body, ctx)
         body.graph.lint()
         body.recompile()
 
