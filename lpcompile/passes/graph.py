@@ -77,6 +77,9 @@ INDEX_CASTS = {torch.ops.aten._to_copy.default, torch.ops.prims.convert_element_
 CHECKPOINT = torch.ops.higher_order.tag_activation_checkpoint
 # A custom torch.autograd.Function Dynamo traced: (forward body, backward body, *inputs)
 FUNCTION_APPLY = torch.ops.higher_order.autograd_function_apply
+COND = torch.ops.higher_order.cond  # (predicate, true branch, false branch, operands)
+# the positions of the bodies in the calls of the higher-order ops the passes enter
+BODIES = {CHECKPOINT: slice(0, 1), FUNCTION_APPLY: slice(0, 2), COND: slice(1, 3)}
 LAYER_NAME = "lowprec_layer_name"  # node.meta key: a layer call's name, once its graph is named
 # GraphModule.meta key: the FQN, in the compiled model, of the module a graph's frame calls
 # ``self``, where that is not the model itself (a frame compiled apart after a graph break)
@@ -229,14 +232,13 @@ def _name_module_layers(graph: torch.fx.Graph) -> None:
 
 def with_bodies(gm: torch.fx.GraphModule) -> list[torch.fx.GraphModule]:
     """``gm`` and the bodies it calls (activation checkpoints, Functions' forward and
-    backward), theirs too: a pass that rewrites calls enters them (each call is one opaque
-    node of ``gm``)."""
+    backward, ``torch.cond``'s branches), theirs too: a pass that rewrites calls enters them
+    (each call is one opaque node of ``gm``)."""
     graphs = [gm]
     for call in gm.graph.nodes:
-        if call.op != "call_function" or call.target not in (CHECKPOINT, FUNCTION_APPLY):
-            continue
-        for body in call.args[: 1 if call.target is CHECKPOINT else 2]:
-            graphs += with_bodies(getattr(gm, body.target))
+        if call.op == "call_function" and call.target in BODIES:
+            for body in call.args[BODIES[call.target]]:
+                graphs += with_bodies(getattr(gm, body.target))
     return graphs
 
 

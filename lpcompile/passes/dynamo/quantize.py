@@ -40,9 +40,10 @@ from lpcompile.passes.dynamo.functions import (
     saved_values,
 )
 from lpcompile.passes.graph import (
+    BODIES,
     CHECKPOINT,
+    COND,
     FLEX_ATTENTION,
-    FUNCTION_APPLY,
     OPERAND_NAMES,
     base_of,
     computed_from_parameters,
@@ -65,6 +66,7 @@ SEED_INPUT = "lowprec_seed"
 FLEX_FULL = "does not write FlexAttention out"
 FLOAT64_TABLE = "the model computes it in float64, and no gradient flows through it"
 CHECKPOINT_PARENT = "lowprec_checkpoint_parent"  # GraphModule.meta key of a body: (parent, call)
+COND_PARENT = "lowprec_cond_parent"  # GraphModule.meta key of a torch.cond branch: (parent, call)
 BODY_INPUTS = "lowprec_body_inputs"  # GraphModule.meta key of a body: {name: its input of lowprec's own}
 
 
@@ -122,10 +124,22 @@ def graph_input(
     and rounds with the same bits, as the forward), a Function's forward body's, or one its
     forward body saves for its backward body."""
     checkpoint, function = gm.meta.get(CHECKPOINT_PARENT), gm.meta.get(FUNCTION_BODY)
-    if checkpoint is None and function is None:
+    cond = gm.meta.get(COND_PARENT)
+    if checkpoint is None and function is None and cond is None:
         return ctx.add_input(gm, name, example)
     inputs = gm.meta.setdefault(BODY_INPUTS, {})
     if name in inputs:
+        return inputs[name]
+    if cond is not None:  # one more operand, an input of both branches
+        parent_gm, call = cond
+        outer = graph_input(parent_gm, ctx, name, example)
+        call.update_arg(3, (*call.args[3], outer))
+        for holder in call.args[1:3]:
+            branch = getattr(parent_gm, holder.target)
+            with branch.graph.inserting_after(branch.graph.find_nodes(op="placeholder")[-1]):
+                node = branch.graph.placeholder(name)
+            node.meta["example_value"] = outer.meta.get("example_value")
+            branch.meta.setdefault(BODY_INPUTS, {})[name] = node
         return inputs[name]
     if function is not None:
         parent_gm, call, phase = function
@@ -183,10 +197,22 @@ def checkpoint_bodies(gm: torch.fx.GraphModule) -> list[tuple[torch.fx.GraphModu
     return found
 
 
+def cond_branches(gm: torch.fx.GraphModule) -> list[tuple[torch.fx.GraphModule, torch.fx.Node]]:
+    """The ``torch.cond`` branches ``gm`` calls, with their calls, each marked with its parent
+    and its inputs' parameters (Dynamo gives each branch a module of its own)."""
+    found = []
+    for call in gm.graph.find_nodes(op="call_function", target=COND):
+        for holder in call.args[1:3]:
+            branch = getattr(gm, holder.target)
+            branch.meta[COND_PARENT] = (gm, call)
+            mark_parameters(zip(branch.graph.find_nodes(op="placeholder"), call.args[3], strict=False))
+            found.append((branch, call))
+    return found
+
+
 def has_bodies(gm: torch.fx.GraphModule, ctx: CompileContext, kind: str) -> bool:
-    """Whether ``gm`` calls activation-checkpoint or Function bodies."""
-    targets = (CHECKPOINT, FUNCTION_APPLY)
-    return any(gm.graph.find_nodes(op="call_function", target=target) for target in targets)
+    """Whether ``gm`` calls activation-checkpoint, Function or ``torch.cond`` bodies."""
+    return any(gm.graph.find_nodes(op="call_function", target=target) for target in BODIES)
 
 
 def forget_body_parents(gm: torch.fx.GraphModule, ctx: CompileContext) -> None:
@@ -200,6 +226,7 @@ def forget_body_parents(gm: torch.fx.GraphModule, ctx: CompileContext) -> None:
     for module in gm.modules():
         if isinstance(module, torch.fx.GraphModule):
             module.meta.pop(CHECKPOINT_PARENT, None)
+            module.meta.pop(COND_PARENT, None)
             module.meta.pop(FUNCTION_BODY, None)
             module.meta.pop(BODY_INPUTS, None)
 
@@ -350,8 +377,10 @@ def insert_quantize(gm: torch.fx.GraphModule, ctx: CompileContext) -> None:
     _quantize_calls(gm, ctx, [call for call in calls if is_layer_call(call)])
     for call in filter(is_function_call, calls):
         _quantize_function(gm, ctx, call)
-    for body, _ in checkpoint_bodies(gm):
+    branches = cond_branches(gm)
+    for body, _ in checkpoint_bodies(gm) + branches:
         insert_quantize(body, ctx)
+    for body, _ in checkpoint_bodies(gm) + branches:  # (a branch may get its sibling's inputs)
         body.graph.lint()
         body.recompile()
     warn_unentered_subgraphs(gm, ctx)
@@ -409,7 +438,7 @@ def warn_unentered_subgraphs(gm: torch.fx.GraphModule, ctx: CompileContext) -> N
     missed = []
     for node in gm.graph.find_nodes(op="get_attr"):
         sub = getattr(gm, node.target, None)
-        entered = any(u.target in (CHECKPOINT, FUNCTION_APPLY) for u in node.users)
+        entered = any(u.target in BODIES for u in node.users)
         if not isinstance(sub, torch.fx.GraphModule) or entered:
             continue
         for inner in sub.graph.nodes:
@@ -420,8 +449,8 @@ def warn_unentered_subgraphs(gm: torch.fx.GraphModule, ctx: CompileContext) -> N
     if missed:
         warnings.warn(
             "lowprec: products inside higher-order-op subgraphs stay in higher precision:"
-            f" {', '.join(missed)} (the quantize pass enters only activation-checkpoint and"
-            " autograd.Function bodies)",
+            f" {', '.join(missed)} (the quantize pass enters only activation-checkpoint,"
+            " autograd.Function and torch.cond bodies)",
             stacklevel=1,
         )
 

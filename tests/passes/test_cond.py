@@ -1,0 +1,88 @@
+"""``torch.cond``: the quantize pass enters both branches; the branch taken computes with
+rounded operands, errors and weight gradients (torch's own casts as the reference)."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from conftest import float_bits
+from grid import on_e5m2_grid
+from torch import nn
+
+import lpcompile
+
+SR_EVERYWHERE = {
+    "recipe": "fp8-e5m2-sr",
+    "executor": "eager",
+    "weight": {"rounding": "stochastic"},
+    "activation": {"rounding": "stochastic"},
+}
+
+
+class Branches(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cond(x.sum() > 0, lambda x: self.a(x), lambda x: 2 * self.b(x), (x,))
+
+
+def e5(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().to(torch.float8_e5m2).float()
+
+
+def run(model: nn.Module, x: torch.Tensor, c: torch.Tensor, options: dict) -> torch.Tensor:
+    torch._dynamo.reset()
+    y = torch.compile(model, backend="lowprec", options=options)(x)
+    (y * c).sum().backward()
+    return y
+
+
+@pytest.mark.parametrize("sign", [1, -1])
+def test_the_branch_taken_matches_a_hand_written_reference(sign):
+    model = Branches()
+    x = (torch.randn(4, 8) + sign).requires_grad_()
+    c = torch.randn(4, 8)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        y = run(model, x, c, {"recipe": "fp8-e5m2", "executor": "eager"})
+    layer, factor = (model.a, 1.0) if sign > 0 else (model.b, 2.0)
+    w = layer.weight
+    error = e5(factor * c)
+    expected = {
+        "output": factor * (e5(x) @ e5(w).t() + layer.bias.detach()),
+        "input grad": error @ e5(w),
+        "weight grad": e5(error.t() @ e5(x)),
+    }
+    for label, got in (("output", y), ("input grad", x.grad), ("weight grad", w.grad)):
+        assert torch.equal(float_bits(got.detach()), float_bits(expected[label])), label
+    assert not [w for w in caught if "lowprec" in str(w.message)]
+    rows = {row.layer: row for row in lpcompile.coverage(model)}
+    assert set(rows) == {"a", "b"} and not any(row.kept for row in rows.values())
+    assert set(rows["a"].quantized) == {"activation", "weight", "error", "weight_grad"}
+
+
+def test_stochastic_rounding_reads_the_seed_in_a_branch():
+    """The seed reaches both branches (one operand more): the branch rounds the input
+    stochastically, so its output is not the nearest-even one; the weight gradient leaves
+    on the grid."""
+    model = Branches()
+    x, c = (torch.randn(4, 8) + 1).requires_grad_(), torch.randn(4, 8)
+    y = run(model, x, c, SR_EVERYWHERE)
+    nearest = e5(x) @ e5(model.a.weight).t() + model.a.bias.detach()
+    assert not torch.equal(y.detach(), nearest)
+    assert on_e5m2_grid(model.a.weight.grad) and not on_e5m2_grid(model.a.bias.grad)
+    sites = [row for row in lpcompile.coverage(model) if row.layer == "a"]
+    assert len(sites) == 1 and len(sites[0].quantized) == 4
+
+
+def test_adaptive_scaling_warns_that_branch_layers_get_no_scale():
+    model = Branches()
+    x = (torch.randn(4, 8) + 1).requires_grad_()
+    with pytest.warns(UserWarning, match=r"torch.cond branches get no adaptive loss scale.*\['a', 'b'\]"):
+        run(model, x, torch.randn(4, 8), {"recipe": "fp8-e5m2-als", "executor": "eager"})
+    assert on_e5m2_grid(model.a.weight.grad)
