@@ -323,6 +323,14 @@ def parameter_of(node: torch.fx.Node) -> torch.nn.Parameter | None:
     return example if isinstance(example, torch.nn.Parameter) else None
 
 
+def append_input(gm: torch.fx.GraphModule, name: str, like: torch.fx.Node) -> torch.fx.Node:
+    """A new last input of ``gm`` named ``name``, with the example value of ``like``."""
+    with gm.graph.inserting_after(gm.graph.find_nodes(op="placeholder")[-1]):
+        node = gm.graph.placeholder(name)
+    node.meta["example_value"] = like.meta.get("example_value")
+    return node
+
+
 def mark_parameters(pairs: Iterable[tuple[torch.fx.Node, Any]]) -> None:
     """Give each input of a body (a subgraph another graph calls) that reads a parameter, in
     ``pairs`` of (the body's input, what its caller passes it), the parameter's Dynamo record,

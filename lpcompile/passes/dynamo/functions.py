@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 import torch.fx
 
-from lpcompile.passes.graph import mark_parameters
+from lpcompile.passes.graph import append_input, mark_parameters
 
 FUNCTION_BODY = "lowprec_function_body"  # GraphModule.meta key of a body: (parent, call, phase)
 FORWARD, BACKWARD = "forward", "backward"
@@ -63,9 +63,7 @@ def pass_to_forward(
 ) -> torch.fx.Node:
     """Pass ``outer`` (a node of the caller) to the forward body as a new last input, which
     gets no gradient; the forward body's node for it."""
-    with forward.graph.inserting_after(forward.graph.find_nodes(op="placeholder")[-1]):
-        inner = forward.graph.placeholder(outer.name)
-    inner.meta["example_value"] = outer.meta.get("example_value")
+    inner = append_input(forward, outer.name, outer)
     call.args = (*call.args, outer)
     backward = getattr(call.graph.owning_module, call.args[1].target)
     (output,) = backward.graph.find_nodes(op="output")
@@ -81,7 +79,4 @@ def pass_to_backward(
     (output,) = forward.graph.find_nodes(op="output")
     outputs, saved = output.args[0]
     output.args = ((outputs, (*saved, inner)),)
-    with backward.graph.inserting_after(backward.graph.find_nodes(op="placeholder")[-1]):
-        node = backward.graph.placeholder(inner.name)
-    node.meta["example_value"] = inner.meta.get("example_value")
-    return node
+    return append_input(backward, inner.name, inner)

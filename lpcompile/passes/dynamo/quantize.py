@@ -45,6 +45,7 @@ from lpcompile.passes.graph import (
     COND,
     FLEX_ATTENTION,
     OPERAND_NAMES,
+    append_input,
     base_of,
     computed_from_parameters,
     find_calls,
@@ -121,40 +122,34 @@ def graph_input(
     """Lowprec's own input ``name`` (the step's seed, the adaptive scales) in ``gm``: the
     Dynamo graph's (``ctx.add_input``), or, in a body, an input its call passes it to: an
     activation-checkpoint body's (so the recomputation in the backward reads the same seed,
-    and rounds with the same bits, as the forward), a Function's forward body's, or one its
-    forward body saves for its backward body."""
-    checkpoint, function = gm.meta.get(CHECKPOINT_PARENT), gm.meta.get(FUNCTION_BODY)
-    cond = gm.meta.get(COND_PARENT)
-    if checkpoint is None and function is None and cond is None:
+    and rounds with the same bits, as the forward), both ``torch.cond`` branches' (one more
+    operand), a Function's forward body's, or one its forward body saves for its backward
+    body."""
+    checkpoint, cond, function = (gm.meta.get(k) for k in (CHECKPOINT_PARENT, COND_PARENT, FUNCTION_BODY))
+    if checkpoint is None and cond is None and function is None:
         return ctx.add_input(gm, name, example)
     inputs = gm.meta.setdefault(BODY_INPUTS, {})
     if name in inputs:
         return inputs[name]
-    if cond is not None:  # one more operand, an input of both branches
+    if checkpoint is not None:
+        parent_gm, call = checkpoint
+        outer = graph_input(parent_gm, ctx, name, example)
+        inputs[name] = append_input(gm, name, outer)
+        call.args = (*call.args, outer)
+    elif cond is not None:
         parent_gm, call = cond
         outer = graph_input(parent_gm, ctx, name, example)
         call.update_arg(3, (*call.args[3], outer))
         for holder in call.args[1:3]:
             branch = getattr(parent_gm, holder.target)
-            with branch.graph.inserting_after(branch.graph.find_nodes(op="placeholder")[-1]):
-                node = branch.graph.placeholder(name)
-            node.meta["example_value"] = outer.meta.get("example_value")
-            branch.meta.setdefault(BODY_INPUTS, {})[name] = node
-        return inputs[name]
-    if function is not None:
+            branch.meta.setdefault(BODY_INPUTS, {})[name] = append_input(branch, name, outer)
+    else:
         parent_gm, call, phase = function
         forward = getattr(parent_gm, call.args[0].target)
         if phase == BACKWARD:
             inputs[name] = pass_to_backward(forward, gm, graph_input(forward, ctx, name, example))
         else:
             inputs[name] = pass_to_forward(forward, call, graph_input(parent_gm, ctx, name, example))
-        return inputs[name]
-    parent_gm, call = checkpoint
-    outer = graph_input(parent_gm, ctx, name, example)
-    with gm.graph.inserting_after(gm.graph.find_nodes(op="placeholder")[-1]):
-        inputs[name] = gm.graph.placeholder(name)
-    inputs[name].meta["example_value"] = outer.meta.get("example_value")
-    call.args = (*call.args, outer)
     return inputs[name]
 
 
@@ -216,8 +211,8 @@ def has_bodies(gm: torch.fx.GraphModule, ctx: CompileContext, kind: str) -> bool
 
 
 def forget_body_parents(gm: torch.fx.GraphModule, ctx: CompileContext) -> None:
-    """Take off the bodies the marks :func:`checkpoint_bodies`, :func:`function_bodies` and
-    :func:`graph_input` left.
+    """Take off the bodies the marks :func:`checkpoint_bodies`, :func:`cond_branches`,
+    :func:`function_bodies` and :func:`graph_input` left.
 
     They point back into the parent graph, and AOT autograd keys its cache on a pickle of
     every submodule's ``meta``: with a cycle there it logged a pickling error and compiled
@@ -429,17 +424,16 @@ def warn_opaque_operators(gm: torch.fx.GraphModule, ctx: CompileContext) -> None
         )
 
 
-def warn_unentered_subgraphs(gm: torch.fx.GraphModule, ctx: CompileContext) -> None:
+def warn_unentered_subgraphs(gm: torch.fx.GraphModule, ctx: CompileContext, entered=BODIES) -> None:
     """Warn about products inside subgraphs of higher-order ops the pass does not enter
-    (all but activation checkpointing and Functions: ``torch.cond``, ``wrap``, ...): they
-    run unrounded."""
+    (all but activation checkpoints, Functions and ``torch.cond``: ``map``, ``scan``, ...;
+    in a Function's bodies, none): they run unrounded."""
     if not ctx.config.quantizes:
         return
     missed = []
     for node in gm.graph.find_nodes(op="get_attr"):
         sub = getattr(gm, node.target, None)
-        entered = any(u.target in BODIES for u in node.users)
-        if not isinstance(sub, torch.fx.GraphModule) or entered:
+        if not isinstance(sub, torch.fx.GraphModule) or any(u.target in entered for u in node.users):
             continue
         for inner in sub.graph.nodes:
             if is_layer_call(inner):
@@ -571,7 +565,7 @@ def _quantize_function(gm: torch.fx.GraphModule, ctx: CompileContext, call: torc
         reuse = {inner: rounded[outer] for inner, outer in pairs if outer in rounded}
         _round_body_operands(backward, ctx, layer, from_gradients(backward, grads), reuse)
     for body in (forward, backward):
-        warn_unentered_subgraphs(body, ctx)
+        warn_unentered_subgraphs(body, ctx, entered=())
         warn_opaque_operators(body, ctx)
         body.graph.lint()
         body.recompile()
