@@ -16,6 +16,13 @@ from lpcompile.backend import lowprec
 from lpcompile.backend.distributed import LOWPREC_BACKEND
 
 aten = torch.ops.aten
+# Stochastic rounding on every role: bits that show which random stream a rounding used
+SR_EVERYWHERE = {
+    "recipe": "fp8-e5m2-sr",
+    "executor": "eager",
+    "weight": {"rounding": "stochastic"},
+    "activation": {"rounding": "stochastic"},
+}
 # ATen product -> the positions of its multiplied operands (SDPA: q, k, v; its backward
 # also the error entering it)
 PRODUCTS = {

@@ -75,6 +75,17 @@ class Ref:
         return self.qg(fn(x, weight, *args, **kwargs))
 
 
+class ResidualBlock(nn.Module):
+    """``x + b(relu(a(x)))``: the block the checkpoint and nested-region tests repeat."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.b(torch.relu(self.a(x)))
+
+
 def mlp(seed: int = 0) -> nn.Sequential:
     """Linear-ReLU-Linear: layers "0" and "2"."""
     torch.manual_seed(seed)

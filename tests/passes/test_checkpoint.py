@@ -7,8 +7,8 @@ from collections import defaultdict
 
 import pytest
 import torch
-from grid import grid_step, watched_backend
-from models import Records, aot_cache_counts
+from grid import SR_EVERYWHERE, grid_step, watched_backend
+from models import Records, ResidualBlock, aot_cache_counts
 from torch import nn
 from torch._higher_order_ops.map import map as map_over
 from torch.nn import functional as F
@@ -18,22 +18,6 @@ from torch.utils.checkpoint import checkpoint
 import lpcompile
 from lpcompile.backend import lowprec
 
-SR_EVERYWHERE = {
-    "recipe": "fp8-e5m2-sr",
-    "executor": "eager",
-    "weight": {"rounding": "stochastic"},
-    "activation": {"rounding": "stochastic"},
-}
-
-
-class Block(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.b(torch.relu(self.a(x)))
-
 
 class Checkpointed(nn.Module):
     """A residual MLP whose blocks are checkpointed, as memory-bound training does."""
@@ -41,7 +25,7 @@ class Checkpointed(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         torch.manual_seed(0)
-        self.blocks = nn.ModuleList([Block(), Block()])
+        self.blocks = nn.ModuleList([ResidualBlock(), ResidualBlock()])
         self.head = nn.Linear(8, 2)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -8,17 +8,10 @@ import warnings
 import pytest
 import torch
 from conftest import float_bits
-from grid import on_e5m2_grid
+from grid import SR_EVERYWHERE, on_e5m2_grid
 from torch import nn
 
 import lpcompile
-
-SR_EVERYWHERE = {
-    "recipe": "fp8-e5m2-sr",
-    "executor": "eager",
-    "weight": {"rounding": "stochastic"},
-    "activation": {"rounding": "stochastic"},
-}
 
 
 class Branches(nn.Module):

@@ -9,7 +9,7 @@ import warnings
 import pytest
 import torch
 from conftest import float_bits
-from grid import GridCheck, grid_step, on_e5m2_grid, watched_backend
+from grid import SR_EVERYWHERE, GridCheck, grid_step, on_e5m2_grid, watched_backend
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import checkpoint
@@ -17,12 +17,6 @@ from torch.utils.checkpoint import checkpoint
 import lpcompile
 
 aten = torch.ops.aten
-SR_EVERYWHERE = {
-    "recipe": "fp8-e5m2-sr",
-    "executor": "eager",
-    "weight": {"rounding": "stochastic"},
-    "activation": {"rounding": "stochastic"},
-}
 
 
 class LinearFunction(torch.autograd.Function):

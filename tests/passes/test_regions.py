@@ -8,36 +8,21 @@ import warnings
 import pytest
 import torch
 from conftest import float_bits
-from grid import grid_step
+from grid import SR_EVERYWHERE, grid_step
+from models import ResidualBlock
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import lpcompile
 
-SR_EVERYWHERE = {
-    "recipe": "fp8-e5m2-sr",
-    "executor": "eager",
-    "weight": {"rounding": "stochastic"},
-    "activation": {"rounding": "stochastic"},
-}
 
-
-class Block(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.b(torch.relu(self.a(x)))
-
-
-class RegionBlock(Block):
+class RegionBlock(ResidualBlock):
     @torch.compiler.nested_compile_region
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return super().forward(x)
 
 
-class CheckpointedBlock(Block):
+class CheckpointedBlock(ResidualBlock):
     """A region may hold a checkpoint body: each call gets a body of its own."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -83,8 +68,8 @@ def test_regions_are_written_out_on_the_grid():
 @pytest.mark.parametrize(
     "executor, blocks",
     [
-        ("eager", (RegionBlock, Block)),
-        ("inductor", (RegionBlock, Block)),
+        ("eager", (RegionBlock, ResidualBlock)),
+        ("inductor", (RegionBlock, ResidualBlock)),
         ("eager", (RegionCheckpointedBlock, CheckpointedBlock)),
     ],
 )
