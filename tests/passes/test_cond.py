@@ -3,6 +3,7 @@ rounded operands, errors and weight gradients (torch's own casts as the referenc
 
 from __future__ import annotations
 
+import math
 import warnings
 
 import pytest
@@ -73,9 +74,25 @@ def test_stochastic_rounding_reads_the_seed_in_a_branch():
     assert len(sites) == 1 and len(sites[0].quantized) == 4
 
 
-def test_adaptive_scaling_warns_that_branch_layers_get_no_scale():
-    model = Branches()
-    x = (torch.randn(4, 8) + 1).requires_grad_()
-    with pytest.warns(UserWarning, match=r"torch.cond branches get no adaptive loss scale.*\['a', 'b'\]"):
-        run(model, x, torch.randn(4, 8), {"recipe": "fp8-e5m2-als", "executor": "eager"})
-    assert on_e5m2_grid(model.a.weight.grad)
+@pytest.mark.parametrize("executor", ["eager", "inductor"])  # inductor: statistics under a cond of its own
+def test_branch_layers_get_their_own_adaptive_scale(executor):
+    """Each branch's layers take part in adaptive scaling in their place: a fixed power-of-two
+    scale, rounded to nearest even, gives the unscaled run's bits exactly (errors scaled on
+    the way in, gradients unscaled on the way out), whichever branch runs; the branch taken
+    records its layer's statistics, the other records none."""
+    grads, telemetry = {}, {}
+    for loss_scale in ("none", "adaptive"):
+        model, x = Branches(), (torch.randn(4, 8) + 1).requires_grad_()
+        options = {"recipe": "fp8-e5m2", "executor": executor, "loss_scale": loss_scale}
+        if loss_scale == "adaptive":
+            options |= {"loss_scale_rule": "fixed", "loss_scale_init": 2**6, "loss_scale_interval": 1}
+        torch._dynamo.reset()
+        compiled = torch.compile(model, backend="lowprec", options=options)
+        for sign in (1, -1, 1):  # the statistics of a call show after the next one
+            compiled(sign * x).square().sum().backward()
+        grads[loss_scale] = [x.grad, *(p.grad for p in model.parameters())]
+        telemetry = {t.layer: t for t in lpcompile.stats(model)}
+    for got, expected in zip(grads["adaptive"], grads["none"], strict=True):
+        assert torch.equal(float_bits(got), float_bits(expected))
+    assert list(telemetry) == ["a", "b"] and telemetry["a"].cumulative == 2**6, telemetry
+    assert math.isnan(telemetry["a"].underflow) and telemetry["b"].underflow == 0.0  # the call before: b

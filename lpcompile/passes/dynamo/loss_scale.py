@@ -45,7 +45,6 @@ gradients and branches merge at a common scale with no extra nodes.
 from __future__ import annotations
 
 import operator
-import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -59,21 +58,17 @@ from lpcompile.numerics.scale_grad import STATS_SIZE
 from lpcompile.passes.driver import CompileContext
 from lpcompile.passes.dynamo.quantize import graph_input, layers_in_order, outermost
 from lpcompile.passes.graph import (
-    COND,
     CONV_TARGETS,
     CONV_TRANSPOSE_TARGETS,
     LINEAR_TARGETS,
     SCALE_GRAD,
     base_of,
-    find_calls,
     is_function_call,
-    is_named_call,
     layer_name,
     needs_grad,
     product_operands,
     product_output,
     weight_operand,
-    with_bodies,
 )
 
 # Names of the graph inputs that insert_loss_scale adds.
@@ -169,24 +164,6 @@ def _transposes(node: torch.fx.Node) -> bool:
     return flipped
 
 
-def warn_unscaled_branches(gm: torch.fx.GraphModule) -> None:
-    """Warn about layers inside ``torch.cond`` branches: they get no scale of their own."""
-    layers = {  # (a dict: the layers of a branch's own cond show twice)
-        layer_name(node): None
-        for _, call in find_calls(gm, {COND})
-        for holder in call.args[1:3]
-        for branch in with_bodies(getattr(call.graph.owning_module, holder.target))
-        for node in branch.graph.nodes
-        if is_named_call(node)
-    }
-    if layers:
-        warnings.warn(
-            "lowprec: layers inside torch.cond branches get no adaptive loss scale of their own:"
-            f" {list(layers)}; their errors are rounded at unit scale",
-            stacklevel=1,
-        )
-
-
 def recording_mode(ctx: CompileContext) -> str:
     """How the calls that record get their statistics: every call in a piece of a split
     graph; under ``torch.cond`` where Inductor compiles the graph and lowers such a cond;
@@ -206,11 +183,10 @@ def loss_scale_applies(gm: torch.fx.GraphModule, ctx: CompileContext, kind: str)
 def insert_loss_scale(gm: torch.fx.GraphModule, ctx: CompileContext) -> None:
     """Scale each layer's error by its own power of two; unscale its input gradients.
 
-    Layers in activation-checkpoint bodies take part in their place in the model (the
-    scales reach the bodies as inputs their calls pass in); those in ``torch.cond``
-    branches get none (:func:`warn_unscaled_branches`).
+    Layers in activation-checkpoint bodies and ``torch.cond`` branches take part in their
+    place in the model (the scales reach the bodies as inputs their calls pass in; a branch
+    not taken leaves its layers' statistics empty).
     """
-    warn_unscaled_branches(gm)
     calls = layers_in_order(gm, ctx)
     if not calls:
         return

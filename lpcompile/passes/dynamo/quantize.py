@@ -154,13 +154,19 @@ def graph_input(
 
 
 def outermost(gm: torch.fx.GraphModule, node: torch.fx.Node) -> torch.fx.Node:
-    """The node of the Dynamo graph that ``node`` of ``gm`` (a checkpoint body, or the
-    graph itself) reads, through bodies' inputs and views."""
+    """The node of the Dynamo graph that ``node`` of ``gm`` (a checkpoint body, a
+    ``torch.cond`` branch, or the graph itself) reads, through bodies' inputs and views."""
     node = base_of(node)
-    while node.op == "placeholder" and (parent := gm.meta.get(CHECKPOINT_PARENT)) is not None:
+    while node.op == "placeholder":
         index = gm.graph.find_nodes(op="placeholder").index(node)
-        gm, call = parent
-        node = base_of(call.args[1 + index])
+        if (parent := gm.meta.get(CHECKPOINT_PARENT)) is not None:
+            gm, call = parent
+            node = base_of(call.args[1 + index])
+        elif (parent := gm.meta.get(COND_PARENT)) is not None:
+            gm, call = parent
+            node = base_of(call.args[3][index])
+        else:
+            break
     return node
 
 
@@ -168,15 +174,18 @@ def layers_in_order(
     gm: torch.fx.GraphModule, ctx: CompileContext
 ) -> list[tuple[torch.fx.GraphModule, torch.fx.Node]]:
     """The layer calls to quantize (:func:`kept_layers`) of ``gm`` and of the checkpoint
-    bodies it calls, each with its graph, in the order they run."""
+    bodies and ``torch.cond`` branches it calls (the true branch's first), each with its
+    graph, in the order they run."""
     kept = set(kept_layers(gm, ctx))
-    bodies = {call: body for body, call in checkpoint_bodies(gm)}
+    bodies: dict[torch.fx.Node, list[torch.fx.GraphModule]] = {}
+    for body, call in checkpoint_bodies(gm) + cond_branches(gm):
+        bodies.setdefault(call, []).append(body)
     found = []
     for node in gm.graph.nodes:
         if node in kept:
             found.append((gm, node))
-        elif node in bodies:
-            found += layers_in_order(bodies[node], ctx)
+        for body in bodies.get(node, ()):
+            found += layers_in_order(body, ctx)
     return found
 
 
