@@ -10,6 +10,7 @@ import pytest
 import torch
 from conftest import float_bits
 from grid import SR_EVERYWHERE, GridCheck, grid_step, on_e5m2_grid, watched_backend
+from models import Records, lowprec_nodes
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import checkpoint
@@ -182,6 +183,20 @@ def test_coverage_names_a_functions_products_and_exclude_keeps_them():
     # fn's forward product and its weight gradient's (x needs no gradient)
     assert check.off_grid == {"mm.default": 2}, dict(check.products)
     assert not [m for m in lowprec_warnings(caught) if "match no layer" in m]
+
+
+def test_the_dump_labels_a_backward_bodys_roundings_by_the_phase_they_run_in():
+    records = Records()
+    torch._dynamo.reset()
+    options = {"recipe": "fp8-e5m2-sr", "executor": "eager"}
+    torch.compile(Model(), backend="lowprec", options=options)(torch.randn(4, 8)).sum().backward()
+    nodes = lowprec_nodes(records.only().aten_graphs["backward"])
+    labels = [n.meta["lowprec"] for n in nodes]
+    phases = {(label["layer"], label["role"], label["phase"]) for label in labels}
+    # The backward bodies round their errors, and re-round saved operands with the forward's
+    # sites: only those label "forward" in the backward (no checkpoint recomputes the forward).
+    assert {(layer, "error", "backward") for layer in ("fn", "w2", "head")} <= phases, phases
+    assert {role for _, role, phase in phases if phase == "forward"} == {"activation", "weight"}, phases
 
 
 def test_a_function_compiled_by_inductor_computes_what_the_fx_run_does():
