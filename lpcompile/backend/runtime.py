@@ -8,12 +8,16 @@ recompile for new shapes continues the count, two instances of one class (which
 share Dynamo's compiled graph) count apart, and evaluation under ``no_grad`` does
 not shift the training steps' bits. The user seed is folded with the process's rank in
 the default process group (:func:`~lpcompile.backend.distributed.rank_seed`):
-data-parallel ranks draw different bits, each reproducibly. A call on fake tensors (DDPOptimizer runs each
-compiled piece of a split graph on them to compile the next) counts nothing.
+data-parallel ranks draw different bits, each reproducibly. Blocks compiled one by one
+run one graph with one stream: each folds its FQN in the model running into the seed
+(:func:`instance_seed`), so that identical blocks do not draw identical bits. A call on
+fake tensors (DDPOptimizer runs each compiled piece of a split graph on them to compile
+the next) counts nothing.
 """
 
 from __future__ import annotations
 
+import zlib
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -27,7 +31,7 @@ from lpcompile.backend.state import REGISTRY
 from lpcompile.passes.driver import CompileContext, Site
 from lpcompile.passes.dynamo.loss_scale import RECORD_IN_VARIANT
 from lpcompile.passes.dynamo.quantize import SEED_INPUT
-from lpcompile.passes.graph import parameter_of
+from lpcompile.passes.graph import ROOT_PATH, parameter_of, relative_state_name
 
 
 def step_seed(seed: int, step: int, rank: int = 0) -> torch.Tensor:
@@ -35,6 +39,12 @@ def step_seed(seed: int, step: int, rank: int = 0) -> torch.Tensor:
     user seed folded with the rank (:func:`rank_seed`; rank 0 keeps it) in the high 32
     bits, the call count below (as a signed int64)."""
     return torch.tensor((rank_seed(seed, rank) << 32 | (step & 0xFFFFFFFF)) - (1 << 63))
+
+
+def instance_seed(seed: int, path: str) -> int:
+    """The user seed of the graphs a model's module at ``path`` runs (``""``: the model
+    itself, whose seed it is): ``seed`` XOR the CRC-32 of ``path``."""
+    return seed ^ zlib.crc32(path.encode()) if path else seed
 
 
 def model_key_input(gm: torch.fx.GraphModule) -> int | None:
@@ -70,7 +80,11 @@ def wrap(
     calls: the compiled graph with lowprec's inputs appended at every call, and its
     saturation counts (option ``saturation``) taken off its outputs."""
     model_input = model_key_input(gm)
-    run = _with_inputs(inputs, ctx, compile_variant, model_input)
+    # a graph named from the model's root (ROOT_PATH) is the one module of its class there
+    placeholders = gm.graph.find_nodes(op="placeholder")
+    named_from_root = model_input is None or ROOT_PATH in gm.meta
+    relative = None if named_from_root else relative_state_name(placeholders[model_input])
+    run = _with_inputs(inputs, ctx, compile_variant, model_input, relative)
     if not ctx.counted:
         return run
     sites, strict = ctx.counted, ctx.config.saturation == "raise"
@@ -116,22 +130,40 @@ def static_examples(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
 
 
 def _with_inputs(
-    inputs: list, ctx: CompileContext, compile_variant: Callable[..., Callable], model_input: int | None
+    inputs: list,
+    ctx: CompileContext,
+    compile_variant: Callable[..., Callable],
+    model_input: int | None,
+    relative: str | None,
 ) -> Callable:
-    """The compiled graph, called with lowprec's own inputs appended."""
+    """The compiled graph, called with lowprec's own inputs appended. ``relative``: the FQN
+    of the parameter at ``model_input`` from the module the graph's frame calls ``self``."""
+
+    def instance(args: Sequence[Any]) -> str:
+        """Note a real call: the FQN of the calling module in the model running (not on fakes)."""
+        key = model_key(args, model_input)
+        return "" if isinstance(key, FakeTensor) else REGISTRY.instance_path(key, ctx.graph_id, relative)
+
     if not ctx.inputs:
-        return compile_variant(inputs)
+        compiled = compile_variant(inputs)
+
+        def call(*args: Any) -> Any:
+            instance(args)
+            return compiled(*args)
+
+        return call
     config, layout = ctx.config, ctx.adaptive
     counter = (ctx.stream, repr(config), torch.is_grad_enabled())
 
     def extras(adaptive: dict[str, Any], args: Sequence[Any], step: int | None) -> list[torch.Tensor]:
         values = dict(adaptive)
+        path = instance(args) if step is None else ""
         if SEED_INPUT in ctx.inputs:
             key = model_key(args, model_input)
             if step is None and not isinstance(key, FakeTensor):
                 step = REGISTRY.next_step(key, counter)
             rank = current_rank() if config.seed_per_rank else 0
-            values[SEED_INPUT] = step_seed(config.seed, step or 0, rank)
+            values[SEED_INPUT] = step_seed(instance_seed(config.seed, path), step or 0, rank)
         for name, spec in ctx.call_inputs.items():
             values[name] = REGISTRY.prediction_input(args[spec.index], spec)
         return [values[name] for name in ctx.inputs]

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import dataclasses
 import hashlib
 import numbers
 import warnings
@@ -32,7 +33,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from lpcompile.backend.adaptive import AdaptiveScaleState, LayerTelemetry, check_saved_state
 from lpcompile.backend.distributed import unsharded_parameters
-from lpcompile.backend.watch import CoverageWatches
+from lpcompile.backend.watch import CoverageWatches, instance_of, module_name, unwrapped
 from lpcompile.passes.driver import PredictionInput, Site
 from lpcompile.passes.dynamo.loss_scale import AdaptiveLayout
 
@@ -109,6 +110,10 @@ class Entry:
     graphs: set[int] = field(default_factory=set)  # ids of the graphs compiled for this model
     # graph id -> (its counted sites, per site [saturated, non-finite] summed over its calls, calls)
     saturation: dict[int, tuple[list[Site], torch.Tensor, int]] = field(default_factory=dict)
+    # the module whose graphs this parameter names, if not the outermost module running, and
+    # its FQN there (watch.instance_of), found at its first call (None: not called yet)
+    instance: weakref.ref | None = None
+    path: str | None = None
 
 
 class Registry:
@@ -163,6 +168,18 @@ class Registry:
         steps = self.entry(key).steps
         steps[counter] += 1
         return steps[counter] - 1
+
+    def instance_path(self, key: torch.Tensor, graph_id: int, relative: str | None) -> str:
+        """Note a call of graph ``graph_id`` for ``key``'s model, and return that model's FQN in
+        the outermost module running at its first call ("" for that module itself): blocks
+        compiled one by one share a graph, and this tells them apart (their random streams,
+        their layers' names)."""
+        entry = self.entry(key)
+        entry.graphs.add(graph_id)
+        if entry.path is None:
+            entry.path, module = instance_of(self.key(key), relative)
+            entry.instance = None if module is None else weakref.ref(module)
+        return entry.path
 
     def streams_state(self) -> list[dict[str, Any]]:
         """The call counts of every model alive, with a digest of its key parameter's values
@@ -399,6 +416,18 @@ class Registry:
         wanted = model_tensor_ids(model)
         return [entry for key, entry in list(self._entries.items()) if id(key) in wanted]
 
+    def named_entries(self, model: torch.nn.Module) -> list[tuple[Entry, str]]:
+        """:meth:`model_entries`, each with the FQN in ``model`` of the module whose graphs it
+        names ("" for ``model`` itself), in ``model``'s order of modules."""
+        order: dict[int, tuple[int, str]] = {}
+        for name, module in unwrapped(model)[0].named_modules():
+            order.setdefault(id(unwrapped(module)[0]), (len(order), module_name(name)))
+        found = []
+        for entry in self.model_entries(model):
+            module = None if entry.instance is None else entry.instance()
+            found.append((order.get(id(module), (-1, "")), entry))
+        return [(entry, name) for (_, name), entry in sorted(found, key=lambda item: item[0])]
+
 
 REGISTRY = Registry()
 
@@ -423,14 +452,30 @@ class LayerCoverage:
 def coverage(model: torch.nn.Module) -> list[LayerCoverage]:
     """Per product of ``model``'s compiled graphs: which roles were rounded, with which
     format and rounding, or why the product stays in higher precision."""
+    runs: dict[int, list[str]] = {}  # graph id -> the modules that ran it (blocks share one)
+    for entry, name in REGISTRY.named_entries(model):
+        for graph_id in entry.graphs:
+            if name not in runs.setdefault(graph_id, []):
+                runs[graph_id].append(name)
     rows = []
     for record in REGISTRY.model_records(model):
         roles: dict[str, dict[str, str]] = {}
         for site in record.sites.values():
             roles.setdefault(site.layer, {})[site.role] = f"{site.fmt} {site.rounding} {site.overflow}"
-        rows += [LayerCoverage(layer, record.graph_id, quantized) for layer, quantized in roles.items()]
-        rows += [LayerCoverage(k.layer, record.graph_id, {}, k.reason, k.op) for k in record.kept]
+        for name in runs[record.graph_id]:
+            rows += [
+                LayerCoverage(_under(name, layer), record.graph_id, quantized)
+                for layer, quantized in roles.items()
+            ]
+            rows += [
+                LayerCoverage(_under(name, k.layer), record.graph_id, {}, k.reason, k.op) for k in record.kept
+            ]
     return rows
+
+
+def _under(module: str, layer: str) -> str:
+    """The name of ``layer`` (named in its graph) of the module named ``module`` in a model."""
+    return f"{module}.{layer}" if module else layer
 
 
 @dataclass(frozen=True)
@@ -451,14 +496,24 @@ def saturation(model: torch.nn.Module) -> list[SaturationCount]:
     ``saturation="count"`` (or ``"raise"``): its inputs that saturated or were not
     finite, summed over the calls so far (reading them synchronises the device)."""
     rows = []
-    for entry in REGISTRY.model_entries(model):
+    for entry, name in REGISTRY.named_entries(model):
         for graph_id, (sites, counts, calls) in sorted(entry.saturation.items(), key=lambda item: item[0]):
             for site, (big, bad) in zip(sites, counts.tolist(), strict=True):
-                rows.append(SaturationCount(site.layer, site.role, site.fmt, graph_id, calls, big, bad))
+                layer = _under(name, site.layer)
+                rows.append(SaturationCount(layer, site.role, site.fmt, graph_id, calls, big, bad))
     return rows
 
 
 def stats(model: torch.nn.Module) -> list[LayerTelemetry]:
     """Per layer of ``model`` (graph order): scale α, cumulative scale, the last
     refresh's underflow fraction, overflows since, and the history of refreshes."""
-    return [t for state in REGISTRY.adaptive_states(model) for t in state.telemetry]
+    found = [
+        (graph_id, name, s)
+        for entry, name in REGISTRY.named_entries(model)
+        for graph_id, s in entry.adaptive.items()
+    ]
+    return [
+        dataclasses.replace(t, layer=_under(name, t.layer)) if name else t
+        for _, name, state in sorted(found, key=lambda item: item[0])
+        for t in state.telemetry
+    ]

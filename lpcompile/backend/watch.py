@@ -100,6 +100,34 @@ def unwrapped(root: torch.nn.Module) -> tuple[torch.nn.Module, str | None]:
             return root, kind or found
 
 
+def instance_of(param: torch.Tensor, relative: str | None) -> tuple[str, torch.nn.Module | None]:
+    """The module whose graph's frame reads ``param`` as ``relative`` (its FQN from that
+    frame's ``self``), and that module's FQN in the outermost module running; ("", None)
+    where it is that module itself, or where none holds ``param`` so. Blocks compiled one
+    by one run one graph, their parameters its inputs: this tells them apart."""
+    root = outermost_module()
+    if root is None or relative is None:
+        return "", None
+    root = unwrapped(root)[0]
+    modules = dict(root.named_modules(remove_duplicate=False))
+    names = [name for name, p in root.named_parameters(remove_duplicate=False) if p is param]
+    names += [
+        f"{name}.{attr}" if name else attr
+        for (owner, attr), p in unsharded_parameters(root).items()
+        if p is param
+        for name, module in modules.items()
+        if id(module) == owner
+    ]
+    for name in names:
+        path = module_name(name)
+        if path == relative or path.endswith("." + relative):
+            path = path.removesuffix(relative).removesuffix(".")
+            if path:
+                found = next(m for n, m in modules.items() if module_name(n) == path)
+                return path, unwrapped(found)[0]
+    return "", None
+
+
 def unread_modules(root: torch.nn.Module, read: set[int]) -> list[tuple[str, torch.nn.Module, list[str]]]:
     """(name, module, its parameters' names) of each module under ``root`` with
     :func:`~lpcompile.backend.distributed.product_parameters` none of which is in ``read``

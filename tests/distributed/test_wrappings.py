@@ -16,6 +16,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from lpcompile.backend import coverage
+from lpcompile.backend.watch import module_name
 
 STEPS = 2
 
@@ -138,6 +139,9 @@ def _train(make, wrap, options: dict, rank: int) -> dict:
         "graphs": len(graphs),
         "linears": sum(isinstance(m, nn.Linear) for m in model.modules()),
         "covered": len([row for row in coverage(model) if row.quantized]),
+        "names": {row.layer for row in coverage(model)},
+        # a product in a graph frame's own forward (a Linear compiled alone) is named by its weight
+        "model_names": {module_name(n) for n, _ in [*model.named_modules(), *model.named_parameters()]},
     }
 
 
@@ -160,6 +164,8 @@ def test_every_product_on_every_rank_runs_on_the_fp8_grid(wrapped_runs, wrapping
         assert not run["unknown"], f"rank {rank}: unlisted products {run['unknown']}"
         # lpcompile.coverage(model) finds the graphs (under FSDP2, through the unsharded parameters)
         assert run["covered"] == run["linears"], f"rank {rank}: coverage lists {run['covered']} layers"
+        # named from the model, whichever module a graph's frame starts at
+        assert run["names"] <= run["model_names"], f"rank {rank}: {run['names'] - run['model_names']}"
         if "split" in wrapping:
             assert run["graphs"] > 1, f"rank {rank}: DDPOptimizer did not split the graph"
         if "optimize_ddp=False" in wrapping:

@@ -1,0 +1,94 @@
+"""Blocks compiled one by one (torchtitan's way, and FSDP2's graph per block): Dynamo runs
+one graph for identical blocks, their parameters its inputs. Each block draws bits of its
+own, and its layers are named from the model, as ``model.named_modules()`` names them."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from grid import GridCheck, watched_backend
+from models import Records
+from torch import nn
+
+import lpcompile
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = nn.Linear(8, 16)
+        self.down = nn.Linear(16, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.relu(self.up(x)))
+
+
+class Twins(nn.Module):
+    """Three blocks with equal weights, each fed the same input: equal bits would give equal
+    gradients."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        block = Block()
+        self.layers = nn.ModuleList(copy.deepcopy(block) for _ in range(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return sum(block(x).square().sum() for block in self.layers)
+
+
+def compiled_per_block(options: dict, check: GridCheck | None = None) -> Twins:
+    """A Twins with each block compiled in place (watched by ``check``, if given)."""
+    torch._dynamo.reset()
+    model = Twins()
+    backend = "lowprec" if check is None else watched_backend(options, check)
+    for name, block in model.layers.named_children():
+        compiled = torch.compile(block, backend=backend, options=None if check else options)
+        model.layers.register_module(name, compiled)
+    return model
+
+
+def train(options: dict, steps: int = 2) -> tuple[Twins, list[list[torch.Tensor]]]:
+    """A model compiled per block, and each step's weight gradients per block; every
+    product checked on the E5M2 grid."""
+    check = GridCheck()
+    model = compiled_per_block(options, check)
+    grads = []
+    for step in range(steps):
+        model.zero_grad()
+        loss = model(torch.randn(4, 8, generator=torch.Generator().manual_seed(step)))
+        with check:
+            loss.backward()
+        grads.append([block.up.weight.grad.clone() for block in model.layers])
+    assert check.count == steps * 15 and not check.off_grid and not check.unknown, dict(check.products)
+    return model, grads
+
+
+SR = {"recipe": "fp8-e5m2-sr", "executor": "eager"}
+
+
+def test_identical_blocks_compiled_one_by_one_draw_their_own_bits():
+    records = Records()
+    _, grads = train(SR)
+    assert len(records.new) == 1  # one graph runs every block
+    for step, per_block in enumerate(grads):
+        for i in range(3):
+            for j in range(i):
+                assert not torch.equal(per_block[i], per_block[j]), f"step {step}: blocks {j} and {i}"
+    # reproducible: a fresh model and compile draws the same bits
+    for got, expected in zip(train(SR)[1], grads, strict=True):
+        for a, b in zip(got, expected, strict=True):
+            assert torch.equal(a, b)
+
+
+def test_blocks_compiled_one_by_one_are_named_from_the_model():
+    options = {**SR, "recipe": "fp8-e5m2-als", "saturation": "count", "loss_scale_interval": 1}
+    model, _ = train(options, steps=1)
+    modules = model.named_modules()
+    linears = [name.replace("._orig_mod", "") for name, m in modules if isinstance(m, nn.Linear)]
+    assert [row.layer for row in lpcompile.coverage(model)] == linears
+    assert sorted({t.layer for t in lpcompile.stats(model)}) == sorted(linears)
+    assert sorted({row.layer for row in lpcompile.saturation(model)}) == sorted(linears)
+    # a block asked for itself is named from itself
+    assert [row.layer for row in lpcompile.coverage(model.layers[1])] == ["up", "down"]
