@@ -345,7 +345,8 @@ def partition_graph(gm: torch.fx.GraphModule, stages: int | str | None = None) -
                     raise ValueError(
                         f"{state_name(node)} is read by stages {sorted(readers)}: a parameter or buffer "
                         "shared between pipeline stages (weight tying, or one buffer read on both sides "
-                        "of a cut) is not supported; move the cut, or give each stage its own copy"
+                        "of a cut) is not supported; move the cut, or give each stage its own copy (HF "
+                        "transformers' tied embeddings: tie_word_embeddings=False in the model's config)"
                     )
                 node.meta[STAGE] = min(readers, default=0)
             else:
