@@ -31,7 +31,7 @@ from lpcompile.backend.cache import SourceStamp, package_hash
 from lpcompile.backend.distributed import LOWPREC_BACKEND, ddp_optimizer_split, trace_wrapped_forwards
 from lpcompile.backend.records import CompiledGraph
 from lpcompile.backend.state import REGISTRY
-from lpcompile.backend.watch import compiled_module, outermost_module, warn_in_eager_function
+from lpcompile.backend.watch import compiled_module, instance_of, outermost_module, warn_in_eager_function
 from lpcompile.codegen import fuse_lowprec_kernels
 from lpcompile.config import LowPrecConfig, recipes
 from lpcompile.kernels.cpu import gemm
@@ -89,6 +89,20 @@ def graph_stream(gm: torch.fx.GraphModule) -> int:
         shapes = [tuple(p.shape) for p in map(parameter_of, operands) if p is not None]
         layers.append(f"{layer_name(node)}:{getattr(node.target, '__name__', node.target)}:{shapes}")
     return zlib.crc32(("|".join(layers) if layers else gm.code).encode()) & 0x7FFF
+
+
+def model_piece(gm: torch.fx.GraphModule, split: Any) -> str:
+    """What part of the model running ``gm`` is, in words, where it is not the whole model:
+    a piece of DDPOptimizer's ``split``, or the graph of a submodule's frame (a block compiled
+    on its own, a frame after a graph break); "" for the whole model."""
+    if split is not None:
+        return "a piece of the model's graph, split at DDP's gradient buckets"
+    index = runtime.model_key_input(gm)
+    param = None if index is None else parameter_of(gm.graph.find_nodes(op="placeholder")[index])
+    path = "" if param is None else instance_of(param, runtime.model_key_name(gm))[0]
+    return (
+        f"submodule {path!r}'s (a block compiled on its own or a frame after a graph break)" if path else ""
+    )
 
 
 def set_root_path(gm: torch.fx.GraphModule, model: torch.nn.Module | None) -> None:
@@ -376,6 +390,7 @@ def lowprec(
         graph_id=graph_id,
         stream=graph_stream(gm),
         split_from=None if split is None else REGISTRY.first_piece(split, graph_id),
+        piece=model_piece(gm, split),
     )
     record = CompiledGraph(
         ctx.graph_id, ctx.stream, config, ctx.sites, ctx.records, ctx.kept, fused=ctx.kernels

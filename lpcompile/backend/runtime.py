@@ -57,6 +57,13 @@ def model_key_input(gm: torch.fx.GraphModule) -> int | None:
     return next(iter(params or trained), None)
 
 
+def model_key_name(gm: torch.fx.GraphModule) -> str | None:
+    """The FQN of the parameter that names the model (:func:`model_key_input`) from the
+    module the graph's frame calls ``self``; None without one."""
+    index = model_key_input(gm)
+    return None if index is None else relative_state_name(gm.graph.find_nodes(op="placeholder")[index])
+
+
 def model_key(args: Sequence[Any], index: int | None) -> torch.Tensor:
     """The tensor that stands for the model in this call."""
     return REGISTRY.no_model if index is None else REGISTRY.key(args[index])
@@ -81,9 +88,7 @@ def wrap(
     saturation counts (option ``saturation``) taken off its outputs."""
     model_input = model_key_input(gm)
     # a graph named from the model's root (ROOT_PATH) is the one module of its class there
-    placeholders = gm.graph.find_nodes(op="placeholder")
-    named_from_root = model_input is None or ROOT_PATH in gm.meta
-    relative = None if named_from_root else relative_state_name(placeholders[model_input])
+    relative = None if ROOT_PATH in gm.meta else model_key_name(gm)
     run = _with_inputs(inputs, ctx, compile_variant, model_input, relative)
     if not ctx.counted:
         return run

@@ -105,8 +105,8 @@ def instance_of(param: torch.Tensor, relative: str | None) -> tuple[str, torch.n
     frame's ``self``), and that module's FQN in the outermost module running; ("", None)
     where it is that module itself, or where none holds ``param`` so. Blocks compiled one
     by one run one graph, their parameters its inputs: this tells them apart."""
-    root = outermost_module()
-    if root is None or relative is None:
+    root = None if relative is None else outermost_module()
+    if root is None:
         return "", None
     root = unwrapped(root)[0]
     modules = dict(root.named_modules(remove_duplicate=False))

@@ -84,6 +84,9 @@ class CompileContext:
     # in a piece of a graph Dynamo's DDPOptimizer split at DDP's gradient buckets, the graph
     # id of the first piece: the pieces' adaptive scales chain as one graph's layers
     split_from: int | None = None
+    # what part of the model running the graph is, where it is not the whole model (a block
+    # compiled on its own, a frame after a graph break, a DDP bucket's piece), in words
+    piece: str = ""
     records: list[PassRecord] = field(default_factory=list)
     kernels: list[Any] = field(default_factory=list)  # lpcompile.codegen.KernelRecord, one per fused kernel
 

@@ -5,7 +5,9 @@ own, and its layers are named from the model, as ``model.named_modules()`` names
 from __future__ import annotations
 
 import copy
+import warnings
 
+import pytest
 import torch
 from grid import GridCheck, watched_backend
 from models import Records
@@ -49,9 +51,9 @@ def compiled_per_block(options: dict, check: GridCheck | None = None) -> Twins:
     return model
 
 
-def train(options: dict, steps: int = 2) -> tuple[Twins, list[list[torch.Tensor]]]:
+def train(options: dict, steps: int = 2, grid: bool = True) -> tuple[Twins, list[list[torch.Tensor]]]:
     """A model compiled per block, and each step's weight gradients per block; every
-    product checked on the E5M2 grid."""
+    product checked on the E5M2 grid (with ``grid``)."""
     check = GridCheck()
     model = compiled_per_block(options, check)
     grads = []
@@ -61,7 +63,8 @@ def train(options: dict, steps: int = 2) -> tuple[Twins, list[list[torch.Tensor]
         with check:
             loss.backward()
         grads.append([block.up.weight.grad.clone() for block in model.layers])
-    assert check.count == steps * 15 and not check.off_grid and not check.unknown, dict(check.products)
+    assert check.count == steps * 15 and not check.unknown, dict(check.products)
+    assert not (grid and check.off_grid), dict(check.products)
     return model, grads
 
 
@@ -92,3 +95,19 @@ def test_blocks_compiled_one_by_one_are_named_from_the_model():
     assert sorted({row.layer for row in lpcompile.saturation(model)}) == sorted(linears)
     # a block asked for itself is named from itself
     assert [row.layer for row in lpcompile.coverage(model.layers[1])] == ["up", "down"]
+
+
+def test_keep_first_last_in_a_blocks_graph_warns_that_it_keeps_the_blocks_layers():
+    options = {**SR, "keep_first_last": True}
+    with pytest.warns(UserWarning, match=r"keep_first_last .* graph is submodule 'layers.0'.* \(up, down\)"):
+        model, _ = train(options, steps=1, grid=False)
+    kept = {row.layer: row.kept for row in lpcompile.coverage(model) if row.kept}
+    assert kept == {f"layers.{i}.{layer}": "keep_first_last" for i in range(3) for layer in ("up", "down")}
+    # compiled whole, the model's graph is the model's: its first and last layers kept, no warning
+    torch._dynamo.reset()
+    model = Twins()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        torch.compile(model, backend="lowprec", options=options)(torch.randn(4, 8)).backward()
+    kept = [row.layer for row in lpcompile.coverage(model) if row.kept]
+    assert kept == ["layers.0.up", "layers.2.down"]

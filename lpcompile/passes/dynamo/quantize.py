@@ -324,6 +324,13 @@ def warn_settings_without_effect(gm: torch.fx.GraphModule, ctx: CompileContext) 
             " their probabilities are not (score_mod and the block mask run inside the fused call)"
         )
         warnings.warn(message, stacklevel=1)
+    if ctx.config.keep_first_last and ctx.piece and names:
+        message = (
+            f"lowprec: keep_first_last keeps the first and last layer of each graph, and this graph is"
+            f" {ctx.piece}: its first and last layers ({names[0]}, {names[-1]}) stay in higher"
+            " precision, not the model's; name the model's first and last layers in exclude=[...] instead"
+        )
+        warnings.warn(message, stacklevel=1)
     if ctx.config.keep_first_last and 0 < len(names) <= 2:
         message = f"lowprec: keep_first_last leaves every layer of a graph unquantized (its layers: {names})"
         warnings.warn(message, stacklevel=1)
