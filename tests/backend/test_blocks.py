@@ -111,3 +111,9 @@ def test_keep_first_last_in_a_blocks_graph_warns_that_it_keeps_the_blocks_layers
         torch.compile(model, backend="lowprec", options=options)(torch.randn(4, 8)).backward()
     kept = [row.layer for row in lpcompile.coverage(model) if row.kept]
     assert kept == ["layers.0.up", "layers.2.down"]
+
+
+def test_an_exclude_pattern_of_the_models_names_that_a_blocks_graph_cannot_see_warns_why():
+    expected = r"\['layers.1.up'\] match no layer .* graph is submodule 'layers.0'"
+    with pytest.warns(UserWarning, match=expected):
+        train({**SR, "exclude": ["layers.1.up"]}, steps=1)

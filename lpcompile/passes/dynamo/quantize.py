@@ -316,6 +316,8 @@ def warn_settings_without_effect(gm: torch.fx.GraphModule, ctx: CompileContext) 
     names = [layer_name(n) for n in gm.graph.nodes if is_named_call(n)]
     if unused := [p for p in ctx.config.exclude if not any(fnmatch.fnmatchcase(n, p) for n in names)]:
         message = f"lowprec: exclude patterns {unused} match no layer of a graph with layers {names}"
+        if ctx.piece:
+            message += f" (this graph is {ctx.piece}: its layer names start there)"
         warnings.warn(message, stacklevel=1)
     flex = [layer_name(n) for n in gm.graph.find_nodes(op="call_function", target=FLEX_ATTENTION)]
     if ctx.config.attention == "full" and flex:
