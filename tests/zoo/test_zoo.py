@@ -5,15 +5,17 @@ the models' own module names."""
 
 from __future__ import annotations
 
+import math
 import warnings
 
 import pytest
 import torch
-from grid import GridCheck, grid_step, on_e5m2_grid
+from grid import GridCheck, grid_step, on_e5m2_grid, watched_backend
 from models import Records
 
 import lpcompile
 from examples.zoo import DIFFUSERS_MODELS, HF_MODELS, TORCH_MODELS, diffusers_model, hf_model, zoo_model
+from lpcompile.runtime.pipeline import PipelinedTrainer
 
 pytest.importorskip("transformers")
 
@@ -189,3 +191,56 @@ def test_adaptive_loss_scaling_step_on_the_grid(name):
     assert check.count > 0 and check.off_grid == {}, check.products
     layers = [t.layer for t in lpcompile.stats(model)]
     assert len(layers) >= 4 and len(set(layers)) == len(layers), layers
+
+
+class Logits(torch.nn.Module):
+    """An HF language model's logits for token ids, its output embedding untied from its input
+    one: a pipeline stage owns each weight it reads."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        self.model = model
+        if (head := model.get_output_embeddings()) is not None:
+            head.weight = torch.nn.Parameter(head.weight.detach().clone())
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids=ids).logits
+
+
+def watch_pipeline(monkeypatch, forward: GridCheck, backward: GridCheck) -> None:
+    """Run the pipeline trainer's lowprec stages under ``forward``, its backward passes
+    under ``backward``."""
+    compile_, autograd_backward = torch.compile, torch.autograd.backward
+
+    def compile_watched(model, *, backend=None, options=None, **kwargs):
+        if backend == "lowprec":
+            backend, options = watched_backend(options, forward), None
+        return compile_(model, backend=backend, options=options, **kwargs)
+
+    def backward_watched(*args, **kwargs):
+        with backward:
+            return autograd_backward(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "compile", compile_watched)
+    monkeypatch.setattr(torch.autograd, "backward", backward_watched)
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama"])
+def test_pipelined_backprop_runs_every_product_of_an_hf_model_on_the_grid(monkeypatch, name):
+    """Pipelined backpropagation in three FP8 stages: every product of every stage, forward
+    and backward, on the grid, and the loss finite at every step."""
+    forward, backward = GridCheck(), GridCheck()
+    watch_pipeline(monkeypatch, forward, backward)
+    torch.manual_seed(0)
+    model = Logits(hf_model(name)[0])
+    ids = torch.randint(0, 100, (8, 8))
+
+    def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+    options = {**EAGER, "attention": "full"}  # GPT-2's attention dropout: the math path on the CPU
+    trainer = PipelinedTrainer(model, ids[:1], stages=3, lr=0.01, loss_fn=loss_fn, compile=options)
+    losses = trainer.fit(ids, ids.roll(-1, dims=1))
+    assert len(losses) == 8 and all(map(math.isfinite, losses)), losses
+    for check in (forward, backward):
+        assert check.count > 0 and check.off_grid == {} and not check.unknown, check.products
