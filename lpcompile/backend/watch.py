@@ -123,7 +123,7 @@ def instance_of(param: torch.Tensor, relative: str | None) -> tuple[str, torch.n
         if path == relative or path.endswith("." + relative):
             path = path.removesuffix(relative).removesuffix(".")
             if path:
-                found = next(m for n, m in modules.items() if module_name(n) == path)
+                found = next(m for n, m in modules.items() if module_name(n) == path)  # its parameter's
                 return path, unwrapped(found)[0]
     return "", None
 

@@ -10,20 +10,10 @@ import warnings
 import pytest
 import torch
 from grid import GridCheck, watched_backend
-from models import Records
+from models import Records, ResidualBlock
 from torch import nn
 
 import lpcompile
-
-
-class Block(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.up = nn.Linear(8, 16)
-        self.down = nn.Linear(16, 8)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.down(torch.relu(self.up(x)))
 
 
 class Twins(nn.Module):
@@ -33,7 +23,7 @@ class Twins(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         torch.manual_seed(0)
-        block = Block()
+        block = ResidualBlock()
         self.layers = nn.ModuleList(copy.deepcopy(block) for _ in range(3))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -62,7 +52,7 @@ def train(options: dict, steps: int = 2, grid: bool = True) -> tuple[Twins, list
         loss = model(torch.randn(4, 8, generator=torch.Generator().manual_seed(step)))
         with check:
             loss.backward()
-        grads.append([block.up.weight.grad.clone() for block in model.layers])
+        grads.append([block.a.weight.grad.clone() for block in model.layers])
     assert check.count == steps * 15 and not check.unknown, dict(check.products)
     assert not (grid and check.off_grid), dict(check.products)
     return model, grads
@@ -94,15 +84,15 @@ def test_blocks_compiled_one_by_one_are_named_from_the_model():
     assert sorted({t.layer for t in lpcompile.stats(model)}) == sorted(linears)
     assert sorted({row.layer for row in lpcompile.saturation(model)}) == sorted(linears)
     # a block asked for itself is named from itself
-    assert [row.layer for row in lpcompile.coverage(model.layers[1])] == ["up", "down"]
+    assert [row.layer for row in lpcompile.coverage(model.layers[1])] == ["a", "b"]
 
 
 def test_keep_first_last_in_a_blocks_graph_warns_that_it_keeps_the_blocks_layers():
     options = {**SR, "keep_first_last": True}
-    with pytest.warns(UserWarning, match=r"keep_first_last .* graph is submodule 'layers.0'.* \(up, down\)"):
+    with pytest.warns(UserWarning, match=r"keep_first_last .* graph is submodule 'layers.0'.* \(a, b\)"):
         model, _ = train(options, steps=1, grid=False)
     kept = {row.layer: row.kept for row in lpcompile.coverage(model) if row.kept}
-    assert kept == {f"layers.{i}.{layer}": "keep_first_last" for i in range(3) for layer in ("up", "down")}
+    assert kept == {f"layers.{i}.{layer}": "keep_first_last" for i in range(3) for layer in ("a", "b")}
     # compiled whole, the model's graph is the model's: its first and last layers kept, no warning
     torch._dynamo.reset()
     model = Twins()
@@ -110,10 +100,10 @@ def test_keep_first_last_in_a_blocks_graph_warns_that_it_keeps_the_blocks_layers
         warnings.simplefilter("error")
         torch.compile(model, backend="lowprec", options=options)(torch.randn(4, 8)).backward()
     kept = [row.layer for row in lpcompile.coverage(model) if row.kept]
-    assert kept == ["layers.0.up", "layers.2.down"]
+    assert kept == ["layers.0.a", "layers.2.b"]
 
 
 def test_an_exclude_pattern_of_the_models_names_that_a_blocks_graph_cannot_see_warns_why():
-    expected = r"\['layers.1.up'\] match no layer .* graph is submodule 'layers.0'"
+    expected = r"\['layers.1.a'\] match no layer .* graph is submodule 'layers.0'"
     with pytest.warns(UserWarning, match=expected):
-        train({**SR, "exclude": ["layers.1.up"]}, steps=1)
+        train({**SR, "exclude": ["layers.1.a"]}, steps=1)
