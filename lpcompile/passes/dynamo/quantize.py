@@ -307,11 +307,12 @@ def _excluded(name: str, patterns: tuple[str, ...]) -> bool:
 
 
 def warn_settings_without_effect(gm: torch.fx.GraphModule, ctx: CompileContext) -> None:
-    """Warn when a layer setting does nothing in this graph: an ``exclude`` pattern that
-    matches none of its layers (a typo, or a layer in another graph: each graph break
-    or pipeline stage is a graph), ``keep_first_last`` with no layer between the first
-    and the last (then every layer stays in higher precision), or ``attention="full"``
-    with FlexAttention calls, which stay whole."""
+    """Warn when a layer setting does nothing in this graph, or not what it says: an
+    ``exclude`` pattern that matches none of its layers (a typo, or a layer in another
+    graph: each graph break or pipeline stage is a graph), ``keep_first_last`` in a graph
+    that is a piece of the model (it keeps the piece's first and last layers) or with no
+    layer between the first and the last (then every layer stays in higher precision), or
+    ``attention="full"`` with FlexAttention calls, which stay whole."""
     # (stacklevel 1: the user's frame is far up, under torch.compile's)
     names = [layer_name(n) for n in gm.graph.nodes if is_named_call(n)]
     if unused := [p for p in ctx.config.exclude if not any(fnmatch.fnmatchcase(n, p) for n in names)]:
