@@ -144,16 +144,16 @@ def _with_inputs(
     """The compiled graph, called with lowprec's own inputs appended. ``relative``: the FQN
     of the parameter at ``model_input`` from the module the graph's frame calls ``self``."""
 
-    def instance(args: Sequence[Any]) -> str:
-        """Note a real call: the FQN of the calling module in the model running (not on fakes)."""
-        key = model_key(args, model_input)
-        return "" if isinstance(key, FakeTensor) else REGISTRY.instance_path(key, ctx.graph_id, relative)
+    def instance(key: torch.Tensor) -> str | None:
+        """Note a real call for ``key``: the FQN of the calling module in the model running
+        ("" for the model itself); None for a call on fakes (DDPOptimizer's), noting nothing."""
+        return None if isinstance(key, FakeTensor) else REGISTRY.instance_path(key, ctx.graph_id, relative)
 
     if not ctx.inputs:
         compiled = compile_variant(inputs)
 
         def call(*args: Any) -> Any:
-            instance(args)
+            instance(model_key(args, model_input))
             return compiled(*args)
 
         return call
@@ -162,13 +162,13 @@ def _with_inputs(
 
     def extras(adaptive: dict[str, Any], args: Sequence[Any], step: int | None) -> list[torch.Tensor]:
         values = dict(adaptive)
-        path = instance(args) if step is None else ""
+        key = model_key(args, model_input)
+        path = instance(key) if step is None else ""
         if SEED_INPUT in ctx.inputs:
-            key = model_key(args, model_input)
-            if step is None and not isinstance(key, FakeTensor):
+            if step is None and path is not None:
                 step = REGISTRY.next_step(key, counter)
             rank = current_rank() if config.seed_per_rank else 0
-            values[SEED_INPUT] = step_seed(instance_seed(config.seed, path), step or 0, rank)
+            values[SEED_INPUT] = step_seed(instance_seed(config.seed, path or ""), step or 0, rank)
         for name, spec in ctx.call_inputs.items():
             values[name] = REGISTRY.prediction_input(args[spec.index], spec)
         return [values[name] for name in ctx.inputs]
