@@ -218,11 +218,12 @@ class LowPrecConfig:
     ``"operands"`` rounds Q, K, V and the error entering it and keeps the fused kernel,
     ``"full"`` writes it as matmul → softmax (FP32) → matmul so the probabilities and
     their gradient are rounded too, ``"off"`` leaves it in higher precision.
-    ``saturation="count"`` counts, per forward quantize node (weights and activations),
-    the inputs beyond the format's largest finite value (they saturate, or become inf
-    with ``overflow="inf"``) and the infinite or NaN ones (``lpcompile.saturation(model)``);
-    ``"raise"`` also raises ``FloatingPointError`` naming the layer at a call whose
-    quantized inputs held inf or NaN; ``"off"`` adds nothing. ``seed_per_rank`` folds
+    ``saturation="count"`` counts, per quantize site (weights and activations in the
+    forward, errors and weight gradients in the backward), the inputs beyond the format's
+    largest finite value (they saturate, or become inf with ``overflow="inf"``) and the
+    infinite or NaN ones (``lpcompile.saturation(model)``); ``"raise"`` also raises
+    ``FloatingPointError`` naming the layer at a call whose forward quantize inputs held
+    inf or NaN; ``"off"`` adds nothing. ``seed_per_rank`` folds
     the process's ``torch.distributed`` rank into the stochastic-rounding seed, so that
     data-parallel ranks draw different bits (``PipelinedTrainer`` turns it off for its
     stages: its ranks hold different stages and draw the simulator's bits).

@@ -31,6 +31,7 @@ from lpcompile.backend.state import REGISTRY
 from lpcompile.passes.driver import CompileContext, Site
 from lpcompile.passes.dynamo.loss_scale import RECORD_IN_VARIANT
 from lpcompile.passes.dynamo.quantize import SEED_INPUT
+from lpcompile.passes.dynamo.saturation import SATURATION_INPUT
 from lpcompile.passes.graph import ROOT_PATH, parameter_of, relative_state_name
 
 
@@ -164,11 +165,20 @@ def _with_inputs(
         values = dict(adaptive)
         key = model_key(args, model_input)
         path = instance(key) if step is None else ""
+        called = step is None and path is not None  # not compiling, not on fakes
         if SEED_INPUT in ctx.inputs:
-            if step is None and path is not None:
+            if called:
                 step = REGISTRY.next_step(key, counter)
             rank = current_rank() if config.seed_per_rank else 0
             values[SEED_INPUT] = step_seed(instance_seed(config.seed, path or ""), step or 0, rank)
+        if SATURATION_INPUT in ctx.inputs:
+            device = ctx.inputs[SATURATION_INPUT].meta["example_value"].device
+            sites = ctx.counted_grads
+            if called:
+                values[SATURATION_INPUT] = REGISTRY.gradient_probe(key, ctx.graph_id, sites, device)
+            else:  # counts nothing
+                probe = torch.zeros(len(sites), 3, dtype=torch.float64, device=device, requires_grad=True)
+                values[SATURATION_INPUT] = probe
         for name, spec in ctx.call_inputs.items():
             values[name] = REGISTRY.prediction_input(args[spec.index], spec)
         return [values[name] for name in ctx.inputs]

@@ -110,6 +110,9 @@ class Entry:
     graphs: set[int] = field(default_factory=set)  # ids of the graphs compiled for this model
     # graph id -> (its counted sites, per site [saturated, non-finite] summed over its calls, calls)
     saturation: dict[int, tuple[list[Site], torch.Tensor, int]] = field(default_factory=dict)
+    # graph id -> (its counted gradient sites, the probe whose gradient sums per site
+    # [saturated, non-finite, backward passes] over the backward passes)
+    gradient_saturation: dict[int, tuple[list[Site], torch.Tensor]] = field(default_factory=dict)
     # the module whose graphs this parameter names, if not the outermost module running, and
     # its FQN there (watch.instance_of), found at its first call (None: not called yet)
     instance: weakref.ref | None = None
@@ -246,7 +249,12 @@ class Registry:
         of graphs called before are not restored, so call only new graphs inside."""
         entries = list(self._entries.items())
         before = {
-            id(key): (collections.Counter(entry.steps), set(entry.adaptive), set(entry.saturation))
+            id(key): (
+                collections.Counter(entry.steps),
+                set(entry.adaptive),
+                set(entry.saturation),
+                set(entry.gradient_saturation),
+            )
             for key, entry in entries
         }
         saved_steps = [(digest, dict(counts)) for digest, counts in self._saved_steps]
@@ -256,10 +264,15 @@ class Registry:
             yield
         finally:
             for key, entry in list(self._entries.items()):
-                steps, adaptive, saturation = before.get(id(key), (collections.Counter(), set(), set()))
+                steps, adaptive, saturation, gradients = before.get(
+                    id(key), (collections.Counter(), set(), set(), set())
+                )
                 entry.steps = steps
                 entry.adaptive = {g: s for g, s in entry.adaptive.items() if g in adaptive}
                 entry.saturation = {g: c for g, c in entry.saturation.items() if g in saturation}
+                entry.gradient_saturation = {
+                    g: c for g, c in entry.gradient_saturation.items() if g in gradients
+                }
             self._saved_steps = saved_steps
             self._looked_up = WeakIdKeyDictionary()
             for key in looked_up:
@@ -386,6 +399,17 @@ class Registry:
             found[1].add_(counts)
             totals[graph_id] = (sites, found[1], found[2] + 1)
 
+    def gradient_probe(
+        self, key: torch.Tensor, graph_id: int, sites: list[Site], device: torch.device
+    ) -> torch.Tensor:
+        """The probe graph ``graph_id`` of ``key``'s model counts its gradient sites'
+        saturation into: a float64 leaf whose gradient accumulates the counts."""
+        totals = self.entry(key).gradient_saturation
+        if graph_id not in totals:
+            probe = torch.zeros(len(sites), 3, dtype=torch.float64, device=device, requires_grad=True)
+            totals[graph_id] = (sites, probe)
+        return totals[graph_id][1]
+
     # ------------------------------------------------------------------ records and observers
     def new_graph_id(self) -> int:
         """The next graph's id: graphs are numbered 0, 1, ... in compile order."""
@@ -480,27 +504,46 @@ def _under(module: str, layer: str) -> str:
 
 @dataclass(frozen=True)
 class SaturationCount:
-    """How many inputs of one forward quantize node lay beyond its format's range."""
+    """How many inputs of one quantize site lay beyond its format's range."""
 
     layer: str
     role: str
     fmt: str
     graph_id: int
-    calls: int  # calls of the graph counted
+    # what was counted: calls of the graph (weights, activations), or backward passes
+    # through the site (errors, weight gradients)
+    calls: int
     saturated: int  # inputs beyond the largest finite value, infinities included
     nonfinite: int  # inputs that were inf or NaN
 
 
 def saturation(model: torch.nn.Module) -> list[SaturationCount]:
-    """Per forward quantize node of ``model``'s graphs compiled with the option
-    ``saturation="count"`` (or ``"raise"``): its inputs that saturated or were not
-    finite, summed over the calls so far (reading them synchronises the device)."""
+    """Per quantize site of ``model``'s graphs compiled with the option
+    ``saturation="count"`` (or ``"raise"``), each graph's forward sites (weights,
+    activations) then its gradient sites (errors, weight gradients): its inputs that
+    saturated or were not finite, summed over the calls so far (reading them synchronises
+    the device)."""
     rows = []
     for entry, name in REGISTRY.named_entries(model):
-        for graph_id, (sites, counts, calls) in sorted(entry.saturation.items(), key=lambda item: item[0]):
-            for site, (big, bad) in zip(sites, counts.tolist(), strict=True):
-                layer = _under(name, site.layer)
-                rows.append(SaturationCount(layer, site.role, site.fmt, graph_id, calls, big, bad))
+        graphs = sorted(set(entry.saturation) | set(entry.gradient_saturation))
+        for graph_id in graphs:
+            found = []
+            if graph_id in entry.saturation:
+                sites, counts, calls = entry.saturation[graph_id]
+                found += [
+                    (site, calls, big, bad) for site, (big, bad) in zip(sites, counts.tolist(), strict=True)
+                ]
+            if graph_id in entry.gradient_saturation:
+                sites, probe = entry.gradient_saturation[graph_id]
+                totals = torch.zeros_like(probe) if probe.grad is None else probe.grad
+                found += [
+                    (site, int(passes), int(big), int(bad))
+                    for site, (big, bad, passes) in zip(sites, totals.tolist(), strict=True)
+                ]
+            rows += [
+                SaturationCount(_under(name, site.layer), site.role, site.fmt, graph_id, calls, big, bad)
+                for site, calls, big, bad in found
+            ]
     return rows
 
 

@@ -615,6 +615,7 @@ OPS: dict[Any, OpSpec] = {
     lowprec.quantize.default: OpSpec(_render_quantize, _quantize_check),
     lowprec.quantize_grad.default: OpSpec(_render_identity, _identity_check, kind="identity"),
     lowprec.scale_grad.default: OpSpec(_render_identity, _identity_check, kind="identity"),
+    lowprec.count_grad.default: OpSpec(_render_identity, _identity_check, kind="identity"),
     lowprec.predict_weight.default: OpSpec(_render_predict_weight, _predict_check),
 }
 for _name, _op in (("eq", "=="), ("ne", "!="), ("lt", "<"), ("le", "<="), ("gt", ">"), ("ge", ">=")):
@@ -625,11 +626,3 @@ for _name, _op in (("bitwise_and", "&"), ("bitwise_or", "|"), ("bitwise_xor", "^
         OPS[getattr(getattr(aten, _name), _overload)] = _bitwise(_op)
 for _name in ("add", "sub", "mul", "div"):
     OPS[getattr(aten, _name).Scalar] = OPS[getattr(aten, _name).Tensor]
-
-# lowprec operators whose presence makes a region worth a kernel (identities alone do not).
-LOWPREC_TARGETS = {
-    lowprec.quantize.default,
-    lowprec.quantize_grad.default,
-    lowprec.scale_grad.default,
-    lowprec.predict_weight.default,
-}

@@ -14,7 +14,7 @@ Inductor itself is imported (a plain ``torch.compile`` of code that calls
   them. A scaled quantize decomposes into an unscaled one between the multiply
   and the divide.
 * ``predict_weight``: its reference implementation, traced into Inductor's kernels.
-* ``quantize_grad``, ``scale_grad``: the identity in the forward (their
+* ``quantize_grad``, ``scale_grad``, ``count_grad``: the identity in the forward (their
   backward nodes come from autograd).
 * ``realize``: computed once into a buffer.
 """
@@ -50,6 +50,11 @@ def _decompose_quantize_grad(x, fmt, rounding, overflow, seed, offset):
 
 @register_decomposition(torch.ops.lowprec.scale_grad.default)
 def _decompose_scale_grad(x, scale, probe, stats, record=None):
+    return x.clone()
+
+
+@register_decomposition(torch.ops.lowprec.count_grad.default)
+def _decompose_count_grad(x, probe, limit):
     return x.clone()
 
 

@@ -1,4 +1,5 @@
-"""``lowprec::scale_grad``: the node that scales a gradient and measures it.
+"""``lowprec::scale_grad`` and ``lowprec::count_grad``: the nodes that scale a gradient
+and measure it.
 
 ``scale_grad(x, scale, probe, stats, record)`` is the identity in the forward. In
 the backward it multiplies the incoming gradient by ``scale`` and, when ``probe``
@@ -18,6 +19,11 @@ that record and those that do not.
 The histogram traces into ``index_add`` (what the Triton codegen fuses);
 :func:`count_bins` is the same count as one opaque call, which
 ``passes.histogram.count_histograms_serially`` puts in its place for Inductor.
+
+``count_grad(x, probe, limit)`` is the identity in the forward too; its backward passes
+the incoming gradient on unchanged and returns, as the probe's gradient, that gradient's
+:func:`saturation_counts` and a 1 (the backward passes counted), so that the probe's
+accumulated gradient holds the totals over every backward (option ``saturation``).
 """
 
 from __future__ import annotations
@@ -121,3 +127,39 @@ def _scale_incoming(ctx, grad):
 
 
 scale_grad_op.register_autograd(_scale_incoming, setup_context=_save)
+
+
+def saturation_counts(x: torch.Tensor, limit: float) -> torch.Tensor:
+    """How many values of ``x`` lie beyond ``limit`` in magnitude (infinities included)
+    and how many are inf or NaN: an int64 tensor of two elements."""
+    return torch.stack([(x.abs() > limit).sum(), torch.isfinite(x).logical_not().sum()])
+
+
+@torch.library.custom_op("lowprec::count_grad", mutates_args=())
+def count_grad_op(x: torch.Tensor, probe: torch.Tensor, limit: float) -> torch.Tensor:
+    if probe.shape != (3,) or not probe.is_floating_point():
+        raise ValueError(
+            f"count_grad's probe must be a float tensor of shape (3,), got {probe.dtype} {probe.shape}"
+        )
+    return x.clone()
+
+
+@count_grad_op.register_fake
+def _(x, probe, limit):
+    return torch.empty_like(x)
+
+
+def _save_limit(ctx, inputs, output):
+    _, probe, ctx.limit = inputs
+    ctx.probe_dtype = probe.dtype
+
+
+def _count_incoming(ctx, grad):
+    probe_grad = None
+    if ctx.needs_input_grad[1]:
+        counts = saturation_counts(grad, ctx.limit)
+        probe_grad = torch.cat([counts, counts.new_ones(1)]).to(ctx.probe_dtype)
+    return grad, probe_grad, None
+
+
+count_grad_op.register_autograd(_count_incoming, setup_context=_save_limit)

@@ -74,6 +74,8 @@ class CompileContext:
     kept: list[KeptProduct] = field(default_factory=list)  # products left in higher precision
     # the sites whose saturation the graph's last output counts (option saturation)
     counted: list[Site] = field(default_factory=list)
+    # the gradient sites whose saturation the probe input's gradient counts (option saturation)
+    counted_grads: list[Site] = field(default_factory=list)
     inputs: dict[str, torch.fx.Node] = field(default_factory=dict)
     # inputs read afresh at every call for the parameters of that call
     call_inputs: dict[str, PredictionInput] = field(default_factory=dict)

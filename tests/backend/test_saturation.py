@@ -1,6 +1,7 @@
-"""Option ``saturation``: per forward quantize node, the inputs beyond the format's range
-(counted) and the non-finite ones (counted, or raised on), checked against counts
-taken by hand from the inputs."""
+"""Option ``saturation``: per quantize site, the inputs beyond the format's range
+(counted) and the non-finite ones (counted, or raised on in the forward), checked
+against counts taken by hand from the inputs, and for errors and weight gradients from
+gradients computed by hand with torch's own float8 casts."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import lpcompile
 from lpcompile.config import LowPrecConfig
 
 E5M2_MAX = 57344.0
+FORWARD_ROLES = ("weight", "activation")
 
 
 def _mlp() -> nn.Module:
@@ -47,7 +49,9 @@ def test_counts_what_each_layer_saturates(executor):
     assert not bool((hidden.abs() > E5M2_MAX).any())
     graphs = sorted({r.graph_id for r in rows})
     assert len(graphs) == 2, "the training graph and the no-grad graph"
-    counted = {(r.graph_id, r.layer, r.role): (r.calls, r.saturated, r.nonfinite) for r in rows}
+    forward = [r for r in rows if r.role in FORWARD_ROLES]
+    assert {r.graph_id for r in rows if r.role not in FORWARD_ROLES} == {graphs[0]}, "no backward: no rows"
+    counted = {(r.graph_id, r.layer, r.role): (r.calls, r.saturated, r.nonfinite) for r in forward}
     expected = {
         (g, layer, role): (1, 0, 0) for g in graphs for layer in "02" for role in ("weight", "activation")
     }
@@ -95,3 +99,103 @@ def test_bad_settings_are_refused_by_name():
         LowPrecConfig.from_options({"saturation": True})
     with pytest.raises(ValueError, match="count in the stages instead"):
         LowPrecConfig.from_options({"recipe": "fp8-e5m2", "saturation": "count", "pipeline": {"stages": 2}})
+
+
+def _counts(x: torch.Tensor) -> tuple[int, int]:
+    return int((x.abs() > E5M2_MAX).sum()), int((~torch.isfinite(x)).sum())
+
+
+def _gradient_counts(model: nn.Sequential, x: torch.Tensor, g: torch.Tensor) -> dict:
+    """What the error and weight-gradient quantizes of ``fp8-e5m2`` (nearest, overflow to
+    inf) receive when the loss is ``(model(x) * g).sum()``, by hand: torch's float8 casts
+    (clamped first where the forward saturates), plain matmuls."""
+
+    def rounded(t: torch.Tensor) -> torch.Tensor:
+        return t.to(torch.float8_e5m2).float()
+
+    def saturated(t: torch.Tensor) -> torch.Tensor:
+        return rounded(t.clamp(-E5M2_MAX, E5M2_MAX))
+
+    first, last = model[0], model[2]
+    with torch.no_grad():
+        qx = saturated(x)
+        pre = qx @ saturated(first.weight).T + first.bias
+        qh = saturated(torch.relu(pre))
+        error = rounded(g)
+        hidden_error = torch.where(pre > 0, error @ saturated(last.weight), 0.0)
+        return {
+            ("2", "error"): _counts(g),
+            ("2", "weight_grad"): _counts(error.T @ qh),
+            ("0", "error"): _counts(hidden_error),
+            ("0", "weight_grad"): _counts(rounded(hidden_error).T @ qx),
+        }
+
+
+def _gradient_rows(model: nn.Module, prefix: str = "") -> dict:
+    return {
+        (r.layer.removeprefix(prefix), r.role): (r.calls, r.saturated, r.nonfinite)
+        for r in lpcompile.saturation(model)
+        if r.role not in FORWARD_ROLES
+    }
+
+
+def _large_error() -> torch.Tensor:
+    g = torch.linspace(-1.0, 1.0, 6).reshape(3, 2)
+    g[0, 0], g[1, 1], g[2, 0], g[2, 1] = 1e6, float("inf"), -7e4, float("nan")
+    return g
+
+
+class Checkpointed(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = _mlp()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.utils.checkpoint.checkpoint(self.net, x, use_reentrant=False)
+
+
+@pytest.mark.parametrize(
+    "executor, checkpointed",
+    [
+        ("eager", False),
+        ("eager", True),
+        pytest.param("inductor", False, marks=pytest.mark.slow),
+        pytest.param("inductor", True, marks=pytest.mark.slow),
+    ],
+)
+def test_counts_what_each_gradient_saturates(executor, checkpointed):
+    model = Checkpointed() if checkpointed else _mlp()
+    net = model.net if checkpointed else model
+    prefix = "net." if checkpointed else ""
+    options = {"recipe": "fp8-e5m2", "saturation": "count", "executor": executor}
+    run = torch.compile(model, backend="lowprec", options=options)
+    x, g = torch.randn(3, 4), _large_error()
+    expected = _gradient_counts(net, x, g)
+    assert expected[("2", "error")] == (3, 2) and expected[("0", "weight_grad")][1] > 0
+    (run(x) * g).sum().backward()
+    assert _gradient_rows(model, prefix) == {key: (1, *n) for key, n in expected.items()}
+    run(x).sum().backward()  # errors of 1: nothing beyond the range
+    assert _gradient_counts(net, x, torch.ones(3, 2)) == dict.fromkeys(expected, (0, 0))
+    run(x)  # a forward without a backward: its call counts only for the forward sites
+    assert _gradient_rows(model, prefix) == {key: (2, *n) for key, n in expected.items()}
+    forward_calls = {r.calls for r in lpcompile.saturation(model) if r.role in FORWARD_ROLES}
+    assert forward_calls == (set() if checkpointed else {3}), "a body's forward sites are not counted"
+
+
+def test_an_error_is_counted_as_its_loss_scale_left_it():
+    """Adaptive loss scaling multiplies the error by the layer's scale before its quantize:
+    errors that fit the format unscaled overflow scaled, and are counted."""
+    model = _mlp()
+    options = {
+        "recipe": "fp8-e5m2-als",
+        "saturation": "count",
+        "executor": "eager",
+        "loss_scale_rule": "fixed",
+        "loss_scale_init": 2.0**8,
+    }
+    run = torch.compile(model, backend="lowprec", options=options)
+    g = torch.full((3, 2), 300.0)
+    g[0] = 100.0  # 2**8 x 100 fits E5M2, 2**8 x 300 does not
+    (run(torch.randn(3, 4)) * g).sum().backward()
+    assert _counts(g) == (0, 0)
+    assert _gradient_rows(model)[("2", "error")] == (1, *_counts(g * 2.0**8)) == (1, 4, 0)

@@ -18,6 +18,7 @@ from devices import TEST_DEVICE
 from models import assert_same_step, convnet, convnet_input, mlp, step
 from torch import nn
 
+import lpcompile
 from lpcompile import backend
 from lpcompile.codegen import clear_memory_cache, compile_stats
 from lpcompile.tools import dump
@@ -178,3 +179,21 @@ def test_second_compile_compiles_no_kernel():
     final = compile_stats()
     assert final["written"] == after["written"]
     assert final["disk_hits"] > after["disk_hits"]
+
+
+def test_saturation_counts_match_the_eager_executor():
+    """The gradient sites' counts (``count_grad``'s backward) come out of the Triton graph as
+    the eager executor counts them, and the step is unchanged."""
+    options = {"recipe": "fp8-e5m2-sr", "saturation": "count"}
+    x = torch.randn(7, 6, generator=torch.Generator().manual_seed(5)) * 3e4
+    expected, _, ref_model = run(mlp, x, {**options, "executor": "eager"})
+    got, _, model = run(mlp, x, {**options, "codegen": "triton"})
+    for i, (g, e) in enumerate(zip(got, expected, strict=True)):
+        assert_same_step(g, e, f"step {i}")
+
+    def counts(m):
+        return sorted((r.layer, r.role, r.calls, r.saturated, r.nonfinite) for r in lpcompile.saturation(m))
+
+    rows = counts(model)
+    assert rows == counts(ref_model)
+    assert any(role == "weight_grad" and big for _, role, _, big, _ in rows), "x beyond E5M2: counted"
