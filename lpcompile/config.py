@@ -220,8 +220,9 @@ class LowPrecConfig:
     their gradient are rounded too, ``"off"`` leaves it in higher precision.
     ``saturation="count"`` counts, per quantize site (weights and activations in the
     forward, errors and weight gradients in the backward), the inputs beyond the format's
-    largest finite value (they saturate, or become inf with ``overflow="inf"``) and the
-    infinite or NaN ones (``lpcompile.saturation(model)``); ``"raise"`` also raises
+    largest finite value (they saturate, or become inf with ``overflow="inf"``), the
+    infinite or NaN ones, the non-zero ones, and the non-zero ones below its smallest
+    positive value (``lpcompile.saturation(model)``); ``"raise"`` also raises
     ``FloatingPointError`` naming the layer at a call whose forward quantize inputs held
     inf or NaN; ``"off"`` adds nothing. ``seed_per_rank`` folds
     the process's ``torch.distributed`` rank into the stochastic-rounding seed, so that

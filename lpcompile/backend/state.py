@@ -20,6 +20,7 @@ import collections
 import contextlib
 import dataclasses
 import hashlib
+import math
 import numbers
 import warnings
 import weakref
@@ -34,6 +35,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from lpcompile.backend.adaptive import AdaptiveScaleState, LayerTelemetry, check_saved_state
 from lpcompile.backend.distributed import unsharded_parameters
 from lpcompile.backend.watch import CoverageWatches, instance_of, module_name, unwrapped
+from lpcompile.numerics.scale_grad import PROBE_SIZE
 from lpcompile.passes.driver import PredictionInput, Site
 from lpcompile.passes.dynamo.loss_scale import AdaptiveLayout
 
@@ -99,6 +101,12 @@ def check_streams_state(saved: Any) -> None:
                 )
 
 
+def gradient_probe(sites: int, device: torch.device) -> torch.Tensor:
+    """A float64 leaf of zeros that requires grad: the probe of ``sites`` gradient sites
+    counted by ``lowprec::count_grad`` (``PROBE_SIZE`` counts each)."""
+    return torch.zeros(sites, PROBE_SIZE, dtype=torch.float64, device=device, requires_grad=True)
+
+
 @dataclass
 class Entry:
     """What lowprec keeps for one parameter; the model-wide fields live on its first."""
@@ -108,10 +116,10 @@ class Entry:
     adaptive: dict[int, AdaptiveScaleState] = field(default_factory=dict)  # graph id -> state
     optimizer: weakref.ref | None = None  # the optimizer serving this weight's predictions
     graphs: set[int] = field(default_factory=set)  # ids of the graphs compiled for this model
-    # graph id -> (its counted sites, per site [saturated, non-finite] summed over its calls, calls)
+    # graph id -> (its counted sites, per site its range counts summed over its calls, calls)
     saturation: dict[int, tuple[list[Site], torch.Tensor, int]] = field(default_factory=dict)
-    # graph id -> (its counted gradient sites, the probe whose gradient sums per site
-    # [saturated, non-finite, backward passes] over the backward passes)
+    # graph id -> (its counted gradient sites, the probe whose gradient sums per site its
+    # range counts and the backward passes)
     gradient_saturation: dict[int, tuple[list[Site], torch.Tensor]] = field(default_factory=dict)
     # the module whose graphs this parameter names, if not the outermost module running, and
     # its FQN there (watch.instance_of), found at its first call (None: not called yet)
@@ -406,8 +414,7 @@ class Registry:
         saturation into: a float64 leaf whose gradient accumulates the counts."""
         totals = self.entry(key).gradient_saturation
         if graph_id not in totals:
-            probe = torch.zeros(len(sites), 3, dtype=torch.float64, device=device, requires_grad=True)
-            totals[graph_id] = (sites, probe)
+            totals[graph_id] = (sites, gradient_probe(len(sites), device))
         return totals[graph_id][1]
 
     # ------------------------------------------------------------------ records and observers
@@ -504,7 +511,7 @@ def _under(module: str, layer: str) -> str:
 
 @dataclass(frozen=True)
 class SaturationCount:
-    """How many inputs of one quantize site lay beyond its format's range."""
+    """Where the inputs of one quantize site lay against its format's range."""
 
     layer: str
     role: str
@@ -515,34 +522,38 @@ class SaturationCount:
     calls: int
     saturated: int  # inputs beyond the largest finite value, infinities included
     nonfinite: int  # inputs that were inf or NaN
+    nonzero: int  # inputs that were not zero
+    underflow: int  # non-zero inputs below the smallest positive value
+
+    @property
+    def underflow_fraction(self) -> float:
+        """``underflow`` over ``nonzero`` (NaN without a non-zero input)."""
+        return self.underflow / self.nonzero if self.nonzero else math.nan
 
 
 def saturation(model: torch.nn.Module) -> list[SaturationCount]:
     """Per quantize site of ``model``'s graphs compiled with the option
     ``saturation="count"`` (or ``"raise"``), each graph's forward sites (weights,
-    activations) then its gradient sites (errors, weight gradients): its inputs that
-    saturated or were not finite, summed over the calls so far (reading them synchronises
+    activations) then its gradient sites (errors, weight gradients): where its inputs lay
+    against the format's range, summed over the calls so far (reading them synchronises
     the device)."""
     rows = []
     for entry, name in REGISTRY.named_entries(model):
-        graphs = sorted(set(entry.saturation) | set(entry.gradient_saturation))
-        for graph_id in graphs:
+        for graph_id in sorted(set(entry.saturation) | set(entry.gradient_saturation)):
             found = []
             if graph_id in entry.saturation:
                 sites, counts, calls = entry.saturation[graph_id]
-                found += [
-                    (site, calls, big, bad) for site, (big, bad) in zip(sites, counts.tolist(), strict=True)
-                ]
+                found += [(site, calls, *row) for site, row in zip(sites, counts.tolist(), strict=True)]
             if graph_id in entry.gradient_saturation:
                 sites, probe = entry.gradient_saturation[graph_id]
                 totals = torch.zeros_like(probe) if probe.grad is None else probe.grad
                 found += [
-                    (site, int(passes), int(big), int(bad))
-                    for site, (big, bad, passes) in zip(sites, totals.tolist(), strict=True)
+                    (site, int(passes), *map(int, row))
+                    for site, (*row, passes) in zip(sites, totals.tolist(), strict=True)
                 ]
             rows += [
-                SaturationCount(_under(name, site.layer), site.role, site.fmt, graph_id, calls, big, bad)
-                for site, calls, big, bad in found
+                SaturationCount(_under(name, site.layer), site.role, site.fmt, graph_id, *counts)
+                for site, *counts in found
             ]
     return rows
 

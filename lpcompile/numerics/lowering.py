@@ -54,7 +54,7 @@ def _decompose_scale_grad(x, scale, probe, stats, record=None):
 
 
 @register_decomposition(torch.ops.lowprec.count_grad.default)
-def _decompose_count_grad(x, probe, limit):
+def _decompose_count_grad(x, probe, largest, smallest):
     return x.clone()
 
 

@@ -20,10 +20,10 @@ The histogram traces into ``index_add`` (what the Triton codegen fuses);
 :func:`count_bins` is the same count as one opaque call, which
 ``passes.histogram.count_histograms_serially`` puts in its place for Inductor.
 
-``count_grad(x, probe, limit)`` is the identity in the forward too; its backward passes
-the incoming gradient on unchanged and returns, as the probe's gradient, that gradient's
-:func:`saturation_counts` and a 1 (the backward passes counted), so that the probe's
-accumulated gradient holds the totals over every backward (option ``saturation``).
+``count_grad(x, probe, largest, smallest)`` is the identity in the forward too; its
+backward passes the incoming gradient on unchanged and returns, as the probe's gradient,
+that gradient's :func:`range_counts` and a 1 (the backward passes counted), so that the
+probe's accumulated gradient holds the totals over every backward (option ``saturation``).
 """
 
 from __future__ import annotations
@@ -129,37 +129,54 @@ def _scale_incoming(ctx, grad):
 scale_grad_op.register_autograd(_scale_incoming, setup_context=_save)
 
 
-def saturation_counts(x: torch.Tensor, limit: float) -> torch.Tensor:
-    """How many values of ``x`` lie beyond ``limit`` in magnitude (infinities included)
-    and how many are inf or NaN: an int64 tensor of two elements."""
-    return torch.stack([(x.abs() > limit).sum(), torch.isfinite(x).logical_not().sum()])
+def range_counts(x: torch.Tensor, largest: float, smallest: float) -> torch.Tensor:
+    """Where the values of ``x`` lie against a format whose largest finite value is
+    ``largest`` and smallest positive one ``smallest``: an int64 tensor of the counts of
+    values beyond ``largest`` in magnitude (infinities included), of inf or NaN values, of
+    non-zero values, and of non-zero values below ``smallest`` in magnitude (those rounding
+    can only flush to zero or raise to ``smallest``)."""
+    magnitude = x.abs()
+    nonzero = magnitude != 0
+    return torch.stack(
+        [
+            (magnitude > largest).sum(),
+            torch.isfinite(x).logical_not().sum(),
+            nonzero.sum(),
+            (nonzero & (magnitude < smallest)).sum(),
+        ]
+    )
+
+
+# counts per gradient site in a count_grad probe: range_counts' four, then backward passes
+PROBE_SIZE = 5
 
 
 @torch.library.custom_op("lowprec::count_grad", mutates_args=())
-def count_grad_op(x: torch.Tensor, probe: torch.Tensor, limit: float) -> torch.Tensor:
-    if probe.shape != (3,) or not probe.is_floating_point():
+def count_grad_op(x: torch.Tensor, probe: torch.Tensor, largest: float, smallest: float) -> torch.Tensor:
+    if probe.shape != (PROBE_SIZE,) or not probe.is_floating_point():
         raise ValueError(
-            f"count_grad's probe must be a float tensor of shape (3,), got {probe.dtype} {probe.shape}"
+            f"count_grad's probe must be a float tensor of {PROBE_SIZE} elements, "
+            f"got {probe.dtype} {tuple(probe.shape)}"
         )
     return x.clone()
 
 
 @count_grad_op.register_fake
-def _(x, probe, limit):
+def _(x, probe, largest, smallest):
     return torch.empty_like(x)
 
 
-def _save_limit(ctx, inputs, output):
-    _, probe, ctx.limit = inputs
+def _save_range(ctx, inputs, output):
+    _, probe, ctx.largest, ctx.smallest = inputs
     ctx.probe_dtype = probe.dtype
 
 
 def _count_incoming(ctx, grad):
     probe_grad = None
     if ctx.needs_input_grad[1]:
-        counts = saturation_counts(grad, ctx.limit)
+        counts = range_counts(grad, ctx.largest, ctx.smallest)
         probe_grad = torch.cat([counts, counts.new_ones(1)]).to(ctx.probe_dtype)
-    return grad, probe_grad, None
+    return grad, probe_grad, None, None
 
 
-count_grad_op.register_autograd(_count_incoming, setup_context=_save_limit)
+count_grad_op.register_autograd(_count_incoming, setup_context=_save_range)

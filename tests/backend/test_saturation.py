@@ -1,7 +1,8 @@
-"""Option ``saturation``: per quantize site, the inputs beyond the format's range
-(counted) and the non-finite ones (counted, or raised on in the forward), checked
-against counts taken by hand from the inputs, and for errors and weight gradients from
-gradients computed by hand with torch's own float8 casts."""
+"""Option ``saturation``: per quantize site, where its inputs lie against the format's
+range (beyond it, inf or NaN, non-zero, non-zero below its smallest value: counted; inf
+or NaN in the forward: raised on), checked against counts taken by hand from the inputs,
+and for errors and weight gradients from gradients computed by hand with torch's own
+float8 casts."""
 
 from __future__ import annotations
 
@@ -13,7 +14,25 @@ import lpcompile
 from lpcompile.config import LowPrecConfig
 
 E5M2_MAX = 57344.0
+E5M2_SMALLEST = 2.0**-16
 FORWARD_ROLES = ("weight", "activation")
+
+
+def _counts(x: torch.Tensor) -> tuple[int, int, int, int]:
+    """Beyond E5M2's range, inf or NaN, non-zero, non-zero below its smallest value."""
+    x = x.detach()
+    small = (x != 0) & (x.abs() < E5M2_SMALLEST)
+    return tuple(int(n.sum()) for n in (x.abs() > E5M2_MAX, ~torch.isfinite(x), x != 0, small))
+
+
+def _rounded(t: torch.Tensor) -> torch.Tensor:
+    """Nearest even, overflowing to inf: the error and weight-gradient rounding of fp8-e5m2."""
+    return t.to(torch.float8_e5m2).float()
+
+
+def _saturated(t: torch.Tensor) -> torch.Tensor:
+    """Nearest even, saturating: the weight and activation rounding of fp8-e5m2."""
+    return _rounded(t.clamp(-E5M2_MAX, E5M2_MAX))
 
 
 def _mlp() -> nn.Module:
@@ -24,7 +43,14 @@ def _mlp() -> nn.Module:
 def _input() -> torch.Tensor:
     x = torch.randn(3, 4)
     x[0, 0], x[1, 1], x[2, 2], x[2, 3] = 1e6, float("inf"), float("nan"), -7e4
+    x[1, 0] = 1e-9
     return x
+
+
+def _hidden(model: nn.Sequential, x: torch.Tensor) -> torch.Tensor:
+    """The input of the second layer, as its quantize receives it."""
+    with torch.no_grad():
+        return torch.relu(_saturated(x) @ _saturated(model[0].weight).T + model[0].bias)
 
 
 def _by_role(model: nn.Module) -> dict[tuple[str, str], tuple[int, int, int]]:
@@ -41,23 +67,26 @@ def test_counts_what_each_layer_saturates(executor):
     clean = torch.randn(3, 4)
     run(x).sum().backward()
     with torch.no_grad():
-        hidden = torch.relu(model[0](clean))
         run(clean)
     rows = lpcompile.saturation(model)
-    beyond = int((x.abs() > E5M2_MAX).sum())  # 1e6, inf and -7e4 (NaN compares false)
-    assert (beyond, int((~torch.isfinite(x)).sum())) == (3, 2)
-    assert not bool((hidden.abs() > E5M2_MAX).any())
+    # 1e6, inf and -7e4 beyond (NaN compares false); inf and NaN; all non-zero; 1e-9 below
+    assert _counts(x) == (3, 2, 12, 1)
     graphs = sorted({r.graph_id for r in rows})
     assert len(graphs) == 2, "the training graph and the no-grad graph"
     forward = [r for r in rows if r.role in FORWARD_ROLES]
     assert {r.graph_id for r in rows if r.role not in FORWARD_ROLES} == {graphs[0]}, "no backward: no rows"
-    counted = {(r.graph_id, r.layer, r.role): (r.calls, r.saturated, r.nonfinite) for r in forward}
-    expected = {
-        (g, layer, role): (1, 0, 0) for g in graphs for layer in "02" for role in ("weight", "activation")
+    counted = {
+        (r.graph_id, r.layer, r.role): (r.calls, r.saturated, r.nonfinite, r.nonzero, r.underflow)
+        for r in forward
     }
-    expected[(graphs[0], "0", "activation")] = (1, beyond, 2)
+    expected = {}
+    for graph, inputs in zip(graphs, (x, clean), strict=True):
+        expected[(graph, "0", "activation")] = (1, *_counts(inputs))
+        expected[(graph, "0", "weight")] = (1, *_counts(model[0].weight))
+        expected[(graph, "2", "activation")] = (1, *_counts(_hidden(model, inputs)))
+        expected[(graph, "2", "weight")] = (1, *_counts(model[2].weight))
     # the NaN spreads to its row of the hidden layer; the infinity was saturated, so it does not
-    expected[(graphs[0], "2", "activation")] = (1, 0, 8 * int(torch.isnan(x).any(1).sum()))
+    assert expected[(graphs[0], "2", "activation")][1:3] == (0, 8 * int(torch.isnan(x).any(1).sum()))
     assert counted == expected
 
 
@@ -101,39 +130,27 @@ def test_bad_settings_are_refused_by_name():
         LowPrecConfig.from_options({"recipe": "fp8-e5m2", "saturation": "count", "pipeline": {"stages": 2}})
 
 
-def _counts(x: torch.Tensor) -> tuple[int, int]:
-    return int((x.abs() > E5M2_MAX).sum()), int((~torch.isfinite(x)).sum())
-
-
 def _gradient_counts(model: nn.Sequential, x: torch.Tensor, g: torch.Tensor) -> dict:
-    """What the error and weight-gradient quantizes of ``fp8-e5m2`` (nearest, overflow to
-    inf) receive when the loss is ``(model(x) * g).sum()``, by hand: torch's float8 casts
-    (clamped first where the forward saturates), plain matmuls."""
-
-    def rounded(t: torch.Tensor) -> torch.Tensor:
-        return t.to(torch.float8_e5m2).float()
-
-    def saturated(t: torch.Tensor) -> torch.Tensor:
-        return rounded(t.clamp(-E5M2_MAX, E5M2_MAX))
-
+    """What the error and weight-gradient quantizes of ``fp8-e5m2`` receive when the loss
+    is ``(model(x) * g).sum()``, by hand: torch's float8 casts, plain matmuls."""
     first, last = model[0], model[2]
     with torch.no_grad():
-        qx = saturated(x)
-        pre = qx @ saturated(first.weight).T + first.bias
-        qh = saturated(torch.relu(pre))
-        error = rounded(g)
-        hidden_error = torch.where(pre > 0, error @ saturated(last.weight), 0.0)
+        qx = _saturated(x)
+        pre = qx @ _saturated(first.weight).T + first.bias
+        qh = _saturated(torch.relu(pre))
+        error = _rounded(g)
+        hidden_error = torch.where(pre > 0, error @ _saturated(last.weight), 0.0)
         return {
             ("2", "error"): _counts(g),
             ("2", "weight_grad"): _counts(error.T @ qh),
             ("0", "error"): _counts(hidden_error),
-            ("0", "weight_grad"): _counts(rounded(hidden_error).T @ qx),
+            ("0", "weight_grad"): _counts(_rounded(hidden_error).T @ qx),
         }
 
 
 def _gradient_rows(model: nn.Module, prefix: str = "") -> dict:
     return {
-        (r.layer.removeprefix(prefix), r.role): (r.calls, r.saturated, r.nonfinite)
+        (r.layer.removeprefix(prefix), r.role): (r.calls, r.saturated, r.nonfinite, r.nonzero, r.underflow)
         for r in lpcompile.saturation(model)
         if r.role not in FORWARD_ROLES
     }
@@ -142,6 +159,7 @@ def _gradient_rows(model: nn.Module, prefix: str = "") -> dict:
 def _large_error() -> torch.Tensor:
     g = torch.linspace(-1.0, 1.0, 6).reshape(3, 2)
     g[0, 0], g[1, 1], g[2, 0], g[2, 1] = 1e6, float("inf"), -7e4, float("nan")
+    g[0, 1] = 1e-6
     return g
 
 
@@ -171,13 +189,17 @@ def test_counts_what_each_gradient_saturates(executor, checkpointed):
     run = torch.compile(model, backend="lowprec", options=options)
     x, g = torch.randn(3, 4), _large_error()
     expected = _gradient_counts(net, x, g)
-    assert expected[("2", "error")] == (3, 2) and expected[("0", "weight_grad")][1] > 0
+    assert expected[("2", "error")] == (3, 2, 6, 1) and expected[("0", "weight_grad")][1] > 0
     (run(x) * g).sum().backward()
     assert _gradient_rows(model, prefix) == {key: (1, *n) for key, n in expected.items()}
+    (last_error,) = [r for r in lpcompile.saturation(model) if r.layer == f"{prefix}2" and r.role == "error"]
+    assert last_error.underflow_fraction == 1 / 6
     run(x).sum().backward()  # errors of 1: nothing beyond the range
-    assert _gradient_counts(net, x, torch.ones(3, 2)) == dict.fromkeys(expected, (0, 0))
+    clean = _gradient_counts(net, x, torch.ones(3, 2))
+    assert all(n[:2] == (0, 0) for n in clean.values())
     run(x)  # a forward without a backward: its call counts only for the forward sites
-    assert _gradient_rows(model, prefix) == {key: (2, *n) for key, n in expected.items()}
+    totals = {key: (2, *(a + b for a, b in zip(n, clean[key], strict=True))) for key, n in expected.items()}
+    assert _gradient_rows(model, prefix) == totals
     forward_calls = {r.calls for r in lpcompile.saturation(model) if r.role in FORWARD_ROLES}
     assert forward_calls == (set() if checkpointed else {3}), "a body's forward sites are not counted"
 
@@ -197,5 +219,6 @@ def test_an_error_is_counted_as_its_loss_scale_left_it():
     g = torch.full((3, 2), 300.0)
     g[0] = 100.0  # 2**8 x 100 fits E5M2, 2**8 x 300 does not
     (run(torch.randn(3, 4)) * g).sum().backward()
-    assert _counts(g) == (0, 0)
-    assert _gradient_rows(model)[("2", "error")] == (1, *_counts(g * 2.0**8)) == (1, 4, 0)
+    assert _counts(g)[:2] == (0, 0)
+    assert _gradient_rows(model)[("2", "error")] == (1, *_counts(g * 2.0**8))
+    assert _counts(g * 2.0**8)[:2] == (4, 0)

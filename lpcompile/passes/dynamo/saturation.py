@@ -15,7 +15,7 @@ import torch
 import torch.fx
 
 from lpcompile.numerics.formats import parse_format
-from lpcompile.numerics.scale_grad import saturation_counts
+from lpcompile.numerics.scale_grad import PROBE_SIZE, range_counts
 from lpcompile.passes.driver import CompileContext
 from lpcompile.passes.dynamo.quantize import checkpoint_bodies, cond_branches, graph_input
 from lpcompile.passes.graph import inline
@@ -23,7 +23,7 @@ from lpcompile.passes.graph import inline
 QUANTIZE = torch.ops.lowprec.quantize.default
 QUANTIZE_GRAD = torch.ops.lowprec.quantize_grad.default
 COUNT_GRAD = torch.ops.lowprec.count_grad.default
-# The probe input: per counted gradient site, [saturated, non-finite, backward passes].
+# The probe input: per counted gradient site, its range_counts, then backward passes.
 SATURATION_INPUT = "lowprec_saturation"
 
 
@@ -52,13 +52,13 @@ def gradient_sites(gm: torch.fx.GraphModule) -> list[tuple[torch.fx.GraphModule,
 
 
 def insert_saturation_counts(gm: torch.fx.GraphModule, ctx: CompileContext) -> None:
-    """Count, per call, the inputs of each forward quantize node of ``gm`` that lie beyond
-    the format's largest finite value (infinities included) and those that are inf or NaN,
-    in an int64 ``(sites, 2)`` tensor appended to the outputs (:attr:`CompileContext.counted`
-    names its sites; the backend's wrapper takes it off). With a backward to come, count
-    the same of each gradient a ``quantize_grad`` site rounds, and the backward passes
-    that reached it, in the gradient of the float64 probe input ``lowprec_saturation``
-    (``(sites, 3)``; :attr:`CompileContext.counted_grads` names its sites)."""
+    """Count, per call, where the inputs of each forward quantize node of ``gm`` lie against
+    the format's range (:func:`~lpcompile.numerics.scale_grad.range_counts`), in an int64
+    ``(sites, 4)`` tensor appended to the outputs (:attr:`CompileContext.counted` names its
+    sites; the backend's wrapper takes it off). With a backward to come, count the same of
+    each gradient a ``quantize_grad`` site rounds, and the backward passes that reached it,
+    in the gradient of the float64 probe input ``lowprec_saturation``
+    (``(sites, PROBE_SIZE)``; :attr:`CompileContext.counted_grads` names its sites)."""
     nodes = gm.graph.find_nodes(op="call_function", target=QUANTIZE)
     if nodes:
         _count_outputs(gm, ctx, nodes)
@@ -66,12 +66,18 @@ def insert_saturation_counts(gm: torch.fx.GraphModule, ctx: CompileContext) -> N
         _count_gradients(gm, ctx)
 
 
+def _range(fmt: str) -> tuple[float, float]:
+    """The largest finite and the smallest positive value of ``fmt``."""
+    target = parse_format(fmt)
+    return target.max, target.min_subnormal
+
+
 def _count_outputs(gm: torch.fx.GraphModule, ctx: CompileContext, nodes: list[torch.fx.Node]) -> None:
     ctx.counted = [ctx.sites[node.meta["lowprec"]["offset"]] for node in nodes]
-    limits = [parse_format(site.fmt).max for site in ctx.counted]
+    ranges = [_range(site.fmt) for site in ctx.counted]
 
     def count(values: list[torch.Tensor]) -> torch.Tensor:
-        return torch.stack([saturation_counts(x, limit) for x, limit in zip(values, limits, strict=True)])
+        return torch.stack([range_counts(x, *limits) for x, limits in zip(values, ranges, strict=True)])
 
     output = gm.graph.output_node()
     counts = inline(gm, output, count, {"values": [node.args[0] for node in nodes]})
@@ -86,14 +92,14 @@ def _count_gradients(gm: torch.fx.GraphModule, ctx: CompileContext) -> None:
         return
     ctx.counted_grads = [ctx.sites[node.meta["lowprec"]["offset"]] for _, node in found]
     device = found[0][1].meta["example_value"].device
-    example = torch.zeros(len(found), 3, dtype=torch.float64, device=device)
+    example = torch.zeros(len(found), PROBE_SIZE, dtype=torch.float64, device=device)
     for i, ((graph, node), site) in enumerate(zip(found, ctx.counted_grads, strict=True)):
         probe = graph_input(graph, ctx, SATURATION_INPUT, example)
         users = list(node.users)
         with graph.graph.inserting_after(node):
             row = graph.graph.call_function(torch.select, (probe, 0, i))
         with graph.graph.inserting_after(row):
-            counted = graph.graph.call_function(COUNT_GRAD, (node, row, parse_format(site.fmt).max))
+            counted = graph.graph.call_function(COUNT_GRAD, (node, row, *_range(site.fmt)))
         row.meta["example_value"] = example[i]
         counted.meta["example_value"] = node.meta.get("example_value")
         counted.meta["lowprec"] = {"role": "saturation_count", "layer": site.layer}
