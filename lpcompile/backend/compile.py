@@ -213,10 +213,35 @@ def _inductor_compiler(ctx: CompileContext, record: CompiledGraph, tag: str, obs
         # variant's tag (the module's dict is in the key), the second is a cache hit.
         del gm.meta["lowprec_graph"]
         name_canonically(gm)
-        with lowprec_cpp_builds(ctx.config.cpp_opt_level):  # a backward lowered at its first call
+        python_wrapper = contextlib.nullcontext()
+        if kwargs.get("cpp_wrapper") and replays_random_ops(gm):
+            if ctx.config.wrapper == "cpp":
+                raise ValueError(
+                    "wrapper='cpp': Inductor's C++ wrapper cannot call the random operators an "
+                    "activation checkpoint replays in its recomputation (scaled_dot_product_attention, "
+                    "dropout, ...); use wrapper='auto', which writes such graphs' wrapper in Python"
+                )
+            kwargs["cpp_wrapper"] = False
+            python_wrapper = torch._inductor.config.patch(cpp_wrapper=False)
+        with (
+            python_wrapper,
+            lowprec_cpp_builds(ctx.config.cpp_opt_level),
+        ):  # (a backward lowered at its first call)
             return compile_fx_inner(gm, example_inputs, *args, **kwargs)
 
     return inner_compile
+
+
+def replays_random_ops(gm: torch.fx.GraphModule) -> bool:
+    """Whether an AOT graph runs a random operator with a saved generator state: AOT
+    autograd wraps those an activation checkpoint recomputes (SDPA, dropout, ...) so that
+    the backward draws what the forward drew, and Inductor's C++ wrapper cannot call them."""
+    from torch._prims.rng_prims import run_and_save_rng_state, run_with_rng_state
+
+    return any(
+        node.op == "call_function" and node.target in (run_and_save_rng_state, run_with_rng_state)
+        for node in gm.graph.nodes
+    )
 
 
 # GCC's value numbering walks the stores of a kernel body for each load it looks at:

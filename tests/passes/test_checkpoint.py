@@ -38,14 +38,15 @@ class CheckpointedAttention(nn.Module):
     """Scaled-dot-product attention with dropout in a checkpoint body: only the explicit
     form (``attention="full"``) runs its products on the grid on the CPU."""
 
-    def __init__(self) -> None:
+    def __init__(self, dropout: float = 0.1) -> None:
         super().__init__()
         torch.manual_seed(0)
         self.qkv = nn.Linear(16, 48)
+        self.dropout = dropout
 
     def body(self, x: torch.Tensor) -> torch.Tensor:
         q, k, v = self.qkv(x).view(2, 8, 3, 2, 8).permute(2, 0, 3, 1, 4)
-        out = F.scaled_dot_product_attention(q, k, v, dropout_p=0.1, is_causal=True)
+        out = F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout, is_causal=True)
         return out.transpose(1, 2).reshape(2, 8, 16)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -98,6 +99,30 @@ def test_checkpoint_bodies_are_quantized():
     assert check.off_grid == {} and check.count >= 14, check.products
     layers = {s.layer for s in records.only().sites.values()}
     assert layers == {"blocks.0.a", "blocks.0.b", "blocks.1.a", "blocks.1.b", "head"}
+
+
+def test_random_operators_in_bodies_compile_with_inductors_python_wrapper():
+    """AOT autograd runs a body's random operators that Inductor does not lower (CPU's
+    fused SDPA, which may drop out) from a saved generator state, so that the
+    recomputation draws what the forward drew; Inductor's C++ wrapper cannot call those.
+    ``wrapper="auto"`` writes such graphs' wrapper in Python (HF models under
+    ``gradient_checkpointing_enable()`` failed to compile), ``"cpp"`` is refused."""
+    x = torch.randn(2, 8, 16)
+    uncached = {"enable_autograd_cache": False}  # a graph loaded from the cache compiles nothing
+    with torch._functorch.config.patch(uncached), torch._inductor.config.patch(fx_graph_cache=False):
+        torch._dynamo.reset()
+        model = CheckpointedAttention(dropout=0.0)
+        torch.compile(model, backend="lowprec", options={"recipe": "fp8-e5m2-sr"})(
+            x
+        ).square().sum().backward()
+        assert all(bool(torch.isfinite(p.grad).all()) for p in model.parameters())
+        torch._dynamo.reset()
+        options = {"recipe": "fp8-e5m2-sr", "wrapper": "cpp"}
+        run = torch.compile(CheckpointedAttention(dropout=0.0), backend="lowprec", options=options)
+        with pytest.raises(
+            Exception, match=r"wrapper='cpp': Inductor's C\+\+ wrapper cannot call the random"
+        ):
+            run(x)
 
 
 class QuantizeCalls(TorchDispatchMode):
