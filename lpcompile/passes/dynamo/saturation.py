@@ -1,22 +1,26 @@
 """Counting what the quantize nodes saturate (option ``saturation``).
 
-The forward quantize nodes of the graph (weights and activations) are counted in one
-more output of the graph. The quantize nodes autograd puts into the backward for each
-``quantize_grad`` site (errors and weight gradients), in the graph and in the
-activation-checkpoint bodies and ``torch.cond`` branches it calls, are counted in the
-gradient of a probe input: a ``lowprec::count_grad`` node right after each
-``quantize_grad`` sees the incoming gradient exactly as that quantize will (after any
-loss scale), and returns its counts as its row of the probe's gradient.
+The forward quantize nodes (weights and activations) of the graph and of the
+activation-checkpoint bodies it calls are counted in one more output of the graph (a
+body returns its rows as one more output of its own). The quantize nodes autograd puts
+into the backward for each ``quantize_grad`` site (errors and weight gradients), in the
+graph and in the activation-checkpoint bodies and ``torch.cond`` branches it calls, are
+counted in the gradient of a probe input: a ``lowprec::count_grad`` node right after
+each ``quantize_grad`` sees the incoming gradient exactly as that quantize will (after
+any loss scale), and returns its counts as its row of the probe's gradient.
 """
 
 from __future__ import annotations
+
+import operator
+from typing import Any
 
 import torch
 import torch.fx
 
 from lpcompile.numerics.formats import parse_format
 from lpcompile.numerics.scale_grad import PROBE_SIZE, range_counts
-from lpcompile.passes.driver import CompileContext
+from lpcompile.passes.driver import CompileContext, Site
 from lpcompile.passes.dynamo.quantize import checkpoint_bodies, cond_branches, graph_input
 from lpcompile.passes.graph import inline
 
@@ -28,40 +32,59 @@ SATURATION_INPUT = "lowprec_saturation"
 
 
 def counts_saturation(gm: torch.fx.GraphModule, ctx: CompileContext, kind: str) -> bool:
-    """Option ``saturation`` on, in a graph with forward quantize nodes, or with
-    ``quantize_grad`` sites (of its own or its bodies') and a backward to come."""
+    """Option ``saturation`` on, in a graph with forward quantize nodes (of its own or its
+    checkpoint bodies'), or with ``quantize_grad`` sites (of its own or its bodies') and a
+    backward to come."""
     if ctx.config.saturation == "off":
         return False
-    forward = gm.graph.find_nodes(op="call_function", target=QUANTIZE)
-    return bool(forward) or (torch.is_grad_enabled() and bool(gradient_sites(gm)))
+    return bool(forward_sites(gm)) or (torch.is_grad_enabled() and bool(gradient_sites(gm)))
+
+
+def _sites(
+    gm: torch.fx.GraphModule, target: Any, branches: bool
+) -> list[tuple[torch.fx.GraphModule, torch.fx.Node]]:
+    """The ``target`` nodes of ``gm`` and of the checkpoint bodies (and, with ``branches``,
+    the ``torch.cond`` branches) it calls, each with its graph, in the order they run."""
+    bodies: dict[torch.fx.Node, list[torch.fx.GraphModule]] = {}
+    for body, call in checkpoint_bodies(gm) + (cond_branches(gm) if branches else []):
+        bodies.setdefault(call, []).append(body)
+    found = []
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target == target:
+            found.append((gm, node))
+        for body in bodies.get(node, ()):
+            found += _sites(body, target, branches)
+    return found
+
+
+def forward_sites(gm: torch.fx.GraphModule) -> list[tuple[torch.fx.GraphModule, torch.fx.Node]]:
+    """The forward quantize nodes of ``gm`` and of the checkpoint bodies it calls."""
+    return _sites(gm, QUANTIZE, branches=False)
 
 
 def gradient_sites(gm: torch.fx.GraphModule) -> list[tuple[torch.fx.GraphModule, torch.fx.Node]]:
     """The ``quantize_grad`` nodes of ``gm`` and of the checkpoint bodies and ``torch.cond``
-    branches it calls, each with its graph, in the order they run."""
-    bodies: dict[torch.fx.Node, list[torch.fx.GraphModule]] = {}
-    for body, call in checkpoint_bodies(gm) + cond_branches(gm):
-        bodies.setdefault(call, []).append(body)
-    found = []
-    for node in gm.graph.nodes:
-        if node.op == "call_function" and node.target == QUANTIZE_GRAD:
-            found.append((gm, node))
-        for body in bodies.get(node, ()):
-            found += gradient_sites(body)
-    return found
+    branches it calls."""
+    return _sites(gm, QUANTIZE_GRAD, branches=True)
 
 
 def insert_saturation_counts(gm: torch.fx.GraphModule, ctx: CompileContext) -> None:
-    """Count, per call, where the inputs of each forward quantize node of ``gm`` lie against
-    the format's range (:func:`~lpcompile.numerics.scale_grad.range_counts`), in an int64
-    ``(sites, 4)`` tensor appended to the outputs (:attr:`CompileContext.counted` names its
-    sites; the backend's wrapper takes it off). With a backward to come, count the same of
-    each gradient a ``quantize_grad`` site rounds, and the backward passes that reached it,
-    in the gradient of the float64 probe input ``lowprec_saturation``
-    (``(sites, PROBE_SIZE)``; :attr:`CompileContext.counted_grads` names its sites)."""
-    nodes = gm.graph.find_nodes(op="call_function", target=QUANTIZE)
-    if nodes:
-        _count_outputs(gm, ctx, nodes)
+    """Count, per call, where the inputs of each forward quantize node of ``gm`` and of the
+    checkpoint bodies it calls lie against the format's range
+    (:func:`~lpcompile.numerics.scale_grad.range_counts`), in an int64 ``(sites, 4)`` tensor
+    appended to the outputs (:attr:`CompileContext.counted` names its sites; the backend's
+    wrapper takes it off; a body returns its rows as one more output). With a backward to
+    come, count the same of each gradient a ``quantize_grad`` site rounds, and the backward
+    passes that reached it, in the gradient of the float64 probe input
+    ``lowprec_saturation`` (``(sites, PROBE_SIZE)``; :attr:`CompileContext.counted_grads`
+    names its sites)."""
+    counted, counts = _forward_counts(gm, ctx, {})
+    if counts is not None:
+        ctx.counted = counted
+        output = gm.graph.output_node()
+        (outputs,) = output.args
+        output.args = ((*outputs, counts),)
+        gm.recompile()
     if torch.is_grad_enabled():
         _count_gradients(gm, ctx)
 
@@ -72,18 +95,67 @@ def _range(fmt: str) -> tuple[float, float]:
     return target.max, target.min_subnormal
 
 
-def _count_outputs(gm: torch.fx.GraphModule, ctx: CompileContext, nodes: list[torch.fx.Node]) -> None:
-    ctx.counted = [ctx.sites[node.meta["lowprec"]["offset"]] for node in nodes]
-    ranges = [_range(site.fmt) for site in ctx.counted]
+def _forward_counts(
+    gm: torch.fx.GraphModule, ctx: CompileContext, exposed: dict[int, tuple[list[Site], int | None]]
+) -> tuple[list[Site], torch.fx.Node | None]:
+    """The sites of the forward quantize nodes of ``gm`` and of the checkpoint bodies it
+    calls, in the order they run, and a node before ``gm``'s output holding their range
+    counts, one row each (None without sites). ``exposed``: per body already counted, its
+    sites and the index of the output that returns its counts."""
+    bodies = {call: body for body, call in checkpoint_bodies(gm)}
+    sites: list[Site] = []
+    parts: list[Any] = []  # runs of own quantize nodes (node, range), and bodies' count nodes
+    for node in list(gm.graph.nodes):
+        if node.op == "call_function" and node.target == QUANTIZE:
+            site = ctx.sites[node.meta["lowprec"]["offset"]]
+            if not parts or not isinstance(parts[-1], list):
+                parts.append([])
+            parts[-1].append((node.args[0], _range(site.fmt)))
+            sites.append(site)
+        elif node in bodies:
+            body = bodies[node]
+            if id(body) not in exposed:
+                body_sites, body_counts = _forward_counts(body, ctx, exposed)
+                index = None if body_counts is None else _return_also(body, body_counts)
+                exposed[id(body)] = (body_sites, index)
+            body_sites, index = exposed[id(body)]
+            if index is not None:
+                sites += body_sites
+                parts.append(_output_of(gm, node, index, body))
+    if not parts:
+        return sites, None
 
-    def count(values: list[torch.Tensor]) -> torch.Tensor:
-        return torch.stack([range_counts(x, *limits) for x, limits in zip(values, ranges, strict=True)])
+    def count(parts: list[Any]) -> torch.Tensor:
+        blocks = [
+            torch.stack([range_counts(x, *limits) for x, limits in part]) if isinstance(part, list) else part
+            for part in parts
+        ]
+        return torch.cat(blocks) if len(blocks) > 1 else blocks[0]
 
-    output = gm.graph.output_node()
-    counts = inline(gm, output, count, {"values": [node.args[0] for node in nodes]})
+    return sites, inline(gm, gm.graph.output_node(), count, {"parts": parts})
+
+
+def _return_also(body: torch.fx.GraphModule, value: torch.fx.Node) -> int:
+    """Append ``value`` to the outputs of ``body``; return its index there."""
+    output = body.graph.output_node()
     (outputs,) = output.args
-    output.args = ((*outputs, counts),)
-    gm.recompile()
+    output.args = ((*outputs, value),)
+    body.recompile()
+    return len(outputs)
+
+
+def _output_of(
+    gm: torch.fx.GraphModule, call: torch.fx.Node, index: int, body: torch.fx.GraphModule
+) -> torch.fx.Node:
+    """A node of ``gm`` reading output ``index`` of ``call``, which calls ``body``."""
+    with gm.graph.inserting_after(call):
+        item = gm.graph.call_function(operator.getitem, (call, index))
+    value = body.graph.output_node().args[0][index].meta.get("example_value")
+    item.meta["example_value"] = value
+    example = call.meta.get("example_value")
+    if isinstance(example, tuple | list) and len(example) == index:
+        call.meta["example_value"] = (*example, value)
+    return item
 
 
 def _count_gradients(gm: torch.fx.GraphModule, ctx: CompileContext) -> None:
