@@ -27,7 +27,8 @@ from torch._subclasses.fake_tensor import FakeTensor
 
 from lpcompile.backend.adaptive import AdaptiveScaleState
 from lpcompile.backend.distributed import current_rank, rank_seed
-from lpcompile.backend.state import REGISTRY, gradient_probe
+from lpcompile.backend.state import REGISTRY
+from lpcompile.numerics.scale_grad import count_probe
 from lpcompile.passes.driver import CompileContext, Site
 from lpcompile.passes.dynamo.loss_scale import RECORD_IN_VARIANT
 from lpcompile.passes.dynamo.quantize import SEED_INPUT
@@ -177,7 +178,7 @@ def _with_inputs(
             if called:
                 values[SATURATION_INPUT] = REGISTRY.gradient_probe(key, ctx.graph_id, sites, device)
             else:  # counts nothing
-                values[SATURATION_INPUT] = gradient_probe(len(sites), device)
+                values[SATURATION_INPUT] = count_probe(len(sites), device)
         for name, spec in ctx.call_inputs.items():
             values[name] = REGISTRY.prediction_input(args[spec.index], spec)
         return [values[name] for name in ctx.inputs]

@@ -35,7 +35,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from lpcompile.backend.adaptive import AdaptiveScaleState, LayerTelemetry, check_saved_state
 from lpcompile.backend.distributed import unsharded_parameters
 from lpcompile.backend.watch import CoverageWatches, instance_of, module_name, unwrapped
-from lpcompile.numerics.scale_grad import PROBE_SIZE
+from lpcompile.numerics.scale_grad import count_probe
 from lpcompile.passes.driver import PredictionInput, Site
 from lpcompile.passes.dynamo.loss_scale import AdaptiveLayout
 
@@ -99,12 +99,6 @@ def check_streams_state(saved: Any) -> None:
                 raise ValueError(
                     f"a saved call count must be [stream, config, grad mode, count >= 0], got {row!r}"
                 )
-
-
-def gradient_probe(sites: int, device: torch.device) -> torch.Tensor:
-    """A float64 leaf of zeros that requires grad: the probe of ``sites`` gradient sites
-    counted by ``lowprec::count_grad`` (``PROBE_SIZE`` counts each)."""
-    return torch.zeros(sites, PROBE_SIZE, dtype=torch.float64, device=device, requires_grad=True)
 
 
 @dataclass
@@ -397,7 +391,7 @@ class Registry:
     def count_saturation(
         self, key: torch.Tensor, graph_id: int, sites: list[Site], counts: torch.Tensor
     ) -> None:
-        """Add one call's saturation ``counts`` (per site: saturated, non-finite) of graph
+        """Add one call's saturation ``counts`` (per site: its range counts) of graph
         ``graph_id`` to ``key``'s model's totals (on the device: no synchronisation)."""
         totals = self.entry(key).saturation
         found = totals.get(graph_id)
@@ -414,7 +408,7 @@ class Registry:
         saturation into: a float64 leaf whose gradient accumulates the counts."""
         totals = self.entry(key).gradient_saturation
         if graph_id not in totals:
-            totals[graph_id] = (sites, gradient_probe(len(sites), device))
+            totals[graph_id] = (sites, count_probe(len(sites), device))
         return totals[graph_id][1]
 
     # ------------------------------------------------------------------ records and observers

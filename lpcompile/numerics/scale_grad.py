@@ -151,6 +151,12 @@ def range_counts(x: torch.Tensor, largest: float, smallest: float) -> torch.Tens
 PROBE_SIZE = 5
 
 
+def count_probe(sites: int, device: torch.device | str) -> torch.Tensor:
+    """A float64 leaf of zeros that requires grad: the probe of ``sites`` gradient sites
+    that ``count_grad`` nodes count into (one row of ``PROBE_SIZE`` each)."""
+    return torch.zeros(sites, PROBE_SIZE, dtype=torch.float64, device=device, requires_grad=True)
+
+
 @torch.library.custom_op("lowprec::count_grad", mutates_args=())
 def count_grad_op(x: torch.Tensor, probe: torch.Tensor, largest: float, smallest: float) -> torch.Tensor:
     if probe.shape != (PROBE_SIZE,) or not probe.is_floating_point():
@@ -168,14 +174,15 @@ def _(x, probe, largest, smallest):
 
 def _save_range(ctx, inputs, output):
     _, probe, ctx.largest, ctx.smallest = inputs
-    ctx.probe_dtype = probe.dtype
+    ctx.probe_dtype, ctx.probe_device = probe.dtype, probe.device
 
 
 def _count_incoming(ctx, grad):
     probe_grad = None
     if ctx.needs_input_grad[1]:
         counts = range_counts(grad, ctx.largest, ctx.smallest)
-        probe_grad = torch.cat([counts, counts.new_ones(1)]).to(ctx.probe_dtype)
+        # (on the probe's device: a model spread over devices counts into one probe)
+        probe_grad = torch.cat([counts, counts.new_ones(1)]).to(ctx.probe_device, ctx.probe_dtype)
     return grad, probe_grad, None, None
 
 

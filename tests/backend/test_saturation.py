@@ -234,3 +234,19 @@ def test_an_error_is_counted_as_its_loss_scale_left_it():
     assert _counts(g)[:2] == (0, 0)
     assert _gradient_rows(model)[("2", "error")] == (1, *_counts(g * 2.0**8))
     assert _counts(g * 2.0**8)[:2] == (4, 0)
+
+
+def test_frozen_layers_are_not_counted_into_the_backward():
+    """Counting a frozen layer's error would tie it to the probe, so that the backward
+    reaches it (a frozen model's output would need a gradient): frozen sites are left out."""
+    torch._dynamo.reset()  # (a fresh recompile budget for nn.Sequential's forward)
+    options = {"recipe": "fp8-e5m2", "saturation": "count", "executor": "eager"}
+    model = _mlp()
+    model[0].requires_grad_(False)
+    torch.compile(model, backend="lowprec", options=options)(torch.randn(3, 4)).sum().backward()
+    rows = {(r.layer, r.role) for r in lpcompile.saturation(model)}
+    assert {("2", "error"), ("2", "weight_grad"), ("0", "weight")} <= rows
+    assert not {("0", "error"), ("0", "weight_grad")} & rows
+    frozen = _mlp().requires_grad_(False)
+    out = torch.compile(frozen, backend="lowprec", options=options)(torch.randn(3, 4))
+    assert not out.requires_grad

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import fnmatch
 import warnings
+from collections.abc import Callable, Iterable
 
 import torch
 import torch.fx
@@ -170,23 +171,33 @@ def outermost(gm: torch.fx.GraphModule, node: torch.fx.Node) -> torch.fx.Node:
     return node
 
 
+def nodes_in_run_order(
+    gm: torch.fx.GraphModule,
+    pick: Callable[[torch.fx.GraphModule], Iterable[torch.fx.Node]],
+    branches: bool = True,
+) -> list[tuple[torch.fx.GraphModule, torch.fx.Node]]:
+    """The nodes ``pick`` chooses in ``gm`` and in the checkpoint bodies (and, with
+    ``branches``, the ``torch.cond`` branches, the true branch's first) it calls, each with
+    its graph, in the order they run."""
+    picked = set(pick(gm))
+    bodies: dict[torch.fx.Node, list[torch.fx.GraphModule]] = {}
+    for body, call in checkpoint_bodies(gm) + (cond_branches(gm) if branches else []):
+        bodies.setdefault(call, []).append(body)
+    found = []
+    for node in gm.graph.nodes:
+        if node in picked:
+            found.append((gm, node))
+        for body in bodies.get(node, ()):
+            found += nodes_in_run_order(body, pick, branches)
+    return found
+
+
 def layers_in_order(
     gm: torch.fx.GraphModule, ctx: CompileContext
 ) -> list[tuple[torch.fx.GraphModule, torch.fx.Node]]:
     """The layer calls to quantize (:func:`kept_layers`) of ``gm`` and of the checkpoint
-    bodies and ``torch.cond`` branches it calls (the true branch's first), each with its
-    graph, in the order they run."""
-    kept = set(kept_layers(gm, ctx))
-    bodies: dict[torch.fx.Node, list[torch.fx.GraphModule]] = {}
-    for body, call in checkpoint_bodies(gm) + cond_branches(gm):
-        bodies.setdefault(call, []).append(body)
-    found = []
-    for node in gm.graph.nodes:
-        if node in kept:
-            found.append((gm, node))
-        for body in bodies.get(node, ()):
-            found += layers_in_order(body, ctx)
-    return found
+    bodies and ``torch.cond`` branches it calls, each with its graph, in the order they run."""
+    return nodes_in_run_order(gm, lambda graph: kept_layers(graph, ctx))
 
 
 def checkpoint_bodies(gm: torch.fx.GraphModule) -> list[tuple[torch.fx.GraphModule, torch.fx.Node]]:

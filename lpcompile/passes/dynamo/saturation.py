@@ -19,10 +19,10 @@ import torch
 import torch.fx
 
 from lpcompile.numerics.formats import parse_format
-from lpcompile.numerics.scale_grad import PROBE_SIZE, range_counts
+from lpcompile.numerics.scale_grad import count_probe, range_counts
 from lpcompile.passes.driver import CompileContext, Site
-from lpcompile.passes.dynamo.quantize import checkpoint_bodies, cond_branches, graph_input
-from lpcompile.passes.graph import inline
+from lpcompile.passes.dynamo.quantize import checkpoint_bodies, graph_input, nodes_in_run_order
+from lpcompile.passes.graph import inline, needs_grad
 
 QUANTIZE = torch.ops.lowprec.quantize.default
 QUANTIZE_GRAD = torch.ops.lowprec.quantize_grad.default
@@ -32,40 +32,24 @@ SATURATION_INPUT = "lowprec_saturation"
 
 
 def counts_saturation(gm: torch.fx.GraphModule, ctx: CompileContext, kind: str) -> bool:
-    """Option ``saturation`` on, in a graph with forward quantize nodes (of its own or its
-    checkpoint bodies'), or with ``quantize_grad`` sites (of its own or its bodies') and a
-    backward to come."""
+    """Option ``saturation`` on, in a graph with quantize nodes (in it or in its bodies)."""
     if ctx.config.saturation == "off":
         return False
-    return bool(forward_sites(gm)) or (torch.is_grad_enabled() and bool(gradient_sites(gm)))
-
-
-def _sites(
-    gm: torch.fx.GraphModule, target: Any, branches: bool
-) -> list[tuple[torch.fx.GraphModule, torch.fx.Node]]:
-    """The ``target`` nodes of ``gm`` and of the checkpoint bodies (and, with ``branches``,
-    the ``torch.cond`` branches) it calls, each with its graph, in the order they run."""
-    bodies: dict[torch.fx.Node, list[torch.fx.GraphModule]] = {}
-    for body, call in checkpoint_bodies(gm) + (cond_branches(gm) if branches else []):
-        bodies.setdefault(call, []).append(body)
-    found = []
-    for node in gm.graph.nodes:
-        if node.op == "call_function" and node.target == target:
-            found.append((gm, node))
-        for body in bodies.get(node, ()):
-            found += _sites(body, target, branches)
-    return found
-
-
-def forward_sites(gm: torch.fx.GraphModule) -> list[tuple[torch.fx.GraphModule, torch.fx.Node]]:
-    """The forward quantize nodes of ``gm`` and of the checkpoint bodies it calls."""
-    return _sites(gm, QUANTIZE, branches=False)
+    graphs = [module.graph for module in gm.modules() if isinstance(module, torch.fx.GraphModule)]
+    targets = (QUANTIZE, QUANTIZE_GRAD)
+    return any(graph.find_nodes(op="call_function", target=t) for graph in graphs for t in targets)
 
 
 def gradient_sites(gm: torch.fx.GraphModule) -> list[tuple[torch.fx.GraphModule, torch.fx.Node]]:
-    """The ``quantize_grad`` nodes of ``gm`` and of the checkpoint bodies and ``torch.cond``
-    branches it calls."""
-    return _sites(gm, QUANTIZE_GRAD, branches=True)
+    """The ``quantize_grad`` nodes whose values get a gradient, of ``gm`` and of the
+    checkpoint bodies and ``torch.cond`` branches it calls, in the order they run (a
+    frozen layer's error gets none: counting it would make the backward reach it)."""
+
+    def picked(graph: torch.fx.GraphModule) -> list[torch.fx.Node]:
+        nodes = graph.graph.find_nodes(op="call_function", target=QUANTIZE_GRAD)
+        return [node for node in nodes if needs_grad(node)]
+
+    return nodes_in_run_order(gm, picked)
 
 
 def insert_saturation_counts(gm: torch.fx.GraphModule, ctx: CompileContext) -> None:
@@ -76,9 +60,9 @@ def insert_saturation_counts(gm: torch.fx.GraphModule, ctx: CompileContext) -> N
     wrapper takes it off; a body returns its rows as one more output). With a backward to
     come, count the same of each gradient a ``quantize_grad`` site rounds, and the backward
     passes that reached it, in the gradient of the float64 probe input
-    ``lowprec_saturation`` (``(sites, PROBE_SIZE)``; :attr:`CompileContext.counted_grads`
-    names its sites)."""
-    counted, counts = _forward_counts(gm, ctx, {})
+    ``lowprec_saturation`` (a row of ``PROBE_SIZE`` per site;
+    :attr:`CompileContext.counted_grads` names its sites)."""
+    counted, counts = _forward_counts(gm, ctx)
     if counts is not None:
         ctx.counted = counted
         output = gm.graph.output_node()
@@ -95,13 +79,10 @@ def _range(fmt: str) -> tuple[float, float]:
     return target.max, target.min_subnormal
 
 
-def _forward_counts(
-    gm: torch.fx.GraphModule, ctx: CompileContext, exposed: dict[int, tuple[list[Site], int | None]]
-) -> tuple[list[Site], torch.fx.Node | None]:
+def _forward_counts(gm: torch.fx.GraphModule, ctx: CompileContext) -> tuple[list[Site], torch.fx.Node | None]:
     """The sites of the forward quantize nodes of ``gm`` and of the checkpoint bodies it
-    calls, in the order they run, and a node before ``gm``'s output holding their range
-    counts, one row each (None without sites). ``exposed``: per body already counted, its
-    sites and the index of the output that returns its counts."""
+    calls (each call has a body of its own), in the order they run, and a node before
+    ``gm``'s output holding their range counts, one row each (None without sites)."""
     bodies = {call: body for body, call in checkpoint_bodies(gm)}
     sites: list[Site] = []
     parts: list[Any] = []  # runs of own quantize nodes (node, range), and bodies' count nodes
@@ -114,14 +95,10 @@ def _forward_counts(
             sites.append(site)
         elif node in bodies:
             body = bodies[node]
-            if id(body) not in exposed:
-                body_sites, body_counts = _forward_counts(body, ctx, exposed)
-                index = None if body_counts is None else _return_also(body, body_counts)
-                exposed[id(body)] = (body_sites, index)
-            body_sites, index = exposed[id(body)]
-            if index is not None:
+            body_sites, body_counts = _forward_counts(body, ctx)
+            if body_counts is not None:
                 sites += body_sites
-                parts.append(_output_of(gm, node, index, body))
+                parts.append(_output_of(gm, node, _return_also(body, body_counts), body))
     if not parts:
         return sites, None
 
@@ -163,8 +140,8 @@ def _count_gradients(gm: torch.fx.GraphModule, ctx: CompileContext) -> None:
     if not found:
         return
     ctx.counted_grads = [ctx.sites[node.meta["lowprec"]["offset"]] for _, node in found]
-    device = found[0][1].meta["example_value"].device
-    example = torch.zeros(len(found), PROBE_SIZE, dtype=torch.float64, device=device)
+    # (count_grad delivers each site's counts on the probe's device)
+    example = count_probe(len(found), found[0][1].meta["example_value"].device).detach()
     for i, ((graph, node), site) in enumerate(zip(found, ctx.counted_grads, strict=True)):
         probe = graph_input(graph, ctx, SATURATION_INPUT, example)
         users = list(node.users)
