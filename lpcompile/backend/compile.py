@@ -218,15 +218,14 @@ def _inductor_compiler(ctx: CompileContext, record: CompiledGraph, tag: str, obs
             if ctx.config.wrapper == "cpp":
                 raise ValueError(
                     "wrapper='cpp': Inductor's C++ wrapper cannot call the random operators an "
-                    "activation checkpoint replays in its recomputation (scaled_dot_product_attention, "
-                    "dropout, ...); use wrapper='auto', which writes such graphs' wrapper in Python"
+                    "activation checkpoint replays in its recomputation (the CPU's fused "
+                    "scaled_dot_product_attention, ...); use wrapper='auto', which writes such "
+                    "graphs' wrapper in Python"
                 )
             kwargs["cpp_wrapper"] = False
             python_wrapper = torch._inductor.config.patch(cpp_wrapper=False)
-        with (
-            python_wrapper,
-            lowprec_cpp_builds(ctx.config.cpp_opt_level),
-        ):  # (a backward lowered at its first call)
+        # (lowprec_cpp_builds again: a backward is lowered at its first call)
+        with python_wrapper, lowprec_cpp_builds(ctx.config.cpp_opt_level):
             return compile_fx_inner(gm, example_inputs, *args, **kwargs)
 
     return inner_compile
@@ -234,8 +233,9 @@ def _inductor_compiler(ctx: CompileContext, record: CompiledGraph, tag: str, obs
 
 def replays_random_ops(gm: torch.fx.GraphModule) -> bool:
     """Whether an AOT graph runs a random operator with a saved generator state: AOT
-    autograd wraps those an activation checkpoint recomputes (SDPA, dropout, ...) so that
-    the backward draws what the forward drew, and Inductor's C++ wrapper cannot call them."""
+    autograd wraps those an activation checkpoint recomputes and Inductor does not lower
+    (the CPU's fused attention, which may drop out) so that the backward draws what the
+    forward drew, and Inductor's C++ wrapper cannot call them."""
     from torch._prims.rng_prims import run_and_save_rng_state, run_with_rng_state
 
     return any(
