@@ -179,6 +179,32 @@ def _trained_states(
     return [state for state in states if state.trained_by(params)] or states
 
 
+@torch.no_grad()
+def unscale_grads(
+    params: Iterable[torch.Tensor], inv_scale: torch.Tensor
+) -> dict[torch.device, torch.Tensor]:
+    """Multiply the ``grad`` of each of ``params`` by ``inv_scale`` in place (torch's fused
+    check-and-unscale); returns one flag per device, non-zero where a gradient held inf/NaN."""
+    grouped: dict[torch.device, dict[torch.dtype, list[torch.Tensor]]] = defaultdict(
+        lambda: defaultdict(list)
+    )
+    for param in params:
+        grad = param.grad
+        if grad.is_sparse:
+            if grad.dtype is torch.float16:  # duplicates could overflow when summed
+                param.grad = grad = grad.coalesce()
+            grad = grad._values()
+        grouped[grad.device][grad.dtype].append(grad)
+    found: dict[torch.device, torch.Tensor] = {}
+    for device, per_dtype in grouped.items():
+        flag = torch.zeros((), dtype=torch.float32, device=device)
+        local_inv = inv_scale.to(device)
+        for grads in per_dtype.values():
+            torch._amp_foreach_non_finite_check_and_unscale_(grads, flag, local_inv)
+        found[device] = flag
+    return found
+
+
 class _Stage(Enum):
     READY = 0
     UNSCALED = 1
@@ -292,31 +318,13 @@ class LossScaler:
     def _unscale_grads(
         self, optimizer: torch.optim.Optimizer, inv_scale: torch.Tensor
     ) -> dict[torch.device, torch.Tensor]:
-        """Multiply every grad by ``inv_scale`` in place; one found-inf flag per device."""
-        grouped: dict[torch.device, dict[torch.dtype, list[torch.Tensor]]] = defaultdict(
-            lambda: defaultdict(list)
-        )
-        with torch.no_grad():
-            for group in optimizer.param_groups:
-                for param in group["params"]:
-                    if param.grad is None:
-                        continue
-                    grad = param.grad
-                    if grad.is_sparse:
-                        if grad.dtype is torch.float16:  # duplicates could overflow when summed
-                            param.grad = grad = grad.coalesce()
-                        grad = grad._values()
-                    grouped[grad.device][grad.dtype].append(grad)
-            found: dict[torch.device, torch.Tensor] = {}
-            for device, per_dtype in grouped.items():
-                flag = torch.zeros((), dtype=torch.float32, device=device)
-                local_inv = inv_scale.to(device)
-                for grads in per_dtype.values():
-                    torch._amp_foreach_non_finite_check_and_unscale_(grads, flag, local_inv)
-                found[device] = flag
-            ranks = self._ranks()
-            for flag in found.values() if ranks is not None else ():
-                torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX, group=ranks)
+        """Multiply every grad by ``inv_scale`` in place; one found-inf flag per device,
+        agreed with the other ranks."""
+        params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        found = unscale_grads(params, inv_scale)
+        ranks = self._ranks()
+        for flag in found.values() if ranks is not None else ():
+            torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX, group=ranks)
         return found
 
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
