@@ -48,6 +48,8 @@ class DigitsRun:
     momentum: float
     batch_size: int = 1
     losses: list[float] = field(default_factory=list, repr=False)  # per sample (a batch's mean at B > 1)
+    loss_scales: dict[int, float] = field(default_factory=dict)  # per stage, at the end
+    skipped: dict[int, int] = field(default_factory=dict)  # per stage: updates skipped for inf/NaN
 
 
 def run_digits(
@@ -61,11 +63,13 @@ def run_digits(
     threads: int | None = 1,
     model: Callable[[], nn.Module] = DigitsCNN,
     batch_size: int = 1,
+    options: dict[str, Any] | None = None,
 ) -> DigitsRun:
     """Train one variant of :data:`VARIANTS` on a new ``model()``; see the module doc.
 
     ``batch_size`` > 1 is for ``"SGD"`` only: minibatch SGD with momentum, the samples in
-    a new random order each epoch, the last batch of an epoch smaller.
+    a new random order each epoch, the last batch of an epoch smaller. ``options``: more
+    :class:`PipelinedTrainer` arguments (``compile``, ``loss_scale``, ...).
     """
     if batch_size != 1 and variant != "SGD":
         raise ValueError(f"only SGD runs at batch size {batch_size}; {variant!r} pipelines one sample a step")
@@ -78,8 +82,13 @@ def run_digits(
         net = model()
         order = torch.Generator().manual_seed(seed)
         start = time.perf_counter()
+        scales: dict[int, float] = {}
+        skipped: dict[int, int] = {}
         if batch_size == 1:
-            losses, delays = _pipelined(net, variant, lr, momentum, epochs, order, data)
+            settings = {**VARIANTS[variant], **(options or {})}
+            trainer = _pipelined(net, settings, lr, momentum, epochs, order, data)
+            losses, delays = list(trainer.losses), trainer.delays
+            scales, skipped = trainer.loss_scales, trainer.skipped_samples
         else:
             losses, delays = _minibatch(net, lr, momentum, epochs, batch_size, order, data), [0]
         seconds = time.perf_counter() - start
@@ -89,13 +98,21 @@ def run_digits(
     finally:
         torch.set_num_threads(previous)
     final = statistics.fmean(losses[-len(data.train_y) :])
-    return DigitsRun(variant, seed, accuracy, final, seconds, delays, lr, momentum, batch_size, losses)
+    return DigitsRun(
+        variant, seed, accuracy, final, seconds, delays, lr, momentum, batch_size, losses, scales, skipped
+    )
 
 
 def _pipelined(
-    net: nn.Module, variant: str, lr: float, momentum: float, epochs: int, order: torch.Generator, data: Split
-) -> tuple[list[float], list[int]]:
-    trainer = PipelinedTrainer(net, data.train_x[:1], lr=lr, momentum=momentum, **VARIANTS[variant])
+    net: nn.Module,
+    settings: dict[str, Any],
+    lr: float,
+    momentum: float,
+    epochs: int,
+    order: torch.Generator,
+    data: Split,
+) -> PipelinedTrainer:
+    trainer = PipelinedTrainer(net, data.train_x[:1], lr=lr, momentum=momentum, **settings)
     n = len(data.train_y)
     total = epochs * n
     for _ in range(epochs):
@@ -104,7 +121,7 @@ def _pipelined(
                 group["lr"] = lr * (1.0 - trainer.samples / total)
             trainer.step(data.train_x[i : i + 1], data.train_y[i : i + 1])
     trainer.drain()
-    return list(trainer.losses), trainer.delays
+    return trainer
 
 
 def _minibatch(

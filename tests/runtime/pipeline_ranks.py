@@ -28,6 +28,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
+from lpcompile.runtime.scaler import LossScaleConfig
+
 PRELOAD = ["torch", "lpcompile.runtime.pipeline", "lpcompile.runtime.pipeline.distributed"]
 SAMPLES = 12
 
@@ -39,6 +41,11 @@ CASES: dict[str, dict[str, Any]] = {
         "spike_compensation": True,
         "prediction": "lwp_v",
         "compile": {"recipe": "fp8-e5m2-sr", "executor": "eager"},
+    },
+    # per-stage dynamic loss scales from a start whose errors overflow E5M2
+    "fp8-sr-dynamic": {
+        "compile": {"recipe": "fp8-e5m2-sr", "executor": "eager"},
+        "loss_scale": LossScaleConfig("dynamic", init_scale=2.0**20, growth_interval=3),
     },
     # slow tier
     "lwpw-stash": {"prediction": "lwp_w", "weight_stash": True},
@@ -92,6 +99,8 @@ def train(case: str, distributed: bool, epochs: int = 2) -> dict[str, Any]:
         "streams": [(digest, sorted(steps.items())) for digest, steps in counts if steps],
         "steps": pipeline.steps,
         "timings": pipeline.timings,
+        "loss_scales": pipeline.loss_scales,
+        "skipped": pipeline.skipped_samples,
     }
 
 

@@ -23,7 +23,7 @@ from lpcompile.runtime.pipeline.schedule import TensorMeta, conform, message_met
 
 pytestmark = pytest.mark.usefixtures("single_thread")  # as each rank: the same bits
 
-FAST = ["pb", "sc-lwpv", "fp8-sr"]
+FAST = ["pb", "sc-lwpv", "fp8-sr", "fp8-sr-dynamic"]
 SLOW = [case for case in CASES if case not in FAST]
 
 
@@ -49,8 +49,13 @@ def _assert_same_run(case: str, world: int, folder, simulated: dict) -> None:
     assert last["losses"] == expected["losses"] and len(last["losses"]) == 24
     # every stage graph was called as often as in the simulator: the same call counts,
     # under the same model digests, spread over the ranks
-    ranks = [torch.load(folder / f"{case}-rank{r}.pt")["streams"] for r in range(world)]
-    assert sorted(s for rank in ranks for s in rank) == sorted(expected["streams"])
+    runs = [torch.load(folder / f"{case}-rank{r}.pt") for r in range(world)]
+    assert sorted(s for run in runs for s in run["streams"]) == sorted(expected["streams"])
+    # each rank holds its stages' loss scales: together, the simulator's
+    for key in ("loss_scales", "skipped"):
+        assert {k: v for run in runs for k, v in run[key].items()} == expected[key]
+    if case.endswith("dynamic"):  # the scales moved apart: each stage overflowed on its own
+        assert len(set(expected["loss_scales"].values())) > 1 and all(expected["skipped"].values())
     if "sr" in case:
         assert len(expected["streams"]) == 4  # one model per stage: each counts its own calls
 
@@ -65,8 +70,8 @@ def _run_cases(tmp_path, world: int, cases: list[str]) -> None:
 
 
 def test_two_ranks_equal_the_simulator_bit_for_bit(tmp_path):
-    """Plain PB, PB+SC+LWP^v, and PB+SC+LWP^v with FP8 (E5M2, stochastic rounding) stages:
-    four stages on two ranks (two contiguous stages each)."""
+    """Plain PB, PB+SC+LWP^v, PB+SC+LWP^v with FP8 (E5M2, stochastic rounding) stages, and
+    FP8 stages with dynamic loss scales: four stages on two ranks (two contiguous stages each)."""
     _run_cases(tmp_path, 2, FAST)
 
 
@@ -200,11 +205,14 @@ def test_messages_keep_their_layout_and_say_which_gradients_are_missing():
     backward = Layout.of(metas, mask=True)
     assert backward.offsets[1] is None  # an integer tensor has no gradient: no room for one
     grads = [channels_last * 2, None, None, values[3] + 1]
-    out = backward.unpack(backward.pack(grads, torch.device("cpu")))
+    buffer = backward.pack(grads, torch.device("cpu"), scale=2.0**-130)  # the scale they were computed at
+    out = backward.unpack(buffer)
     assert out[1] is None and out[2] is None
     assert torch.equal(out[0], grads[0]) and torch.equal(out[3], grads[3])
+    assert backward.scale(buffer) == 2.0**-130
     integers = Layout.of([message_meta(values[1])], mask=True)  # an error message with no room
-    assert integers.nbytes == 0 and integers.unpack(torch.empty(0, dtype=torch.uint8)) == [None]
+    empty = torch.empty(0, dtype=torch.uint8)
+    assert integers.nbytes == 0 and integers.unpack(empty) == [None] and integers.scale(empty) == 1.0
     # a value in another layout is copied into the message's
     meta = TensorMeta((2, 3), (1, 2), torch.float32)
     moved = conform(torch.randn(2, 3), meta)

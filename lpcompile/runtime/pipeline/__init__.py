@@ -8,6 +8,8 @@ run on ``torch.distributed`` ranks.
   Spike Compensation, weight-prediction buffers) and the batch-size scaling rule.
 * :mod:`~lpcompile.runtime.pipeline.schedule`: :class:`~lpcompile.runtime.pipeline.schedule.StageRunner`,
   one PB step of contiguous stages, shared by the simulator and the ranks.
+* :mod:`~lpcompile.runtime.pipeline.scaling`: loss scaling per stage (a stage's scale,
+  its overflow checks and skipped updates).
 * :mod:`~lpcompile.runtime.pipeline.trainer`: :class:`PipelinedTrainer`, the
   single-process simulator of fine-grained PB, or (``distributed=True``) one rank's part.
 * :mod:`~lpcompile.runtime.pipeline.distributed`: placement of stages on ranks, the

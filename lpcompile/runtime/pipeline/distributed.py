@@ -15,10 +15,11 @@ uses; this module is what crosses between ranks.
   arguments, so each knows from the feed history which messages exist, and their
   layouts come from the stage graphs: receives are posted a step ahead, with no
   handshake. A message is one byte buffer (each tensor 64-byte aligned; an error
-  message starts with a byte per value saying whether it has a gradient), sent with
-  ``isend`` as soon as the stage made it and waited for two steps later. Activations
-  and errors travel in two process groups, so that the point-to-point operations
-  between two ranks are matched in order in each direction (NCCL needs that).
+  message starts with the loss scale it was computed at, as a float64, and a byte per
+  value saying whether it has a gradient), sent with ``isend`` as soon as the stage
+  made it and waited for two steps later. Activations and errors travel in two
+  process groups, so that the point-to-point operations between two ranks are
+  matched in order in each direction (NCCL needs that).
 * Faults: every wait has a deadline (``timeout``). A rank whose wait fails (the
   peer's connection closed: it died) or times out (it hung) records the lost rank
   in the process group's store, which torchrun's agent keeps, and raises
@@ -48,6 +49,7 @@ from lpcompile.runtime.pipeline.schedule import (
 )
 
 ALIGN = 64  # bytes: each tensor of a message starts at a multiple (as a fresh allocation would)
+SCALE_BYTES = 8  # an error message's loss scale, float64
 STORE_PREFIX = "lowprec_pipeline"
 
 
@@ -184,11 +186,11 @@ class Layout:
     metas: tuple[TensorMeta | None, ...]
     offsets: tuple[int | None, ...]  # None: the value is not sent (no gradient of an integer tensor)
     nbytes: int
-    mask: bool  # a byte per value first: 1 where the value is present
+    mask: bool  # an error message: its loss scale (float64), then a byte per value, 1 where present
 
     @classmethod
     def of(cls, metas: Sequence[TensorMeta | None], mask: bool) -> Layout:
-        offset = len(metas) if mask else 0
+        offset = SCALE_BYTES + len(metas) if mask else 0
         offsets: list[int | None] = []
         for meta in metas:
             if meta is None or (mask and not meta.differentiable):
@@ -199,7 +201,8 @@ class Layout:
             offset += meta.nbytes
         return cls(tuple(metas), tuple(offsets), offset if any(o is not None for o in offsets) else 0, mask)
 
-    def pack(self, values: Sequence[Any], device: torch.device) -> torch.Tensor:
+    def pack(self, values: Sequence[Any], device: torch.device, scale: float = 1.0) -> torch.Tensor:
+        """``values`` in one buffer (an error message's with the loss ``scale`` they were computed at)."""
         buffer = torch.empty(self.nbytes, dtype=torch.uint8, device=device)
         present = []
         for value, meta, offset in zip(values, self.metas, self.offsets, strict=True):
@@ -209,13 +212,17 @@ class Layout:
             flat = value.detach().permute(dense_order(meta)).reshape(-1).view(torch.uint8)
             buffer[offset : offset + meta.nbytes].copy_(flat)
         if self.mask:
-            buffer[: len(present)].copy_(torch.tensor(present, dtype=torch.uint8))
+            buffer[:SCALE_BYTES].copy_(torch.tensor([scale], dtype=torch.float64).view(torch.uint8))
+            buffer[SCALE_BYTES : SCALE_BYTES + len(present)].copy_(torch.tensor(present, dtype=torch.uint8))
         return buffer
 
     def unpack(self, buffer: torch.Tensor) -> list[Any]:
         if self.mask and not self.nbytes:  # nothing that could have a gradient
             return [None] * len(self.metas)
-        present = buffer[: len(self.metas)].tolist() if self.mask else [1] * len(self.metas)
+        if self.mask:
+            present = buffer[SCALE_BYTES : SCALE_BYTES + len(self.metas)].tolist()
+        else:
+            present = [1] * len(self.metas)
         values: list[Any] = []
         for meta, offset, there in zip(self.metas, self.offsets, present, strict=True):
             if offset is None or not there:
@@ -227,6 +234,12 @@ class Layout:
             raw = buffer[offset : offset + meta.nbytes]
             values.append(raw.view(meta.dtype).view(shape).permute(inverse))
         return values
+
+    def scale(self, buffer: torch.Tensor) -> float:
+        """The loss scale an error message's gradients were computed at (1 for one without room)."""
+        if not (self.mask and self.nbytes):
+            return 1.0
+        return float(buffer[:SCALE_BYTES].cpu().view(torch.float64))
 
 
 class P2PTransport:
@@ -314,7 +327,7 @@ class P2PTransport:
         if sample is None:
             return None
         assert self.forward_in is not None
-        values = self._receive("forward", t, self.forward_in, self.rank - 1)
+        values = self.forward_in.unpack(self._receive("forward", t, self.forward_in, self.rank - 1))
         label = self._labels.pop(sample, None) if self.last == self.num_stages - 1 else None
         return sample, values, label
 
@@ -322,8 +335,10 @@ class P2PTransport:
         sample = self._backward_sample(t)
         if sample is None:
             return None
-        assert self.backward_in is not None
-        return sample, self._receive("backward", t, self.backward_in, self.rank + 1)
+        layout = self.backward_in
+        assert layout is not None
+        buffer = self._receive("backward", t, layout, self.rank + 1)
+        return sample, layout.unpack(buffer), layout.scale(buffer)
 
     def send_forward(self, t: int, message: ForwardMessage) -> None:
         assert self.forward_out is not None
@@ -331,7 +346,8 @@ class P2PTransport:
 
     def send_backward(self, t: int, message: BackwardMessage) -> None:
         assert self.backward_out is not None
-        self._send(t, self.backward_out, message[1], self.rank - 1, self.ranks.backward_group)
+        _, grads, scale = message
+        self._send(t, self.backward_out, grads, self.rank - 1, self.ranks.backward_group, scale)
 
     def flush(self) -> None:
         """Wait for every send posted."""
@@ -349,19 +365,22 @@ class P2PTransport:
             raise self._lost(peer, error, f"posting the receive of the {kind} message of step {t}") from error
         self._receives[(kind, t)] = (work, buffer)
 
-    def _receive(self, kind: str, t: int, layout: Layout, peer: int) -> list[Any]:
+    def _receive(self, kind: str, t: int, layout: Layout, peer: int) -> torch.Tensor:
+        """The buffer of the ``kind`` message of step ``t`` (empty for a layout without room)."""
         if not layout.nbytes:
-            return layout.unpack(torch.empty(0, dtype=torch.uint8, device=self.device))
+            return torch.empty(0, dtype=torch.uint8, device=self.device)
         group = self.ranks.forward_group if kind == "forward" else self.ranks.backward_group
         self._post(kind, t, layout, peer, group)
         work, buffer = self._receives.pop((kind, t))
         self._wait(work, peer, f"the {kind} message of step {t - 1}")
-        return layout.unpack(buffer)
+        return buffer
 
-    def _send(self, t: int, layout: Layout, values: Sequence[Any], peer: int, group: Any) -> None:
+    def _send(
+        self, t: int, layout: Layout, values: Sequence[Any], peer: int, group: Any, scale: float = 1.0
+    ) -> None:
         if not layout.nbytes:
             return
-        buffer = layout.pack(values, self.device)
+        buffer = layout.pack(values, self.device, scale)
         try:
             work = dist.isend(buffer, dst=peer, group=group)
         except RuntimeError as error:

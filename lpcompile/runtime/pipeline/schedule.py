@@ -41,6 +41,8 @@ from torch import nn
 from lpcompile.backend.state import REGISTRY
 from lpcompile.passes.stages import StageGraph
 from lpcompile.runtime.pipeline.optim import PipelineSGD
+from lpcompile.runtime.pipeline.scaling import StageScale
+from lpcompile.runtime.scaler import LossScaleConfig
 
 
 @dataclass
@@ -201,9 +203,10 @@ def grad_inputs(values: Sequence[Any]) -> list[Any]:
     return out
 
 
-# A forward message: (sample, values, label); a backward one: (sample, gradients or None).
+# A forward message: (sample, values, label); a backward one: (sample, gradients or None,
+# the loss scale they were computed at).
 ForwardMessage = tuple[int, list[Any], Any]
-BackwardMessage = tuple[int, list[Any]]
+BackwardMessage = tuple[int, list[Any], float]
 
 
 class Transport(Protocol):
@@ -257,7 +260,7 @@ class StageRunner:
         optimizer: PipelineSGD,
         *,
         loss_fn: Callable[[Any, Any], torch.Tensor],
-        loss_scale: float,
+        loss_scale: LossScaleConfig | None,
         weight_stash: bool,
         record: bool,
         history: list[Event],
@@ -270,7 +273,8 @@ class StageRunner:
         self.num_stages = num_stages
         self.optimizer = optimizer
         self.loss_fn = loss_fn
-        self.loss_scale = loss_scale
+        #: per stage: its loss scale (``None``: not scaled, gradients not checked)
+        self.scales = [None if loss_scale is None else StageScale(loss_scale) for _ in stages]
         self.weight_stash = weight_stash
         self.record = record
         self.history = history
@@ -313,19 +317,28 @@ class StageRunner:
             self.history.append(Event(t, stage.index, "forward", sample, t))
         return InFlight(sample, t, inputs, outputs, slots, label)
 
-    def _backward(self, stage: Stage, item: InFlight, grads: Sequence[Any] | None, t: int) -> list[Any]:
+    def _backward(
+        self, i: int, item: InFlight, grads: Sequence[Any] | None, sent_at: float, t: int
+    ) -> tuple[list[Any], float]:
+        """Stage ``i``'s backward of ``item``, from the loss (``grads`` ``None``) or from an
+        error computed at loss scale ``sent_at``; returns its input gradients (all ``None``
+        for an update skipped here or after) and the scale they were computed at."""
+        stage, scale = self.stages[i], self.scales[i]
         if not self.weight_stash and stage.delay > 0:
             with torch.no_grad():
                 for slot, p in zip(item.slots, stage.params, strict=True):
                     slot.data.copy_(p.detach())  # the current weights; no version bump
+        used = 1.0 if scale is None else scale.value
         if grads is None:  # last stage: the loss
             outputs = item.outputs
             output = outputs[0] if isinstance(outputs, tuple) and len(outputs) == 1 else outputs
             loss = self.loss_fn(output, item.label)
             self.losses.append(loss.item())
-            tensors = [loss * self.loss_scale if self.loss_scale != 1.0 else loss]
+            tensors = [loss * used if used != 1.0 else loss]
             grad_tensors: list[Any] = [None]
         else:
+            if scale is not None:
+                grads = scale.rescale(grads, sent_at)
             pairs = [
                 (o, g)
                 for o, g in zip(item.outputs, grads, strict=True)
@@ -335,16 +348,19 @@ class StageRunner:
             grad_tensors = [g for _, g in pairs]
         if tensors:
             torch.autograd.backward(tensors, grad_tensors)
+        inputs = [v for v in item.inputs if isinstance(v, torch.Tensor) and v.requires_grad]
+        skipped = bool(tensors) and scale is not None and scale.unscale(item.slots, inputs)
         for slot, p in zip(item.slots, stage.params, strict=True):
-            grad = slot.grad
-            if grad is not None and self.loss_scale != 1.0:
-                grad = grad / self.loss_scale
-            p.grad = grad
+            p.grad = None if skipped else slot.grad
             slot.grad = None
         if self.record:
             self.history.append(Event(t, stage.index, "backward", item.sample, item.step))
-        grads_in = [v.grad if isinstance(v, torch.Tensor) and v.requires_grad else None for v in item.inputs]
-        return [conform(g, m) for g, m in zip(grads_in, stage.inputs or [None] * len(grads_in), strict=True)]
+        grads_in = [
+            v.grad if isinstance(v, torch.Tensor) and v.requires_grad and not skipped else None
+            for v in item.inputs
+        ]
+        metas = stage.inputs or [None] * len(grads_in)
+        return [conform(g, m) for g, m in zip(grads_in, metas, strict=True)], used
 
     def warm_up(self, first_inputs: Sequence[Any]) -> None:
         """Compile the stages, forward and backward, with one call each on stand-in inputs
@@ -423,7 +439,7 @@ class StageRunner:
                 if not forwarded_last:
                     continue
                 item = stage.queue.popleft()
-                grads_in = self._backward(stage, item, None, t)
+                grads_in, used = self._backward(i, item, None, 1.0, t)
                 loss = self.losses[-1]
                 sample = item.sample
             else:
@@ -434,20 +450,20 @@ class StageRunner:
                         message = transport.backward_message(t)
                 if message is None:
                     continue
-                sample, grads = message
+                sample, grads, sent_at = message
                 item = stage.queue.popleft()
                 if item.sample != sample:
                     raise RuntimeError(
                         f"stage {stage.index}: error of sample {sample} met forward of sample {item.sample}"
                     )
-                grads_in = self._backward(stage, item, grads, t)
+                grads_in, used = self._backward(i, item, grads, sent_at, t)
             if stage.index == 0:
                 continue
             if i > 0:
-                bwd_next[i - 1] = (sample, grads_in)
+                bwd_next[i - 1] = (sample, grads_in, used)
             else:
                 with self._timed():
-                    transport.send_backward(t, (sample, grads_in))
+                    transport.send_backward(t, (sample, grads_in, used))
         self.optimizer.step()
         for stage in self.stages:
             for p in stage.params:

@@ -48,9 +48,13 @@ sample counts, and the stages' stream call counts and adaptive scales) resume th
 run bit for bit in a new trainer; distributed, each rank's state dict also holds its
 stages' weights and is loaded by the same rank of a run with the same world size.
 
-Not done: dynamic loss scaling (a static ``loss_scale`` is supported); BatchNorm
-(refused); ops drawing from torch's global random generator (dropout) draw from one
-stream shared by the stages of a process, so ranks and simulator differ there.
+Loss scaling is per stage (:mod:`lpcompile.runtime.pipeline.scaling`): each stage
+keeps its own static, dynamic or enhanced scale and skips its update for a sample whose
+gradients overflowed in it.
+
+Not done: BatchNorm (refused); ops drawing from torch's global random generator
+(dropout) draw from one stream shared by the stages of a process, so ranks and
+simulator differ there.
 """
 
 from __future__ import annotations
@@ -77,6 +81,7 @@ from lpcompile.passes.stages import (
     stage_delays,
 )
 from lpcompile.runtime.pipeline.optim import PipelineSGD
+from lpcompile.runtime.pipeline.scaling import StageScale, loss_scale_config
 from lpcompile.runtime.pipeline.schedule import (
     Event,
     ForwardMessage,
@@ -85,6 +90,7 @@ from lpcompile.runtime.pipeline.schedule import (
     build_stage,
     stage_input_metas,
 )
+from lpcompile.runtime.scaler import LossScaleConfig
 
 __all__ = ["Event", "PipelinedTrainer", "Stage", "capture_graph"]
 
@@ -137,7 +143,12 @@ class PipelinedTrainer:
             values are not returned).
         compile: ``None`` (stages run as eager FX) or lowprec ``options`` to compile each
             stage; compiled stages are compiled (forward and backward) when the trainer is built.
-        loss_scale: a static loss scale; gradients are divided by it before the update.
+        loss_scale: per-stage loss scaling (:mod:`~lpcompile.runtime.pipeline.scaling`): a
+            mode of :class:`~lpcompile.runtime.scaler.LossScaleConfig` (``"dynamic"``,
+            ``"enhanced"``, ``"static"``) by its name (its defaults) or as a config, or a
+            number, a static scale. Every stage starts at the config's ``init_scale``,
+            unscales its gradients and skips its update for a sample whose gradients
+            overflowed in it. The default 1.0 scales nothing and checks nothing.
         record: keep :attr:`history` (one :class:`Event` per forward and backward).
         distributed: run the stages on the ranks of a ``torch.distributed`` process group
             (``torchrun --nproc_per_node=R``; the group is initialised from torchrun's
@@ -166,7 +177,7 @@ class PipelinedTrainer:
         weight_stash: bool = False,
         loss_fn: Callable[[Any, Any], torch.Tensor] = F.cross_entropy,
         compile: dict[str, Any] | None = None,
-        loss_scale: float = 1.0,
+        loss_scale: float | str | LossScaleConfig = 1.0,
         record: bool = False,
         distributed: bool = False,
         timeout: float = 300.0,
@@ -181,7 +192,7 @@ class PipelinedTrainer:
                     "compile options for the stages must not set 'pipeline': the trainer is the pipeline"
                 )
             LowPrecConfig.from_options(compile)  # bad options fail here, not at the first step
-        check_positive("loss_scale", loss_scale)
+        scaling = loss_scale_config(loss_scale)
         for name, value in (("weight_stash", weight_stash), ("distributed", distributed)):
             if not isinstance(value, bool):
                 raise ValueError(f"{name} must be a bool, got {value!r}")
@@ -207,7 +218,8 @@ class PipelinedTrainer:
         self.model = model
         self.loss_fn = loss_fn
         self.weight_stash = weight_stash
-        self.loss_scale = float(loss_scale)
+        #: the stages' loss scaling (``None``: none)
+        self.loss_scale_config = scaling
         self.record = record
         self.distributed = distributed
         self.timeout = float(timeout)
@@ -227,7 +239,7 @@ class PipelinedTrainer:
         self.rank, self.world_size = (0, 1) if ranks is None else (ranks.rank, ranks.world_size)
         if ranks is not None:
             _check_messages(graphs, local)
-            ranks.join(setup_timeout, _summary(self.partition, graphs))
+            ranks.join(setup_timeout, {**_summary(self.partition, graphs), "loss_scale": repr(scaling)})
         trained = {id(p): p for p in model.parameters() if p.requires_grad}
         placeholders = {n.name: n for n in gm.graph.find_nodes(op="placeholder")}
         #: the stages this process runs (all of them in the simulator)
@@ -256,7 +268,7 @@ class PipelinedTrainer:
             num_stages,
             self.optimizer,
             loss_fn=loss_fn,
-            loss_scale=self.loss_scale,
+            loss_scale=scaling,
             weight_stash=weight_stash,
             record=record,
             history=self.history,
@@ -288,6 +300,22 @@ class PipelinedTrainer:
     def num_stages(self) -> int:
         """S, the pipeline's stages (on every rank; :attr:`stages` holds this process's)."""
         return self.partition.num_stages
+
+    @property
+    def loss_scales(self) -> dict[int, float]:
+        """Per stage this process runs (by index): the loss scale its next backward runs at
+        (1.0 without scaling)."""
+        return {index: 1.0 if scale is None else scale.value for index, scale in self._scales().items()}
+
+    @property
+    def skipped_samples(self) -> dict[int, int]:
+        """Per stage this process runs: the samples whose update it skipped because its
+        gradients overflowed (a stage before it skips those too, uncounted)."""
+        return {index: 0 if scale is None else scale.skipped for index, scale in self._scales().items()}
+
+    def _scales(self) -> dict[int, StageScale | None]:
+        """The loss scales of this process's stages, by stage index."""
+        return {stage.index: scale for stage, scale in zip(self.stages, self._runner.scales, strict=True)}
 
     @property
     def timings(self) -> dict[str, float]:
@@ -363,8 +391,9 @@ class PipelinedTrainer:
 
     def state_dict(self) -> dict[str, Any]:
         """What resumes this trainer bit for bit, with the model's own ``state_dict()``: the
-        optimizer's state, the step and sample counts, the stream call counts and adaptive
-        scales of the stage graphs. Only a drained pipeline (:meth:`drain`) has one.
+        optimizer's state, the step and sample counts, the stages' loss scales, the stream
+        call counts and adaptive scales of the stage graphs. Only a drained pipeline
+        (:meth:`drain`) has one.
 
         Distributed, each rank's holds its own stages and also their weights (``"params"``,
         by the model's parameter names) and where they sit (``"placement"``): save one per
@@ -376,6 +405,9 @@ class PipelinedTrainer:
             "samples": self.samples,
             "streams": REGISTRY.streams_state(),
             "adaptive": [state.state_dict() for state in self._adaptive_states()],
+            "loss_scales": {
+                index: scale.state_dict() for index, scale in self._scales().items() if scale is not None
+            },
         }
         if self._ranks is not None:
             state["params"] = {name: p.detach().clone() for name, p in self._owned_parameters()}
@@ -387,9 +419,8 @@ class PipelinedTrainer:
         the rank's weights come with it). Checked whole: a bad one raises ``ValueError``
         and changes nothing."""
         self._check_drained("load")
-        missing = [
-            key for key in ("optimizer", "steps", "samples", "streams", "adaptive") if key not in state_dict
-        ]
+        keys = ("optimizer", "steps", "samples", "streams", "adaptive")
+        missing = [key for key in keys if key not in state_dict]
         if self._ranks is not None:
             missing += [key for key in ("params", "placement") if key not in state_dict]
         if missing:
@@ -408,6 +439,7 @@ class PipelinedTrainer:
                     "the same world size and stages"
                 )
             load_params = self._params_loader(state_dict["params"])
+        load_scales = self._scales_loader(state_dict.get("loss_scales", {}))
         if load_params is not None:
             load_params()  # first: the saved stream counts find their model by its weights
         load_adaptive = REGISTRY.adaptive_loader(state_dict["adaptive"], self._adaptive_model())
@@ -416,6 +448,18 @@ class PipelinedTrainer:
         self._last_fed = None
         REGISTRY.load_streams_state(state_dict["streams"])
         load_adaptive()
+        for load in load_scales:
+            load()
+
+    def _scales_loader(self, saved: Any) -> list[Callable[[], None]]:
+        scaled = {index: scale for index, scale in self._scales().items() if scale is not None}
+        if not isinstance(saved, dict) or set(saved) != set(scaled):
+            have = sorted(saved) if isinstance(saved, dict) else type(saved).__name__
+            raise ValueError(
+                f"the state dict's 'loss_scales' must hold the loss scales of stages {sorted(scaled)} "
+                f"(this trainer's loss_scale={self.loss_scale_config}), it holds stages {have}"
+            )
+        return [scale.loader(saved[index], index) for index, scale in scaled.items()]
 
     def _owned_parameters(self) -> list[tuple[str, nn.Parameter]]:
         owned = {id(p) for stage in self.stages for p in stage.params}

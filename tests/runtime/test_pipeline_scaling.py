@@ -1,0 +1,170 @@
+"""Loss scaling per pipeline stage: each stage's scale, its skipped updates, and what
+the scaled run computes against an unscaled one.
+
+The chain models (``x * w0 * w1 * w2``, one stage per weight, the loss their output) let
+the overflows be placed by hand. With ``x = 1``, ``w0 = w1 = 0.5`` and ``w2 = 2**100``,
+at scale ``S`` the last stage's error out is ``S * 2**100``, inf in FP32 from
+``S = 2**28``; stage 1's error in is ``S * 2**100`` too (inf from ``2**28``); stage 0's
+weight gradient is ``S * 2**99`` (inf from ``2**29``).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_pipeline import Chain, chain_trainer, output_loss
+
+from examples.models import MLP
+from lpcompile.runtime.pipeline import PipelinedTrainer
+from lpcompile.runtime.scaler import LossScaleConfig
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+
+def applied_gradients(trainer: PipelinedTrainer, xs: list[float]) -> dict[tuple[int, int], torch.Tensor]:
+    """Feed the samples ``xs`` and drain; returns the gradient each stage applied for each
+    sample, by (stage, sample), read at every optimizer step."""
+    got: dict[tuple[int, int], torch.Tensor] = {}
+    step = trainer.optimizer.step
+
+    def recording_step():
+        for event in trainer.history:
+            if event.kind == "backward" and event.step == trainer.steps:
+                grad = trainer.stages[event.stage].params[0].grad
+                if grad is not None:
+                    got[(event.stage, event.sample)] = grad.clone()
+        return step()
+
+    trainer.optimizer.step = recording_step
+    for x in xs:
+        trainer.step(torch.tensor([x]), torch.zeros(1))
+    trainer.drain()
+    return got
+
+
+def test_each_stage_skips_what_overflowed_in_it_and_backs_off_alone():
+    """Scales start at 2**30 (module doc). The last stage overflows until its scale is
+    2**27 (samples 0-2 skipped there, and upstream); stage 1 then rescales the error to
+    its own 2**30, overflows in turn and backs off to 2**27 (samples 3-5); stage 0 to 2**28
+    (samples 6, 7). Every other (stage, sample) applies exactly the unscaled run's
+    gradient (lr = 0: both runs keep the same weights; power-of-two scales are exact)."""
+    weights = [0.5, 0.5, 2.0**100]
+    config = LossScaleConfig("dynamic", init_scale=2.0**30, growth_interval=1000)
+    scaled = chain_trainer(weights, 0, lr=0.0, loss_scale=config)
+    plain = chain_trainer(weights, 0, lr=0.0)
+    got, expected = applied_gradients(scaled, [1.0] * 12), applied_gradients(plain, [1.0] * 12)
+    assert len(expected) == 3 * 12
+    first_applied = {2: 3, 1: 6, 0: 8}
+    assert sorted(got) == sorted(key for key in expected if key[1] >= first_applied[key[0]])
+    assert all(torch.equal(got[key], expected[key]) for key in got)
+    assert scaled.loss_scales == {0: 2.0**28, 1: 2.0**27, 2: 2.0**27}
+    assert scaled.skipped_samples == {0: 2, 1: 3, 2: 3}  # upstream skips are not counted
+    assert scaled.losses == plain.losses
+
+
+def test_scales_grow_after_clean_samples_with_gradscalers_rule():
+    """Without overflow each stage doubles its scale after every ``growth_interval`` clean
+    samples (torch.amp.GradScaler's rule, per sample), and its gradients stay exactly
+    the unscaled run's. ``"enhanced"`` holds a stage at its floor."""
+    weights = [0.9, -0.7, 1.1]
+    config = LossScaleConfig("dynamic", init_scale=2.0**4, growth_interval=3)
+    scaled = chain_trainer(weights, 0, loss_scale=config)
+    plain = chain_trainer(weights, 0)
+    xs = [float(n + 1) for n in range(10)]
+    got, expected = applied_gradients(scaled, xs), applied_gradients(plain, xs)
+    assert got.keys() == expected.keys() and all(torch.equal(got[k], expected[k]) for k in got)
+    assert [p.item() for p in scaled.model.parameters()] == [p.item() for p in plain.model.parameters()]
+    assert scaled.loss_scales == {s: 2.0 ** (4 + 10 // 3) for s in range(3)}
+    # the reference: GradScaler fed ten clean steps
+    param = torch.nn.Parameter(torch.zeros(1))
+    reference = torch.amp.GradScaler("cpu", init_scale=2.0**4, growth_interval=3)
+    optimizer = torch.optim.SGD([param], lr=0.0)
+    for _ in range(10):
+        reference.scale(param.sum()).backward()
+        reference.step(optimizer)
+        reference.update()
+    assert scaled.loss_scales[0] == reference.get_scale()
+    floor = LossScaleConfig("enhanced", init_scale=2.0**30, growth_interval=1000, min_scale=2.0**29)
+    held = chain_trainer([0.5, 0.5, 2.0**100], 12, lr=0.0, loss_scale=floor)
+    held.drain()
+    assert held.loss_scales == {0: 2.0**30, 1: 2.0**30, 2: 2.0**29}  # 0 and 1 get no error
+    assert held.skipped_samples == {0: 0, 1: 0, 2: 12}  # the floor keeps it overflowing
+
+
+def test_a_static_scale_that_overflows_skips_instead_of_breaking_the_weights():
+    """FP8 stages whose errors overflow E5M2 (to inf) at a static 2**24: every sample is
+    skipped at the last stage and the weights stay as they were; a dynamic scale from
+    the same start backs off per stage and trains."""
+    torch.manual_seed(0)
+    xs, ys = torch.randn(16, 16), torch.randint(0, 4, (16,))
+    options = {"recipe": "fp8-e5m2-sr", "executor": "eager"}
+    runs = {}
+    for name, loss_scale in [
+        ("static", 2.0**24),
+        ("dynamic", LossScaleConfig("dynamic", init_scale=2.0**24, growth_interval=8)),
+    ]:
+        torch.manual_seed(1)
+        model = MLP(16, 32, 32, 4)
+        before = [p.detach().clone() for p in model.parameters()]
+        trainer = PipelinedTrainer(
+            model, xs[:1], stages="layer", lr=0.05, compile=options, loss_scale=loss_scale
+        )
+        trainer.fit(xs, ys, epochs=2)
+        moved = [not torch.equal(b, p) for b, p in zip(before, model.parameters(), strict=True)]
+        runs[name] = (trainer, moved, all(torch.isfinite(p).all() for p in model.parameters()))
+    static, moved, finite = runs["static"]
+    assert finite and not any(moved)
+    assert static.skipped_samples[static.num_stages - 1] == 32
+    assert set(static.loss_scales.values()) == {2.0**24}
+    dynamic, moved, finite = runs["dynamic"]
+    assert finite and all(moved)
+    assert all(scale < 2.0**24 for scale in dynamic.loss_scales.values())
+    assert 0 < sum(dynamic.skipped_samples.values()) < 3 * 32
+
+
+def test_the_scales_resume_with_the_trainer_state():
+    """A drained run saved and resumed in a new trainer equals the uninterrupted run:
+    weights, losses and every stage's scale."""
+    config = LossScaleConfig("dynamic", init_scale=2.0**30, growth_interval=2)
+    weights = [0.5, 0.5, 2.0**100]
+
+    def run(trainer, first, count):
+        for n in range(first, first + count):
+            trainer.step(torch.tensor([float(n % 5 + 1)]), torch.zeros(1))
+        trainer.drain()
+
+    full = chain_trainer(weights, 0, lr=2.0**-120, momentum=0.0, loss_scale=config)
+    run(full, 0, 14)
+    first = chain_trainer(weights, 0, lr=2.0**-120, momentum=0.0, loss_scale=config)
+    run(first, 0, 7)
+    state, model_state = first.state_dict(), first.model.state_dict()
+    assert set(state["loss_scales"]) == {0, 1, 2}
+    rest = PipelinedTrainer(
+        Chain(*weights), torch.ones(1), lr=2.0**-120, loss_fn=output_loss, loss_scale=config
+    )
+    rest.model.load_state_dict(model_state)
+    rest.load_state_dict(state)
+    run(rest, 7, 7)
+    assert rest.loss_scales == full.loss_scales and rest.skipped_samples == full.skipped_samples
+    assert first.losses + rest.losses == full.losses
+    assert [p.item() for p in rest.model.parameters()] == [p.item() for p in full.model.parameters()]
+    unscaled = chain_trainer(weights, 0)
+    with pytest.raises(ValueError, match=r"'loss_scales' must hold the loss scales of stages \[\]"):
+        unscaled.load_state_dict(state)
+    state["loss_scales"][1]["scale"] = 0.0
+    with pytest.raises(ValueError, match="stage 1's saved scale must be a finite number > 0"):
+        rest.load_state_dict(state)
+
+
+def test_loss_scale_settings_are_checked_up_front():
+    model, x = MLP(8, 8, 4), torch.rand(1, 8)
+    with pytest.raises(ValueError, match="loss scaling mode must be one of"):
+        PipelinedTrainer(model, x, stages=2, lr=0.1, loss_scale="dynamc")
+    with pytest.raises(ValueError, match="per-layer adaptive scales are compiled into the stages"):
+        PipelinedTrainer(model, x, stages=2, lr=0.1, loss_scale="adaptive")
+    with pytest.raises(ValueError, match="loss_scale must be a normal float32 number"):
+        PipelinedTrainer(model, x, stages=2, lr=0.1, loss_scale=1e-50)
+    trainer = PipelinedTrainer(model, x, stages=2, lr=0.1, loss_scale="enhanced")
+    assert trainer.loss_scales == {0: 2.0**16, 1: 2.0**16}
+    assert trainer.loss_scale_config == LossScaleConfig("enhanced")
+    assert PipelinedTrainer(model, x, stages=2, lr=0.1).loss_scale_config is None
