@@ -2,7 +2,8 @@
 
 Run from the repository root, one process per stage group::
 
-    torchrun --nproc_per_node=4 -m examples.pipeline_distributed [--epochs 3] [--recipe fp8-e5m2]
+    torchrun --nproc_per_node=4 -m examples.pipeline_distributed [--epochs 3] [--recipe fp8-e5m2] \
+        [--loss-scale dynamic]
 
 :class:`examples.models.DigitsResNet` (GroupNorm) is cut into four balanced stages
 (its skip connections cross stage boundaries) and trained with PB + Spike Compensation
@@ -12,6 +13,8 @@ with 2 ranks two stages each; with 1 rank all four. Every rank builds the same m
 from the same seed and calls ``step`` with the same samples; at the end the whole
 model is gathered onto every rank (``full_state_dict``) and rank 0 tests it.
 
+``--loss-scale`` scales each stage's loss (a mode, ``dynamic``, ``enhanced`` or ``static``,
+or a number; each rank prints its stages' final scales and skipped samples).
 ``--samples N`` trains on the first N training samples, ``--weights FILE`` saves the
 trained weights (rank 0). ``--save DIR`` writes each rank's drained state to
 ``DIR/rank<r>.pt``; ``--resume DIR`` continues from there (same world size) for
@@ -40,6 +43,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--stages", type=int, default=4)
     parser.add_argument("--recipe", default=None, help="a lowprec recipe for the stages, e.g. fp8-e5m2")
+    parser.add_argument(
+        "--loss-scale", default="1", help="per-stage loss scaling: dynamic, enhanced, static or a number"
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for a neighbour")
     parser.add_argument("--save", type=Path, default=None, help="save each rank's state here at the end")
@@ -67,6 +73,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         spike_compensation=True,
         prediction="lwp_v",
         compile=None if args.recipe is None else {"recipe": args.recipe},
+        loss_scale=args.loss_scale if args.loss_scale.isalpha() else float(args.loss_scale),
         distributed=not args.simulate,
         timeout=args.timeout,
     )
@@ -102,6 +109,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"{1e3 * timings['transport_s'] / timings['steps']:.2f} ms in messages",
         flush=True,
     )
+    if trainer.loss_scale_config is not None:
+        scales, skipped = trainer.loss_scales, trainer.skipped_samples
+        print(f"rank {rank}: loss scales {scales}, skipped samples {skipped}", flush=True)
     if rank == 0 and args.weights is not None:
         torch.save(weights, args.weights)
     if rank == 0:

@@ -174,10 +174,11 @@ def test_drain_save_and_resume_in_fresh_processes_equals_the_uninterrupted_run(t
 @pytest.mark.parametrize("world", [2, 4])
 def test_the_digits_resnet_example_on_ranks_equals_its_simulation(tmp_path, world):
     """examples/pipeline_distributed.py: the ResNet's skip connections cross stage (and
-    rank) boundaries, two values per message; a short run, compared with --simulate."""
+    rank) boundaries, two values per message; a short run with per-stage loss scales,
+    compared with --simulate."""
     from examples.pipeline_distributed import main
 
-    argv = ["--epochs", "1", "--samples", "60"]
+    argv = ["--epochs", "1", "--samples", "60", "--loss-scale", "dynamic"]
     assert (
         launch("rank_example", world, tmp_path, [*argv, "--weights", str(tmp_path / "ranks.pt")])
         == [0] * world
