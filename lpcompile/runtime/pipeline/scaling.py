@@ -14,7 +14,8 @@ mode (``"static"``, ``"dynamic"``, ``"enhanced"``) applied per sample:
 * then ``S_s`` follows the mode: ``"dynamic"`` multiplies it by ``backoff_factor`` after
   an overflow and by ``growth_factor`` after ``growth_interval`` consecutive clean
   samples (``torch.amp.GradScaler``'s rule, per sample), ``"enhanced"`` also keeps it at
-  or above the floor of the stage's sample count, ``"static"`` keeps it.
+  or above its floor after as many samples as the stage has backpropagated,
+  ``"static"`` keeps it.
 
 A stage's decisions read only its own gradients and the errors it receives, so ranks
 compute the simulator's bits and exchange nothing more than ``σ``. A skipped update is
