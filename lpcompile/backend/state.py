@@ -119,6 +119,7 @@ class Entry:
     # its FQN there (watch.instance_of), found at its first call (None: not called yet)
     instance: weakref.ref | None = None
     path: str | None = None
+    relative: str | None = None  # this parameter's FQN from the frame's module, at that call
 
 
 class Registry:
@@ -184,6 +185,7 @@ class Registry:
         if entry.path is None:
             entry.path, module = instance_of(self.key(key), relative)
             entry.instance = None if module is None else weakref.ref(module)
+            entry.relative = relative
         return entry.path
 
     def streams_state(self) -> list[dict[str, Any]]:
@@ -443,14 +445,21 @@ class Registry:
 
     def named_entries(self, model: torch.nn.Module) -> list[tuple[Entry, str]]:
         """:meth:`model_entries`, each with the FQN in ``model`` of the module whose graphs it
-        names ("" for ``model`` itself), in ``model``'s order of modules."""
+        names ("" for ``model`` itself), in ``model``'s order of modules. A block that ran on
+        its own at its first call is found in ``model`` by its parameter."""
+        root = unwrapped(model)[0]
         order: dict[int, tuple[int, str]] = {}
-        for name, module in unwrapped(model)[0].named_modules():
+        for name, module in root.named_modules():
             order.setdefault(id(unwrapped(module)[0]), (len(order), module_name(name)))
+        wanted = model_tensor_ids(model)
         found = []
-        for entry in self.model_entries(model):
-            module = None if entry.instance is None else entry.instance()
-            found.append((order.get(id(module), (-1, "")), entry))
+        for key, entry in list(self._entries.items()):
+            if id(key) in wanted:
+                if entry.instance is None:
+                    module = instance_of(key, entry.relative, root)[1]
+                else:
+                    module = entry.instance()
+                found.append((order.get(id(module), (-1, "")), entry))
         return [(entry, name) for (_, name), entry in sorted(found, key=lambda item: item[0])]
 
 

@@ -100,12 +100,17 @@ def unwrapped(root: torch.nn.Module) -> tuple[torch.nn.Module, str | None]:
             return root, kind or found
 
 
-def instance_of(param: torch.Tensor, relative: str | None) -> tuple[str, torch.nn.Module | None]:
+def instance_of(
+    param: torch.Tensor, relative: str | None, root: torch.nn.Module | None = None
+) -> tuple[str, torch.nn.Module | None]:
     """The module whose graph's frame reads ``param`` as ``relative`` (its FQN from that
-    frame's ``self``), and that module's FQN in the outermost module running; ("", None)
-    where it is that module itself, or where none holds ``param`` so. Blocks compiled one
-    by one run one graph, their parameters its inputs: this tells them apart."""
-    root = None if relative is None else outermost_module()
+    frame's ``self``), and that module's FQN in ``root`` (by default the outermost module
+    running); ("", None) where it is ``root`` itself, or where none holds ``param`` so.
+    Blocks compiled one by one run one graph, their parameters its inputs: this tells them
+    apart."""
+    if relative is None:
+        return "", None
+    root = outermost_module() if root is None else root
     if root is None:
         return "", None
     root = unwrapped(root)[0]

@@ -89,7 +89,8 @@ def test_blocks_compiled_one_by_one_are_named_from_the_model():
 
 def test_keep_first_last_in_a_blocks_graph_warns_that_it_keeps_the_blocks_layers():
     options = {**SR, "keep_first_last": True}
-    with pytest.warns(UserWarning, match=r"keep_first_last .* graph is submodule 'layers.0'.* \(a, b\)"):
+    expected = r"keep_first_last .* submodule 'layers.0'.* \(a, b\).* compile it with options of its own"
+    with pytest.warns(UserWarning, match=expected):
         model, _ = train(options, steps=1, grid=False)
     kept = {row.layer: row.kept for row in lpcompile.coverage(model) if row.kept}
     assert kept == {f"layers.{i}.{layer}": "keep_first_last" for i in range(3) for layer in ("a", "b")}
@@ -104,6 +105,28 @@ def test_keep_first_last_in_a_blocks_graph_warns_that_it_keeps_the_blocks_layers
 
 
 def test_an_exclude_pattern_of_the_models_names_that_a_blocks_graph_cannot_see_warns_why():
-    expected = r"\['layers.1.a'\] match no layer .* graph is submodule 'layers.0'"
+    expected = r"\['layers.1.a'\] match no layer .* graph is submodule 'layers.0'.* options of its own"
     with pytest.warns(UserWarning, match=expected):
         train({**SR, "exclude": ["layers.1.a"]}, steps=1)
+
+
+def test_one_of_identical_blocks_compiled_with_options_of_its_own_is_kept_apart():
+    """What the warnings above advise: the first block compiled with an ``exclude`` of its
+    own runs a graph of its own, in FP32, and the other blocks stay on the grid."""
+    torch._dynamo.reset()
+    model, check = Twins(), GridCheck()
+    for name, block in model.layers.named_children():
+        options = {**SR, "exclude": ["a", "b"]} if name == "0" else SR
+        model.layers.register_module(name, torch.compile(block, backend=watched_backend(options, check)))
+    loss = model.layers[0](torch.randn(4, 8)).sum()  # block 0 alone: its products
+    with check:
+        loss.backward()
+    kept = dict(check.products)
+    assert kept and all(not on_grid for _, on_grid in kept), kept
+    check.products.clear()
+    loss = model(torch.randn(4, 8))
+    with check:
+        loss.backward()
+    assert check.count == 15 and sum(check.off_grid.values()) == sum(kept.values()), dict(check.products)
+    rows = {row.layer: row.kept for row in lpcompile.coverage(model)}
+    assert rows == {f"layers.{i}.{layer}": "exclude" if i == 0 else None for i in range(3) for layer in "ab"}

@@ -326,10 +326,18 @@ def warn_settings_without_effect(gm: torch.fx.GraphModule, ctx: CompileContext) 
     ``attention="full"`` with FlexAttention calls, which stay whole."""
     # (stacklevel 1: the user's frame is far up, under torch.compile's)
     names = [layer_name(n) for n in gm.graph.nodes if is_named_call(n)]
+    # a block compiled on its own: its graph may run for every identical block
+    apart = (
+        "; to treat one of identical blocks apart, compile it with options of its own"
+        " (block.compile(backend='lowprec', options={..., 'exclude': [...]})): Dynamo keeps a"
+        " graph per options"
+    )
     if unused := [p for p in ctx.config.exclude if not any(fnmatch.fnmatchcase(n, p) for n in names)]:
         message = f"lowprec: exclude patterns {unused} match no layer of a graph with layers {names}"
         if ctx.piece:
             message += f" (this graph is {ctx.piece}: its layer names start there)"
+        if ctx.piece.startswith("submodule"):
+            message += apart
         warnings.warn(message, stacklevel=1)
     flex = [layer_name(n) for n in gm.graph.find_nodes(op="call_function", target=FLEX_ATTENTION)]
     if ctx.config.attention == "full" and flex:
@@ -342,8 +350,12 @@ def warn_settings_without_effect(gm: torch.fx.GraphModule, ctx: CompileContext) 
         message = (
             f"lowprec: keep_first_last keeps the first and last layer of each graph, and this graph is"
             f" {ctx.piece}: its first and last layers ({names[0]}, {names[-1]}) stay in higher"
-            " precision, not the model's; name the model's first and last layers in exclude=[...] instead"
+            " precision, not the model's"
         )
+        if ctx.piece.startswith("submodule"):
+            message += apart
+        else:
+            message += "; name the model's first and last layers in exclude=[...] instead"
         warnings.warn(message, stacklevel=1)
     if ctx.config.keep_first_last and 0 < len(names) <= 2:
         message = f"lowprec: keep_first_last leaves every layer of a graph unquantized (its layers: {names})"
