@@ -16,6 +16,7 @@ from models import Records
 import lpcompile
 from examples.zoo import DIFFUSERS_MODELS, HF_MODELS, TORCH_MODELS, diffusers_model, hf_model, zoo_model
 from lpcompile.runtime.pipeline import PipelinedTrainer
+from lpcompile.runtime.scaler import LossScaleConfig
 
 pytest.importorskip("transformers")
 
@@ -227,8 +228,10 @@ def watch_pipeline(monkeypatch, forward: GridCheck, backward: GridCheck) -> None
 
 @pytest.mark.parametrize("name", ["gpt2", "llama"])
 def test_pipelined_backprop_runs_every_product_of_an_hf_model_on_the_grid(monkeypatch, name):
-    """Pipelined backpropagation in three FP8 stages: every product of every stage, forward
-    and backward, on the grid, and the loss finite at every step."""
+    """Pipelined backpropagation in three FP8 stages with dynamic loss scales per stage,
+    from a scale whose errors overflow E5M2 at the loss: every product of every stage,
+    forward and backward, on the grid, the loss finite at every step, and the weights
+    finite after the updates the overflows let through."""
     forward, backward = GridCheck(), GridCheck()
     watch_pipeline(monkeypatch, forward, backward)
     torch.manual_seed(0)
@@ -239,8 +242,13 @@ def test_pipelined_backprop_runs_every_product_of_an_hf_model_on_the_grid(monkey
         return torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
     options = {**EAGER, "attention": "full"}  # GPT-2's attention dropout: the math path on the CPU
-    trainer = PipelinedTrainer(model, ids[:1], stages=3, lr=0.01, loss_fn=loss_fn, compile=options)
+    scaling = LossScaleConfig("dynamic", init_scale=2.0**24, growth_interval=2)
+    trainer = PipelinedTrainer(
+        model, ids[:1], stages=3, lr=0.01, loss_fn=loss_fn, compile=options, loss_scale=scaling
+    )
     losses = trainer.fit(ids, ids.roll(-1, dims=1))
     assert len(losses) == 8 and all(map(math.isfinite, losses)), losses
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    assert trainer.skipped_samples[2] > 0 and trainer.loss_scales[2] < 2.0**24, trainer.loss_scales
     for check in (forward, backward):
         assert check.count > 0 and check.off_grid == {} and not check.unknown, check.products
