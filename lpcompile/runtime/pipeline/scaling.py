@@ -25,7 +25,7 @@ after it.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -106,7 +106,7 @@ class StageScale:
             "skipped": self.skipped,
         }
 
-    def loader(self, saved: Any, stage: int) -> Any:
+    def loader(self, saved: Any, stage: int) -> Callable[[], None]:
         """A function that loads ``saved`` (:meth:`state_dict`'s) into the stage, once all
         of it is checked; a bad one raises ``ValueError`` naming ``stage``."""
         if not isinstance(saved, dict) or set(saved) != set(STATE_KEYS):
