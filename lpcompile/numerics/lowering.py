@@ -12,7 +12,7 @@ Inductor itself is imported (a plain ``torch.compile`` of code that calls
   re-traced once per read: an E5M2 rounding cost Inductor hundreds of op calls
   per kernel body, a stochastic one's key thousands, and compile time grew with
   them. A scaled quantize decomposes into an unscaled one between the multiply
-  and the divide.
+  and the divide; a tensorwise one computes its scale first (a reduction).
 * ``predict_weight``: its reference implementation, traced into Inductor's kernels.
 * ``quantize_grad``, ``scale_grad``, ``count_grad``: the identity in the forward (their
   backward nodes come from autograd).
@@ -29,12 +29,18 @@ from torch._inductor.utils import sympy_product
 from torch._inductor.virtualized import V, ops
 
 from lpcompile.numerics import predict, rng, scale_grad  # noqa: F401  (defines their operators)
-from lpcompile.numerics.quantize import check_args, round_value
+from lpcompile.numerics.quantize import check_args, round_value, scale_within, tensorwise_scale
 
 
 @register_decomposition(torch.ops.lowprec.quantize.default)
-def _decompose_quantize(x, fmt, rounding, overflow, seed, offset, scale):
-    if scale is not None:  # the reference's steps around an unscaled quantize
+def _decompose_quantize(x, fmt, rounding, overflow, seed, offset, scale, scaling="none"):
+    if scaling != "none":  # the reference's steps around an unscaled quantize
+        largest = check_args(x, fmt, rounding, overflow, scaling).max
+        scale = tensorwise_scale(x, largest, scaling)
+        xf = scale_within(x.to(torch.float32), scale, largest)
+        rounded = torch.ops.lowprec.quantize(xf, fmt, rounding, overflow, seed, offset, None)
+        return (rounded / scale).to(x.dtype)
+    if scale is not None:
         xf = x.to(torch.float32) * scale
         rounded = torch.ops.lowprec.quantize(xf, fmt, rounding, overflow, seed, offset, None)
         return (rounded / scale).to(x.dtype)
@@ -44,7 +50,7 @@ def _decompose_quantize(x, fmt, rounding, overflow, seed, offset, scale):
 
 
 @register_decomposition(torch.ops.lowprec.quantize_grad.default)
-def _decompose_quantize_grad(x, fmt, rounding, overflow, seed, offset):
+def _decompose_quantize_grad(x, fmt, rounding, overflow, seed, offset, scaling="none"):
     return x.clone()
 
 
@@ -54,7 +60,7 @@ def _decompose_scale_grad(x, scale, probe, stats, record=None):
 
 
 @register_decomposition(torch.ops.lowprec.count_grad.default)
-def _decompose_count_grad(x, probe, largest, smallest):
+def _decompose_count_grad(x, probe, largest, smallest, scaling="none"):
     return x.clone()
 
 
@@ -104,10 +110,12 @@ def _stream_key(seed: ir.TensorBox, offset) -> ir.TensorBox:
 
 
 @register_lowering(torch.ops.lowprec.quantize.default, type_promotion_kind=None)
-def _lower_quantize(x: ir.TensorBox, fmt, rounding, overflow, seed, offset, scale) -> ir.TensorBox:
+def _lower_quantize(
+    x: ir.TensorBox, fmt, rounding, overflow, seed, offset, scale, scaling="none"
+) -> ir.TensorBox:
     """An unscaled quantize as one pointwise node, each op of :func:`round_value` (and,
     for stochastic rounding, of the generator) issued once per kernel body."""
-    if scale is not None:  # _decompose_quantize takes the scale out first
+    if scale is not None or scaling != "none":  # _decompose_quantize takes the scale out first
         raise NotImplementedError(
             "a scaled lowprec::quantize reached Inductor's lowering: Inductor's decomposition table"
             " lacks lpcompile.numerics.lowering's (see refresh_inductor_decompositions)"

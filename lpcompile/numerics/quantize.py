@@ -1,9 +1,10 @@
 """The quantize operators and their reference implementations.
 
-* ``lowprec::quantize(x, fmt, rounding, overflow, seed, offset, scale)``:
-  round ``x`` (times ``scale``) onto the grid of ``fmt``, return it (divided by
-  ``scale``) in ``x``'s dtype. Straight-through gradient.
-* ``lowprec::quantize_grad(x, fmt, rounding, overflow, seed, offset)``: the
+* ``lowprec::quantize(x, fmt, rounding, overflow, seed, offset, scale, scaling)``:
+  round ``x`` (times ``scale``, or times the factor ``scaling`` computes from ``x``
+  itself) onto the grid of ``fmt``, return it (divided by that factor) in ``x``'s
+  dtype. Straight-through gradient.
+* ``lowprec::quantize_grad(x, fmt, rounding, overflow, seed, offset, scaling)``: the
   identity in the forward; its gradient is ``quantize`` of the incoming
   gradient. This is how errors and weight gradients get quantize nodes in the
   backward graph: autograd places them.
@@ -25,6 +26,7 @@ import functools
 import numbers
 
 import torch
+import torch.fx
 
 from lpcompile.numerics import rng
 from lpcompile.numerics.checks import check_fp32_scale, is_real
@@ -32,6 +34,15 @@ from lpcompile.numerics.formats import FloatFormat, parse_format
 
 ROUNDINGS = ("nearest", "stochastic")
 OVERFLOWS = ("saturate", "inf")
+# "none": values rounded as they are; "tensorwise": each tensor times the factor that takes
+# its largest magnitude to the format's largest value (torchao float8's dynamic scaling,
+# TransformerEngine's current scaling); "tensorwise_pow2": that factor rounded down to a
+# power of two.
+SCALINGS = ("none", "tensorwise", "tensorwise_pow2")
+# The smallest largest-magnitude a factor is computed from (torchao's): an all-zero or
+# nearly zero tensor is not blown up to the format's range.
+AMAX_FLOOR = 1e-12
+_FP32_MAX = torch.finfo(torch.float32).max
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 _EXP_MASK = 0x7F800000
@@ -48,7 +59,7 @@ def _f32_bits(value: float) -> int:
     return torch.tensor(value, dtype=torch.float32).view(torch.int32).item()
 
 
-def check_args(x: torch.Tensor, fmt: str, rounding: str, overflow: str) -> FloatFormat:
+def check_args(x: torch.Tensor, fmt: str, rounding: str, overflow: str, scaling: str = "none") -> FloatFormat:
     """Validate the arguments of a quantize call; return the parsed format."""
     target = _format(fmt)
     if x.dtype not in FLOAT_DTYPES:
@@ -57,6 +68,8 @@ def check_args(x: torch.Tensor, fmt: str, rounding: str, overflow: str) -> Float
         raise ValueError(f"rounding must be one of {ROUNDINGS}, got {rounding!r}")
     if overflow not in OVERFLOWS:
         raise ValueError(f"overflow must be one of {OVERFLOWS}, got {overflow!r}")
+    if scaling not in SCALINGS:
+        raise ValueError(f"scaling must be one of {SCALINGS}, got {scaling!r}")
     if not target.fits_in(x.dtype):
         raise ValueError(f"format {target.name} has values that {x.dtype} cannot hold exactly")
     return target
@@ -138,6 +151,29 @@ def round_value(xf, fmt: FloatFormat, rounding: str, overflow: str, random, ops=
     return ops.copysign(ops.to_dtype_bitcast(mag, f32, i32), xf)
 
 
+def tensorwise_scale(x: torch.Tensor, largest: float, scaling: str) -> torch.Tensor:
+    """The factor ``scaling`` rounds ``x`` with (a 0-dim FP32 tensor): ``largest`` (the
+    format's largest finite value) over ``x``'s largest magnitude, that at least
+    :data:`AMAX_FLOOR`, computed in float64 and rounded to FP32 as torchao does (so that
+    every executor gets the same bits), rounded down to a power of two for
+    ``"tensorwise_pow2"``. An empty tensor's is 1; an infinite magnitude gives 0 and a NaN
+    gives NaN, so that the rounded tensor is all NaN and a loss scaler sees it."""
+    if not isinstance(x, torch.fx.Proxy) and x.numel() == 0:  # (a pass traces it with proxies)
+        return torch.ones((), dtype=torch.float32, device=x.device)
+    amax = x.detach().abs().amax().to(torch.float64)
+    scale = (largest / amax.clamp(min=AMAX_FLOOR)).clamp(max=_FP32_MAX).to(torch.float32)
+    if scaling == "tensorwise_pow2":
+        scale = torch.exp2(torch.floor(torch.log2(scale)))
+    return scale
+
+
+def scale_within(xf: torch.Tensor, scale: torch.Tensor, largest: float) -> torch.Tensor:
+    """``xf`` times its tensorwise ``scale``, clamped to ``±largest``: the factor's FP32
+    rounding can take the largest magnitude one ulp past it, which stochastic rounding
+    would then round up beyond the format's range."""
+    return (xf * scale).clamp(-largest, largest)
+
+
 def quantize_reference(
     x: torch.Tensor,
     fmt: str,
@@ -146,13 +182,19 @@ def quantize_reference(
     seed: torch.Tensor | None = None,
     offset: int = 0,
     scale: torch.Tensor | None = None,
+    scaling: str = "none",
 ) -> torch.Tensor:
     """Reference implementation of ``lowprec::quantize`` in plain torch ops."""
-    target = check_args(x, fmt, rounding, overflow)
+    target = check_args(x, fmt, rounding, overflow, scaling)
+    if scaling != "none" and scale is not None:
+        raise ValueError(f"scaling={scaling!r} computes the scale: pass no scale with it")
     # Contiguous, as the fake kernel promises (a transposed input would otherwise
     # give a transposed result); element indices are row-major anyway.
     xf = x.to(torch.float32).contiguous()
-    if scale is not None:
+    if scaling != "none":
+        scale = tensorwise_scale(xf, target.max, scaling)
+        xf = scale_within(xf, scale, target.max)
+    elif scale is not None:
         xf = xf * scale
     random = None
     if rounding == "stochastic":
@@ -174,18 +216,33 @@ def quantize_op(
     seed: torch.Tensor | None,
     offset: int,
     scale: torch.Tensor | None,
+    scaling: str = "none",
 ) -> torch.Tensor:
-    return quantize_reference(x, fmt, rounding, overflow, seed, offset, scale)
+    return quantize_reference(x, fmt, rounding, overflow, seed, offset, scale, scaling)
+
+
+def scaling_argument(scaling: str) -> tuple[str, ...]:
+    """The trailing ``scaling`` argument of a quantize call: none for the default
+    ``"none"``, so that graphs without scaling print as they always did."""
+    return () if scaling == "none" else (scaling,)
+
+
+def scale_arguments(args: tuple, kwargs: dict) -> tuple[object, str]:
+    """The ``scale`` and ``scaling`` arguments of a ``lowprec::quantize`` call (a graph
+    node's ``args`` and ``kwargs``), defaults filled in."""
+    scale = args[6] if len(args) > 6 else kwargs.get("scale")
+    scaling = args[7] if len(args) > 7 else kwargs.get("scaling", "none")
+    return scale, scaling
 
 
 @quantize_op.register_fake
-def _(x, fmt, rounding, overflow, seed, offset, scale):
-    check_args(x, fmt, rounding, overflow)
+def _(x, fmt, rounding, overflow, seed, offset, scale, scaling="none"):
+    check_args(x, fmt, rounding, overflow, scaling)
     return torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
 def _straight_through(ctx, grad):
-    return grad, None, None, None, None, None, None
+    return grad, None, None, None, None, None, None, None
 
 
 quantize_op.register_autograd(_straight_through)
@@ -199,26 +256,29 @@ def quantize_grad_op(
     overflow: str,
     seed: torch.Tensor | None,
     offset: int,
+    scaling: str = "none",
 ) -> torch.Tensor:
-    check_args(x, fmt, rounding, overflow)
+    check_args(x, fmt, rounding, overflow, scaling)
     return x.clone()
 
 
 @quantize_grad_op.register_fake
-def _(x, fmt, rounding, overflow, seed, offset):
-    check_args(x, fmt, rounding, overflow)
+def _(x, fmt, rounding, overflow, seed, offset, scaling="none"):
+    check_args(x, fmt, rounding, overflow, scaling)
     return torch.empty_like(x)
 
 
 def _save_grad_spec(ctx, inputs, output):
-    _, ctx.fmt, ctx.rounding, ctx.overflow, seed, ctx.offset = inputs
+    _, ctx.fmt, ctx.rounding, ctx.overflow, seed, ctx.offset, *scaling = inputs
+    ctx.scaling = scaling[0] if scaling else "none"
     ctx.save_for_backward(seed)
 
 
 def _quantize_incoming(ctx, grad):
     (seed,) = ctx.saved_tensors
-    out = quantize_op(grad, ctx.fmt, ctx.rounding, ctx.overflow, seed, ctx.offset, None)
-    return out, None, None, None, None, None
+    scaling = scaling_argument(ctx.scaling)
+    out = quantize_op(grad, ctx.fmt, ctx.rounding, ctx.overflow, seed, ctx.offset, None, *scaling)
+    return out, None, None, None, None, None, None
 
 
 quantize_grad_op.register_autograd(_quantize_incoming, setup_context=_save_grad_spec)
@@ -253,6 +313,7 @@ def quantize(
     offset: int = 0,
     scale: float | torch.Tensor | None = None,
     overflow: str = "saturate",
+    scaling: str = "none",
 ) -> torch.Tensor:
     """Round ``x`` onto the grid of ``fmt`` and return it in ``x``'s dtype.
 
@@ -265,6 +326,10 @@ def quantize(
     turns them into ±inf, or NaN for a format without inf (the OCP
     non-saturating mode). NaN stays NaN under both.
     With ``scale``, ``x * scale`` is rounded and the result divided by ``scale``.
+    ``scaling="tensorwise"`` takes the scale from ``x`` itself: the format's largest
+    finite value over ``x``'s largest magnitude (:func:`tensorwise_scale`; ``x`` times it
+    is clamped to the format's range), and ``"tensorwise_pow2"`` that rounded down to a
+    power of two; no ``scale`` goes with them.
     """
     name = parse_format(fmt).name if isinstance(fmt, FloatFormat) else fmt
     if not isinstance(x, torch.Tensor):
@@ -293,17 +358,20 @@ def quantize(
         if not is_real(scale):
             raise TypeError(f"scale must be a number or a tensor, got {type(scale).__name__}")
         check_fp32_scale("scale", scale)
+    if scaling != "none" and scale is not None:
+        raise ValueError(f"scaling={scaling!r} computes the scale from x: pass no scale with it")
     seed_t = _as_tensor(seed, torch.int64, x.device) if rounding == "stochastic" else None
     scale_t = _as_tensor(scale, torch.float32, x.device)
     if _runs_compiled(x, scale_t):
-        check_args(x, name, rounding, overflow)
+        check_args(x, name, rounding, overflow, scaling)
         if rounding == "stochastic":
             rng.check_numel(x.numel())
         scale_dtype = None if scale_t is None else scale_t.dtype
-        kernel = _compiled_kernel(name, rounding, overflow, x.dtype, scale_dtype)
+        kernel = _compiled_kernel(name, rounding, overflow, x.dtype, scale_dtype, scaling)
         flat = x.reshape(-1)  # the elements in row-major order, as the reference indexes them
         return _StraightThrough.apply(flat, kernel, seed_t, offset, scale_t).view(x.shape)
-    return torch.ops.lowprec.quantize(x, name, rounding, overflow, seed_t, offset, scale_t)
+    scaled = scaling_argument(scaling)
+    return torch.ops.lowprec.quantize(x, name, rounding, overflow, seed_t, offset, scale_t, *scaled)
 
 
 # From this many elements the direct API rounds with one fused kernel that Inductor
@@ -338,20 +406,24 @@ class _StraightThrough(torch.autograd.Function):
 
 @functools.cache
 def _compiled_kernel(
-    fmt: str, rounding: str, overflow: str, dtype: torch.dtype, scale_dtype: torch.dtype | None
+    fmt: str,
+    rounding: str,
+    overflow: str,
+    dtype: torch.dtype,
+    scale_dtype: torch.dtype | None,
+    scaling: str,
 ):
     """``lowprec::quantize`` over a 1-D tensor of any length, compiled; the offset is
     symbolic too."""
     import lpcompile.numerics.lowering  # noqa: F401  (Inductor fuses the operator)
 
     def kernel(flat, seed, offset, scale):
-        return torch.ops.lowprec.quantize(flat, fmt, rounding, overflow, seed, offset, scale)
+        return torch.ops.lowprec.quantize(flat, fmt, rounding, overflow, seed, offset, scale, scaling)
 
     # A code object per variant: Dynamo counts recompiles per code object, against a
     # limit of 8, and each variant is one.
-    variant = "_".join(
-        str(part).removeprefix("torch.") for part in (fmt, rounding, overflow, dtype, scale_dtype)
-    )
+    parts = (fmt, rounding, overflow, dtype, scale_dtype, scaling)
+    variant = "_".join(str(part).removeprefix("torch.") for part in parts)
     kernel.__code__ = kernel.__code__.replace(co_name=f"quantize_{variant}")
 
     return torch.compile(kernel, dynamic=True, fullgraph=True)

@@ -262,6 +262,31 @@ OPCHECK_CASES = [
         lambda: (torch.randn(8, 6, requires_grad=True), "e5m2", "stochastic", "saturate", torch.tensor(2), 4),
     ),
     (qg, lambda: (torch.randn(6, 8).t(), "e4m3", "nearest", "inf", None, 0)),
+    (
+        q,
+        lambda: (
+            torch.randn(8, 6, requires_grad=True),
+            "e4m3",
+            "nearest",
+            "saturate",
+            None,
+            0,
+            None,
+            "tensorwise",
+        ),
+    ),
+    (
+        qg,
+        lambda: (
+            torch.randn(8, 6, requires_grad=True),
+            "e5m2",
+            "stochastic",
+            "inf",
+            torch.tensor(2),
+            4,
+            "tensorwise_pow2",
+        ),
+    ),
 ]
 
 
