@@ -1,7 +1,7 @@
 """Configuration: frozen dataclasses, named recipes and ``options`` parsing.
 
 The leaf every other part reads its vocabulary from: option names, recipes and the
-enumerations (``ROUNDINGS``, ``OVERFLOWS``, ``PREDICTIONS``, ``STATS``, ``RULES`` are
+enumerations (``ROUNDINGS``, ``OVERFLOWS``, ``SCALINGS``, ``PREDICTIONS``, ``STATS``, ``RULES`` are
 defined beside the numerics that implement them and re-exported here).
 """
 
@@ -17,7 +17,7 @@ from typing import Any
 from lpcompile.numerics.checks import is_real
 from lpcompile.numerics.formats import FloatFormat, parse_format
 from lpcompile.numerics.predict import PREDICTIONS
-from lpcompile.numerics.quantize import OVERFLOWS, ROUNDINGS
+from lpcompile.numerics.quantize import OVERFLOWS, ROUNDINGS, SCALINGS
 from lpcompile.numerics.scale_grad import STATS  # noqa: F401  (re-exported)
 from lpcompile.numerics.scale_rules import RULES, ScaleBounds
 
@@ -93,11 +93,20 @@ def _power_of_two_at_least_one(value: Any) -> bool:
 
 @dataclass(frozen=True)
 class QuantSpec:
-    """How one role is quantized; ``fmt=None`` leaves it in higher precision."""
+    """How one role is quantized; ``fmt=None`` leaves it in higher precision.
+
+    ``scaling="none"`` rounds the values as they are (Mellempudi et al.: loss scaling
+    keeps the errors in range); ``"tensorwise"`` rounds each tensor times the factor that
+    takes its largest magnitude to the format's largest value, and divides it back out
+    (torchao float8's dynamic scaling, TransformerEngine's current scaling), so nothing
+    overflows and ``overflow`` only decides what a non-finite input becomes;
+    ``"tensorwise_pow2"`` rounds that factor down to a power of two.
+    """
 
     fmt: str | None = None
     rounding: str = "nearest"
     overflow: str = "saturate"
+    scaling: str = "none"
 
     def __post_init__(self) -> None:
         if self.fmt is not None:
@@ -106,6 +115,8 @@ class QuantSpec:
             raise ValueError(f"rounding must be one of {ROUNDINGS}, got {self.rounding!r}")
         if self.overflow not in OVERFLOWS:
             raise ValueError(f"overflow must be one of {OVERFLOWS}, got {self.overflow!r}")
+        if self.scaling not in SCALINGS:
+            raise ValueError(f"scaling must be one of {SCALINGS}, got {self.scaling!r}")
 
     @property
     def enabled(self) -> bool:
@@ -142,6 +153,15 @@ _RECIPES: dict[str, tuple[str, dict[str, Any]]] = {
     "bf16": (
         "BF16 at every matmul/conv input and gradient",
         _specs(QuantSpec("bf16"), QuantSpec("bf16", overflow="inf")),
+    ),
+    "fp8-tensorwise": (
+        "torchao float8's default: E4M3 weights and activations, E5M2 errors, each tensor"
+        " scaled to its format's range (nearest even); weight gradients unrounded",
+        _specs(
+            QuantSpec("e4m3", scaling="tensorwise"),
+            QuantSpec("e5m2", overflow="inf", scaling="tensorwise"),
+            OFF,
+        ),
     ),
 }
 _ALS = {"loss_scale": "adaptive"}
@@ -257,6 +277,11 @@ class LowPrecConfig:
             raise ValueError(f"loss_scale must be one of {LOSS_SCALES}, got {self.loss_scale!r}")
         if self.loss_scale == "adaptive" and not self.error.enabled:
             raise ValueError("loss_scale='adaptive' scales quantized errors: the error role needs a format")
+        if self.loss_scale == "adaptive" and self.error.scaling != "none":
+            raise ValueError(
+                f"loss_scale='adaptive' with error scaling={self.error.scaling!r}: the per-tensor scale"
+                " divides each layer's loss scale back out of the error it rounds; use one or the other"
+            )
         if self.codegen not in CODEGENS:
             raise ValueError(f"codegen must be one of {CODEGENS}, got {self.codegen!r}")
         if self.executor not in EXECUTORS:

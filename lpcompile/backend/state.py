@@ -478,7 +478,8 @@ class LayerCoverage:
 
     layer: str
     graph_id: int
-    quantized: dict[str, str]  # role -> "format rounding overflow", e.g. {"weight": "e5m2 nearest saturate"}
+    # role -> "format rounding overflow [scaling]", e.g. {"weight": "e5m2 nearest saturate"}
+    quantized: dict[str, str]
     kept: str | None = None  # why it stays in higher precision (then ``quantized`` is empty)
     op: str | None = None
 
@@ -495,7 +496,9 @@ def coverage(model: torch.nn.Module) -> list[LayerCoverage]:
     for record in REGISTRY.model_records(model):
         roles: dict[str, dict[str, str]] = {}
         for site in record.sites.values():
-            roles.setdefault(site.layer, {})[site.role] = f"{site.fmt} {site.rounding} {site.overflow}"
+            spec = f"{site.fmt} {site.rounding} {site.overflow}"
+            scaled = "" if site.scaling == "none" else f" {site.scaling}"
+            roles.setdefault(site.layer, {})[site.role] = spec + scaled
         for name in runs[record.graph_id]:
             rows += [
                 LayerCoverage(_under(name, layer), record.graph_id, quantized)

@@ -39,7 +39,7 @@ import lpcompile.numerics.predict  # noqa: F401  (registers lowprec::predict_wei
 import lpcompile.numerics.scale_grad  # noqa: F401  (registers lowprec::scale_grad)
 from lpcompile.numerics import rng
 from lpcompile.numerics.formats import FloatFormat, parse_format
-from lpcompile.numerics.quantize import check_args, exact_power_steps
+from lpcompile.numerics.quantize import check_args, exact_power_steps, scale_arguments
 
 aten = torch.ops.aten
 prims = torch.ops.prims
@@ -531,7 +531,8 @@ def _view_dtype_check(node: torch.fx.Node) -> bool:
 
 
 def _render_quantize(w: Writer, node: torch.fx.Node) -> Value:
-    x, fmt, rounding, overflow, seed, offset, scale = node.args
+    x, fmt, rounding, overflow, seed, offset = node.args[:6]
+    scale, _ = scale_arguments(node.args, node.kwargs)
     target = parse_format(fmt)
     name, source = quantize_helper(target, rounding, overflow)
     fn = w.helper(name, source)
@@ -550,8 +551,11 @@ def _render_quantize(w: Writer, node: torch.fx.Node) -> Value:
 
 
 def _quantize_check(node: torch.fx.Node) -> bool:
-    x, fmt, rounding, overflow, seed, offset, scale = node.args
-    check_args(x.meta["val"], fmt, rounding, overflow)
+    x, fmt, rounding, overflow, seed, offset = node.args[:6]
+    scale, scaling = scale_arguments(node.args, node.kwargs)
+    check_args(x.meta["val"], fmt, rounding, overflow, scaling)
+    if scaling != "none":  # its scale is a reduction of x: the operator runs unfused
+        return False
     if rounding == "stochastic" and not isinstance(seed, torch.fx.Node):
         return False
     if isinstance(seed, torch.fx.Node) and seed.meta["val"].dtype not in INT_DTYPES:

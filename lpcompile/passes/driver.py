@@ -23,6 +23,7 @@ class Site:
     fmt: str
     rounding: str
     overflow: str
+    scaling: str
     op: str  # "quantize" (forward) or "quantize_grad" (quantizes in the backward)
 
     def meta(self) -> dict[str, Any]:

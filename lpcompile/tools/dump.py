@@ -618,7 +618,8 @@ def _label(node: NodeView) -> str:
     if node.kind is not None:
         info = node.info
         parts = [info.get("role"), info.get("layer"), info.get("format"), info.get("rounding")]
-        lines.append(" · ".join(str(p) for p in parts if p not in (None, "")))
+        parts.append(info.get("scaling"))
+        lines.append(" · ".join(str(p) for p in parts if p not in (None, "", "none")))
     return "\\n".join(_dot_escape(line) for line in lines if line)
 
 

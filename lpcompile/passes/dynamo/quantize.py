@@ -28,7 +28,7 @@ import torch
 import torch.fx
 
 from lpcompile.config import QuantSpec, Role
-from lpcompile.numerics.quantize import FLOAT_DTYPES
+from lpcompile.numerics.quantize import FLOAT_DTYPES, scaling_argument
 from lpcompile.passes.driver import CompileContext, KeptProduct, Site
 from lpcompile.passes.dynamo.functions import (
     BACKWARD,
@@ -97,6 +97,7 @@ def _insert(
             fmt=spec.fmt,
             rounding=spec.rounding,
             overflow=spec.overflow,
+            scaling=spec.scaling,
             op="quantize_grad" if grad else "quantize",
         )
         ctx.sites[site.offset] = site
@@ -106,11 +107,12 @@ def _insert(
         else None
     )
     args = (value, spec.fmt, spec.rounding, spec.overflow, seed, site.offset)
+    scaling = scaling_argument(spec.scaling)
     with gm.graph.inserting_before(before) if before is not None else gm.graph.inserting_after(value):
         if grad:
-            node = gm.graph.call_function(torch.ops.lowprec.quantize_grad.default, args)
+            node = gm.graph.call_function(torch.ops.lowprec.quantize_grad.default, (*args, *scaling))
         else:
-            node = gm.graph.call_function(torch.ops.lowprec.quantize.default, (*args, None))
+            node = gm.graph.call_function(torch.ops.lowprec.quantize.default, (*args, None, *scaling))
     node.meta["lowprec"] = site.meta()
     if "example_value" in value.meta:
         node.meta["example_value"] = value.meta["example_value"]

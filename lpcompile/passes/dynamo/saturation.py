@@ -19,6 +19,7 @@ import torch
 import torch.fx
 
 from lpcompile.numerics.formats import parse_format
+from lpcompile.numerics.quantize import scaling_argument
 from lpcompile.numerics.scale_grad import count_probe, range_counts
 from lpcompile.passes.driver import CompileContext, Site
 from lpcompile.passes.dynamo.quantize import checkpoint_bodies, graph_input, nodes_in_run_order
@@ -91,7 +92,7 @@ def _forward_counts(gm: torch.fx.GraphModule, ctx: CompileContext) -> tuple[list
             site = ctx.sites[node.meta["lowprec"]["offset"]]
             if not parts or not isinstance(parts[-1], list):
                 parts.append([])
-            parts[-1].append((node.args[0], _range(site.fmt)))
+            parts[-1].append((node.args[0], (*_range(site.fmt), site.scaling)))
             sites.append(site)
         elif node in bodies:
             body = bodies[node]
@@ -148,7 +149,8 @@ def _count_gradients(gm: torch.fx.GraphModule, ctx: CompileContext) -> None:
         with graph.graph.inserting_after(node):
             row = graph.graph.call_function(torch.select, (probe, 0, i))
         with graph.graph.inserting_after(row):
-            counted = graph.graph.call_function(COUNT_GRAD, (node, row, *_range(site.fmt)))
+            scaling = scaling_argument(site.scaling)
+            counted = graph.graph.call_function(COUNT_GRAD, (node, row, *_range(site.fmt), *scaling))
         row.meta["example_value"] = example[i]
         counted.meta["example_value"] = node.meta.get("example_value")
         counted.meta["lowprec"] = {"role": "saturation_count", "layer": site.layer}

@@ -21,6 +21,7 @@ from lpcompile.config import LowPrecConfig
 from lpcompile.kernels.cpu import gemm as cpu_gemm
 from lpcompile.numerics.compat import optimization_hint
 from lpcompile.numerics.formats import FloatFormat, parse_format
+from lpcompile.numerics.quantize import scale_arguments
 from lpcompile.passes.driver import CompileContext
 
 aten = torch.ops.aten
@@ -68,8 +69,8 @@ def grid_of(node: object) -> FloatFormat | None:
     """The format whose grid ``node``'s values lie on, following value-preserving ops."""
     while isinstance(node, torch.fx.Node) and node.op == "call_function":
         if node.target is QUANTIZE:
-            scaled = node.args[6] if len(node.args) > 6 else node.kwargs.get("scale")
-            return None if scaled is not None else parse_format(node.args[1])
+            scale, scaling = scale_arguments(node.args, node.kwargs)
+            return None if scale is not None or scaling != "none" else parse_format(node.args[1])
         if node.target not in VALUE_PRESERVING:
             return None
         node = node.args[0]
