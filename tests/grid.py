@@ -61,14 +61,35 @@ def on_e5m2_grid(t: torch.Tensor) -> bool:
     return bool(((back == t) | torch.isnan(t)).all())
 
 
+# The largest finite values of E4M3 and E5M2
+FP8_LARGEST = (448.0, 57344.0)
+
+
+def on_scaled_fp8_grid(t: torch.Tensor) -> bool:
+    """Every value, times the factor that takes the largest magnitude to E4M3's or to E5M2's
+    largest value, has at most E4M3's 4 significant bits (to within that factor's FP32
+    rounding): what a tensor rounded with tensorwise scaling and divided back holds."""
+    t = t.detach().float()
+    amax = t.abs().max()
+    if amax == 0:
+        return True
+    for largest in FP8_LARGEST:
+        mantissa = torch.frexp(t * (largest / amax)).mantissa.abs() * 16  # [8, 16) for values
+        if ((mantissa - mantissa.round()).abs() <= 2.0**-16).all():
+            return True
+    return False
+
+
 class GridCheck(TorchDispatchMode):
-    """Counts the products that ran, by (op, all operands on the E5M2 grid)."""
+    """Counts the products that ran, by (op, all operands on the grid): the E5M2 grid, or
+    another check of a tensor (``on_grid``)."""
 
     # the RNG-state operators of checkpointed dropout come through too: they run as they are
     supports_higher_order_operators = True
 
-    def __init__(self) -> None:
+    def __init__(self, on_grid: Callable[[torch.Tensor], bool] = on_e5m2_grid) -> None:
         super().__init__()
+        self.on_grid = on_grid
         self.products: Counter = Counter()
         self.unknown: Counter = Counter()  # other ops whose name says product: a gap in PRODUCTS
 
@@ -79,7 +100,7 @@ class GridCheck(TorchDispatchMode):
         if positions is not None:
             operands = [args[i] for i in positions if i < len(args)]
             floats = [a for a in operands if isinstance(a, torch.Tensor) and a.is_floating_point()]
-            self.products[(func.__name__, all(map(on_e5m2_grid, floats)))] += 1
+            self.products[(func.__name__, all(map(self.on_grid, floats)))] += 1
         elif not hop and any(word in func.__name__ for word in PRODUCT_WORDS):
             self.unknown[func.__name__] += 1
         return func(*args, **kwargs)
@@ -110,9 +131,12 @@ def watched_backend(options: dict[str, Any], check: TorchDispatchMode) -> Callab
     return backend
 
 
-def grid_step(model: torch.nn.Module, inputs: dict[str, Any], options: dict[str, Any]) -> GridCheck:
-    """One compiled forward and backward of ``model`` under ``options``, watched."""
-    check = GridCheck()
+def grid_step(
+    model: torch.nn.Module, inputs: dict[str, Any], options: dict[str, Any], check: GridCheck | None = None
+) -> GridCheck:
+    """One compiled forward and backward of ``model`` under ``options``, watched (by a new
+    E5M2 check unless given one)."""
+    check = check or GridCheck()
     torch._dynamo.reset()
     out = torch.compile(model, backend=watched_backend(options, check))(**inputs)
     out = output_tensor(out)

@@ -10,7 +10,7 @@ import warnings
 
 import pytest
 import torch
-from grid import GridCheck, grid_step, on_e5m2_grid, watched_backend
+from grid import GridCheck, grid_step, on_e5m2_grid, on_scaled_fp8_grid, watched_backend
 from models import Records
 
 import lpcompile
@@ -192,6 +192,19 @@ def test_adaptive_loss_scaling_step_on_the_grid(name):
     assert check.count > 0 and check.off_grid == {}, check.products
     layers = [t.layer for t in lpcompile.stats(model)]
     assert len(layers) >= 4 and len(set(layers)) == len(layers), layers
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama", "lstm_lm", "checkpointed_mlp"])
+def test_tensorwise_scaling_step_runs_every_product_on_the_scaled_grid(name):
+    """Each operand scaled to its format's range: Conv1D's addmm, attention, cells, checkpoints."""
+    torch.manual_seed(0)
+    model, inputs = zoo_model(name)
+    options = {"executor": "eager", "attention": "full"}
+    check = grid_step(model, inputs, {**options, "recipe": "fp8-tensorwise"}, GridCheck(on_scaled_fp8_grid))
+    assert check.count > 0 and check.off_grid == {}, check.products
+    # unscaled E4M3 operands are not on it (so the check can fail)
+    check = grid_step(model, inputs, {**options, "recipe": "fp8-hybrid"}, GridCheck(on_scaled_fp8_grid))
+    assert check.off_grid, check.products
 
 
 class Logits(torch.nn.Module):
