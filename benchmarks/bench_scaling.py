@@ -1,0 +1,154 @@
+"""Per-tensor scaling against unscaled FP8 and against torchao's float8 training.
+
+A byte-level TinyGPT (2 blocks, width 64, 4 heads, context 64) on the standard library's
+sources, its weights drawn as GPT-2 draws them (normal, std 0.02; biases zero): many of
+them lie below E4M3's smallest normal value (2^-6), where unscaled E4M3 keeps one to three
+significant bits. Adam, 300 steps of 32 windows; validation bits per character on 4 fixed
+batches of files never trained on (lower is better). Rows: FP32; ``fp8-hybrid`` (E4M3
+forward, E5M2 backward, unscaled, under dynamic loss scaling); ``fp8-tensorwise`` (the
+same formats, each tensor scaled to its format's range, weight gradients unrounded), with
+its scales rounded down to powers of two, and with attention's operands left unrounded
+(the products torchao's float8 training converts: its ``nn.Linear`` layers); torchao's
+``convert_to_float8_training`` in its CPU emulation (tensorwise scaling, the same
+formats). lowprec compiles with Inductor; torchao runs eagerly. Per row: bits per character
+over seeds, its difference from FP32's run of the same seed, and the share of the linear
+layers' weights below E4M3's smallest normal value at the end.
+
+``python -m benchmarks.bench_scaling`` writes ``results/scaling.md``; ``--quick`` runs one
+seed of 60 steps and prints the page.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from benchmarks.common import write_results
+from benchmarks.papers.common import mean_std
+from benchmarks.papers.mellempudi import BATCH, CONTEXT, DEPTH, HEADS, LM_LR, WIDTH, bits_per_char, windows
+from examples.data import load_stdlib_source
+from examples.models import TinyGPT
+from examples.train import Updater
+
+STEPS = 300
+
+
+def gpt2_init(model: nn.Module) -> nn.Module:
+    """GPT-2's initialisation: weights of linear and embedding layers normal with std 0.02,
+    biases zero."""
+    for module in model.modules():
+        if isinstance(module, nn.Linear | nn.Embedding):
+            nn.init.normal_(module.weight, std=0.02)
+        if isinstance(module, nn.Linear) and module.bias is not None:
+            nn.init.zeros_(module.bias)
+    return model
+
+
+def lowprec(options: dict[str, Any]) -> Callable[[nn.Module], nn.Module]:
+    return lambda model: torch.compile(model, backend="lowprec", options=options)
+
+
+def torchao_float8(model: nn.Module) -> nn.Module:
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    return convert_to_float8_training(model, config=Float8LinearConfig(emulate=True))
+
+
+POW2 = {"scaling": "tensorwise_pow2"}
+# row -> (how the model is prepared, loss scaling)
+ROWS: dict[str, tuple[Callable[[nn.Module], nn.Module], str]] = {
+    "FP32": (lambda model: model, "none"),
+    "fp8-hybrid (unscaled), dynamic loss scaling": (lowprec({"recipe": "fp8-hybrid"}), "dynamic"),
+    "fp8-tensorwise": (lowprec({"recipe": "fp8-tensorwise"}), "none"),
+    "fp8-tensorwise, power-of-two scales": (
+        lowprec({"recipe": "fp8-tensorwise", "weight": POW2, "activation": POW2, "error": POW2}),
+        "none",
+    ),
+    "fp8-tensorwise, attention unrounded": (
+        lowprec({"recipe": "fp8-tensorwise", "attention": "off"}),
+        "none",
+    ),
+    "torchao float8 (tensorwise, emulated)": (torchao_float8, "none"),
+}
+
+
+E4M3_SMALLEST_NORMAL = 2.0**-6
+
+
+def below_normal(model: nn.Module) -> float:
+    """The share of the linear layers' weights below E4M3's smallest normal value, where
+    unscaled E4M3 keeps three significant bits or fewer (below 2^-10: none)."""
+    weights = [m.weight.detach().abs().flatten() for m in model.modules() if isinstance(m, nn.Linear)]
+    return float((torch.cat(weights) < E4M3_SMALLEST_NORMAL).float().mean())
+
+
+def run(
+    prepare: Callable[[nn.Module], nn.Module], loss_scale: str, seed: int, steps: int, text
+) -> tuple[float, float]:
+    """Validation bits per character after ``steps``, and the weights' share :func:`below_normal`."""
+    torch._dynamo.reset()
+    torch.manual_seed(seed)
+    model = gpt2_init(TinyGPT(width=WIDTH, depth=DEPTH, heads=HEADS, context=CONTEXT))
+    step = prepare(model)
+    updater = Updater(model, optimizer="adam", lr=LM_LR, loss_scale=loss_scale, seed=seed)
+    batches = torch.Generator().manual_seed(seed)
+    validation = [windows(text.validation, BATCH, torch.Generator().manual_seed(1000 + i)) for i in range(4)]
+    for _ in range(steps):
+        x, y = windows(text.train, BATCH, batches)
+        updater.step(F.cross_entropy(step(x).flatten(0, 1), y.flatten()))
+    return bits_per_char(step, validation), below_normal(model)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument("--quick", action="store_true", help="one seed of 60 steps; print the page")
+    args = parser.parse_args()
+    seeds, steps = (1, 60) if args.quick else (args.seeds, STEPS)
+    text = load_stdlib_source()
+    lines = [
+        "| variant | validation bits/char | − FP32's, same seed | linear weights below 2^-6 | s/run |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    start = time.perf_counter()
+    reference: list[float] = []
+    for row, (prepare, loss_scale) in ROWS.items():
+        found, below, begun = [], [], time.perf_counter()
+        for seed in range(seeds):
+            bits, share = run(prepare, loss_scale, seed, steps, text)
+            found.append(bits)
+            below.append(100 * share)
+            print(f"{row:48s} seed {seed}: {bits:.4f} bits/char", flush=True)
+        reference = reference or found  # the first row is FP32
+        delta = [a - b for a, b in zip(found, reference, strict=True)]
+        seconds = (time.perf_counter() - begun) / seeds
+        lines.append(
+            f"| {row} | {mean_std(found, digits=3)} | {mean_std(delta, digits=4)} "
+            f"| {mean_std(below)}% | {seconds:.0f} |"
+        )
+    flag = " --quick" if args.quick else ""
+    body = "\n".join(
+        [
+            f"Command: `python -m benchmarks.bench_scaling{flag}` ({seeds} seeds of {steps} steps, "
+            f"mean ± std; {time.perf_counter() - start:.0f} s in all)",
+            "",
+            " ".join(__doc__.split("\n\n")[1].split()),
+            "",
+            *lines,
+        ]
+    )
+    if args.quick:
+        print(body)
+        return
+    path = write_results("scaling", "Per-tensor scaling beside unscaled FP8 and torchao", body)
+    print(body, f"\nwrote {path}", sep="\n")
+
+
+if __name__ == "__main__":
+    main()
