@@ -496,9 +496,7 @@ def coverage(model: torch.nn.Module) -> list[LayerCoverage]:
     for record in REGISTRY.model_records(model):
         roles: dict[str, dict[str, str]] = {}
         for site in record.sites.values():
-            spec = f"{site.fmt} {site.rounding} {site.overflow}"
-            scaled = "" if site.scaling == "none" else f" {site.scaling}"
-            roles.setdefault(site.layer, {})[site.role] = spec + scaled
+            roles.setdefault(site.layer, {})[site.role] = site.spec()
         for name in runs[record.graph_id]:
             rows += [
                 LayerCoverage(_under(name, layer), record.graph_id, quantized)

@@ -29,6 +29,11 @@ class Site:
     def meta(self) -> dict[str, Any]:
         return dict(self.__dict__)
 
+    def spec(self) -> str:
+        """How it rounds, in words: ``"e5m2 nearest saturate"``, and the scaling, if any."""
+        scaling = () if self.scaling == "none" else (self.scaling,)
+        return " ".join([self.fmt, self.rounding, self.overflow, *scaling])
+
 
 @dataclass(frozen=True)
 class KeptProduct:

@@ -68,6 +68,7 @@ import torch
 import torch.fx
 
 from lpcompile.backend.state import REGISTRY
+from lpcompile.config import ROLES
 from lpcompile.passes.stages import BOUNDARY
 
 ENV = "LOWPREC_DUMP"
@@ -564,6 +565,7 @@ def write_graph(session: _Session, entry: _Entry) -> Path:
         "graphs": graphs,
         "inserted": inserted,
         "kept": [dataclasses.asdict(k) for k in getattr(record, "kept", [])],
+        "rounded": _rounded(record),
         "kernels": {
             "count": len(kernels),
             "files": [f"kernels/{_safe(name)}.py" for name in sorted(kernels)],
@@ -743,6 +745,24 @@ def _inserted_counts(manifest: dict[str, Any], graph: str = "dynamo") -> dict[st
         if node["graph"] == graph:
             table.setdefault(str(node.get("layer") or "-"), Counter())[node["kind"]] += 1
     return table
+
+
+def _rounded(record: Any) -> dict[str, dict[str, str]]:
+    """Per layer of the graph (checkpoint bodies, branches and Function bodies included), how
+    each of its roles is rounded (:meth:`~lpcompile.passes.driver.Site.spec`)."""
+    rounded: dict[str, dict[str, str]] = {}
+    for site in getattr(record, "sites", {}).values():
+        rounded.setdefault(site.layer, {})[site.role] = site.spec()
+    return rounded
+
+
+def _rounded_groups(manifest: dict[str, Any]) -> dict[str, list[str]]:
+    """The manifest's layers grouped by how their roles are rounded."""
+    groups: dict[str, list[str]] = {}
+    for layer, found in (manifest.get("rounded") or {}).items():
+        spec = ", ".join(f"{role} {found[role]}" for role in ROLES if role in found)
+        groups.setdefault(spec, []).append(layer)
+    return groups
 
 
 CSS = """
@@ -961,6 +981,8 @@ def summary(root: Path | str) -> str:
             if "nodes" in info
         )
         lines.append(f"  lowprec nodes / all nodes: {per_graph}")
+        for spec, layers in _rounded_groups(m).items():
+            lines.append(f"  rounded ({spec}): {', '.join(layers)}")
         done = [f"{p['graph']}:{p['name']} +{p['nodes_added']}/-{p['nodes_removed']}" for p in m["passes"]]
         lines.append("  passes: " + (", ".join(done) or "none"))
         kernels = m["kernels"]["count"]

@@ -246,6 +246,8 @@ def test_summary_lists_nodes_by_kind_and_layer(golden_run, capsys):
     rows = {line.split()[0]: line.split()[1:] for line in lines[3:6]}
     assert rows["0"][:2] == ["2", "2"] and rows["2"][:2] == ["2", "2"] and rows["total"][-1] == "8"
     assert "kernels: 0" in out and "stages: none" in out
+    spec = "weight e5m2 nearest saturate, activation e5m2 nearest saturate, error e5m2 stochastic inf"
+    assert f"  rounded ({spec}, weight_grad e5m2 stochastic inf): 0, 2" in lines
 
 
 def test_summary_of_a_folder_without_a_dump_fails(tmp_path, capsys):
@@ -522,6 +524,31 @@ def test_summary_says_which_products_stay_in_higher_precision_and_why(dump_to):
     torch.compile(model, backend="lowprec", options=options)(torch.randn(2, 6)).sum().backward()
     dump.flush()
     assert "left in higher precision: 2 (linear: exclude)" in dump.summary(dump_to)
+
+
+class CheckpointedPair(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(6, 8), nn.Linear(8, 8), nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.utils.checkpoint.checkpoint(lambda t: torch.relu(self.a(t)), x, use_reentrant=False)
+        return self.c(self.b(h))
+
+
+def test_summary_says_how_each_layer_is_rounded_checkpoint_bodies_included(dump_to):
+    options = {"recipe": "fp8-tensorwise", "executor": "eager", "exclude": ["c"], "weight_grad": "e5m2"}
+    model = CheckpointedPair()
+    torch.compile(model, backend="lowprec", options=options)(torch.randn(2, 6)).sum().backward()
+    dump.flush()
+    summary = dump.summary(dump_to)
+    scaled = "e4m3 nearest saturate tensorwise"
+    spec = f"weight {scaled}, activation {scaled}, error e5m2 nearest inf tensorwise"
+    # a format name for a role the recipe leaves off: nearest, saturating, unscaled
+    line = f"  rounded ({spec}, weight_grad e5m2 nearest saturate): "
+    (layers,) = [row.removeprefix(line) for row in summary.splitlines() if row.startswith(line)]
+    assert sorted(layers.split(", ")) == ["a", "b"]  # a: in the checkpoint body
+    assert "left in higher precision: c (linear: exclude)" in summary
 
 
 @pytest.mark.parametrize("where", ["a-file", "a-file/sub"])
