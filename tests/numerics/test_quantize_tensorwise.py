@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from devices import TEST_DEVICE
 
 import lpcompile  # noqa: F401  (registers torch.ops.lowprec)
 from lpcompile import quantize
@@ -66,8 +67,9 @@ def test_without_scaling_tiny_values_flush_where_tensorwise_keeps_them():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_compiled_operator_rounds_like_the_reference(dtype):
-    x = spread(magnitude=0.3).to(dtype)
-    seed = torch.tensor(5)
+    """On ``LOWPREC_TEST_DEVICE`` (``scripts/gpu_check.sh`` runs it on a GPU)."""
+    x = spread(magnitude=0.3).to(TEST_DEVICE, dtype)
+    seed = torch.tensor(5, device=TEST_DEVICE)
 
     def both(x):
         return (
