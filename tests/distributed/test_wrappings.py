@@ -1,6 +1,7 @@
 """Every DDP and FSDP2 wrapping of a compiled model trains with lowprec's rewriting on
 every rank: each matmul-class ATen call of two training steps, forward and backward,
-has its operands on the E5M2 grid, checked by ``GridCheck`` (torch's own float8 cast),
+has its operands on the E5M2 grid (scaled per tensor, for ``fp8-tensorwise``), checked by
+``GridCheck`` (torch's own float8 cast; a tensor's significant bits once scaled),
 not by lowprec's records. Before the backend traced wrapped ``torch.nn`` forwards,
 ``torch.compile(DDP(nn.Sequential))`` and FSDP2 on ``nn.Linear`` layers ran in FP32."""
 
@@ -9,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from grid import GridCheck, watched_backend
+from grid import GridCheck, on_e5m2_grid, on_scaled_fp8_grid, watched_backend
 from ranks import EAGER_ALS, EAGER_SR, Blocks, mlp3, run_ranks, wide_mlp
 from torch import nn
 from torch.distributed.fsdp import fully_shard
@@ -19,6 +20,7 @@ from lpcompile.backend import coverage
 from lpcompile.backend.watch import module_name
 
 STEPS = 2
+EAGER_TENSORWISE = {"recipe": "fp8-tensorwise", "executor": "eager"}
 
 
 def _compile_ddp(model: nn.Module, backend) -> nn.Module:
@@ -98,6 +100,21 @@ WRAPPINGS = {
     "FSDP2 per layer and root, compiled whole": (mlp3, _fsdp_layers_compiled_whole, 8, EAGER_SR, {}),
     "FSDP2 per block and root, compiled whole": (Blocks, _fsdp_blocks_compiled_whole, 8, EAGER_SR, {}),
     "FSDP2 per block and root, compiled per block": (Blocks, _fsdp_per_block, 8, EAGER_SR, {}),
+    # each operand scaled whole: a weight sharded over the ranks has one scale, not one per shard
+    "FSDP2 per block and root, compiled per block, fp8-tensorwise": (
+        Blocks,
+        _fsdp_per_block,
+        8,
+        EAGER_TENSORWISE,
+        {},
+    ),
+    "DDP(torch.compile(model)) split at buckets, fp8-tensorwise": (
+        wide_mlp,
+        _ddp_of_compiled_split,
+        11,
+        EAGER_TENSORWISE,
+        {},
+    ),
 }
 
 
@@ -115,7 +132,7 @@ def train_wrappings(rank: int) -> dict[str, dict]:
 
 def _train(make, wrap, options: dict, rank: int) -> dict:
     torch._dynamo.reset()
-    check, graphs = GridCheck(), []
+    check, graphs = GridCheck(on_scaled_fp8_grid if options is EAGER_TENSORWISE else on_e5m2_grid), []
     watched = watched_backend(options, check)
 
     def backend(gm, example_inputs):
