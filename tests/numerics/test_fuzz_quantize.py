@@ -130,3 +130,25 @@ def test_nearest_equals_torchs_cast_with_scales(shape, scale_exp, name, seed):
         scaled = scaled.clamp(-448, 448)  # torch's e4m3fn cast gives NaN beyond its range
     want = scaled.to(dtype).to(torch.float32) / scale
     assert torch.equal(quantize(x, name, scale=scale, overflow=overflow), want)
+
+
+@settings(max_examples=FAST, deadline=None)
+@given(
+    shape=shapes,
+    magnitude_exp=st.integers(-40, 30),
+    name=st.sampled_from(["e5m2", "e4m3"]),
+    pow2=st.booleans(),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_tensorwise_equals_torchs_cast_of_the_scaled_tensor(shape, magnitude_exp, name, pow2, seed):
+    """``quantize(x, scaling=...)`` is torch's float8 cast of ``x`` times torchao's factor,
+    divided by it, at any magnitude (the 1e-12 floor on the largest magnitude included)."""
+    x = torch.randn(*shape, generator=torch.Generator().manual_seed(seed)) * 2.0**magnitude_exp
+    dtype = torch.float8_e5m2 if name == "e5m2" else torch.float8_e4m3fn
+    largest = torch.finfo(dtype).max
+    scale = (largest / x.abs().max().double().clamp(min=1e-12)).float()
+    if pow2:
+        scale = 2.0 ** torch.floor(torch.log2(scale))
+    want = (x * scale).clamp(-largest, largest).to(dtype).to(torch.float32) / scale
+    scaling = "tensorwise_pow2" if pow2 else "tensorwise"
+    assert torch.equal(quantize(x, name, scaling=scaling, overflow="inf"), want)
