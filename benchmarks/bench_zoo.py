@@ -7,7 +7,8 @@ compile) and then the median of later steps. The lowprec process also reports th
 products ``lpcompile.coverage`` lists as rounded and as kept; every process its peak
 resident memory. ``--interleaved`` compiles fp32 Inductor and lowprec in one process
 instead and alternates their steps, so that both see the same drift of the machine
-(step times only). The script runs unchanged on a GPU host (``--device cuda``).
+(step times only). ``--recipe`` measures another lowprec recipe (``fp8-tensorwise``, ...).
+The script runs unchanged on a GPU host (``--device cuda``).
 """
 
 from __future__ import annotations
@@ -25,11 +26,11 @@ from pathlib import Path
 from benchmarks.common import write_results
 from examples.zoo import ZOO
 
-VARIANTS = {
-    "eager": None,
-    "inductor": "inductor",
-    "lowprec": {"recipe": "fp8-e5m2-sr", "attention": "operands"},
-}
+
+def variants(recipe: str) -> dict[str, object]:
+    """The measured variants' backends: fp32 eager, fp32 Inductor, lowprec with ``recipe``."""
+    return {"eager": None, "inductor": "inductor", "lowprec": {"recipe": recipe, "attention": "operands"}}
+
 
 CHILD = """
 import json, resource, statistics, sys, time, warnings
@@ -165,6 +166,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=1, help="processes per model and variant")
     parser.add_argument("--name", help="results file: benchmarks/results/<name>.md")
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--recipe", default="fp8-e5m2-sr", help="lowprec's recipe")
     parser.add_argument(
         "--interleaved", action="store_true", help="fp32 Inductor and lowprec in one process, alternating"
     )
@@ -172,17 +174,18 @@ def main() -> None:
     if args.interleaved:
         interleaved(args)
         return
+    backends = variants(args.recipe)
     # a repeat measures the three variants back to back: its ratios compare neighbours in time
     tabulate(
         args,
         "| model | step ms: eager | inductor | lowprec | lowprec / inductor | cold compile s: inductor"
         " | lowprec | ratio | products rounded / kept | peak MB: inductor | lowprec |",
-        lambda name: {v: measure(name, [b], args.device, args.steps)[0] for v, b in VARIANTS.items()},
+        lambda name: {v: measure(name, [b], args.device, args.steps)[0] for v, b in backends.items()},
         row,
         "One process per model and variant, each with an empty Inductor cache: the cold compile is the"
         " first training step (forward, backward, SGD), the step time the median of the"
         f" {args.steps} steps after it. With --repeats, each cell is the median over the repeats"
-        " (their range in brackets), a ratio taken within each repeat. lowprec: `fp8-e5m2-sr`,"
+        f" (their range in brackets), a ratio taken within each repeat. lowprec: `{args.recipe}`,"
         ' `attention="operands"`, Inductor executor. Products: rows of `lpcompile.coverage`'
         " (a layer's product rounded, or kept in higher precision). Peak MB: the process's peak"
         " resident memory, compile included. This machine drifts by up to 60% between runs.",
@@ -192,18 +195,18 @@ def main() -> None:
 
 def interleaved(args: argparse.Namespace) -> None:
     """Step times of fp32 Inductor and lowprec measured in one process, steps alternating."""
-    variants = ("inductor", "lowprec")
-    backends = [VARIANTS[v] for v in variants]
+    names = ("inductor", "lowprec")
+    backends = [variants(args.recipe)[v] for v in names]
     tabulate(
         args,
         "| model | step ms: inductor | lowprec | lowprec / inductor |",
-        lambda name: dict(zip(variants, measure(name, backends, args.device, args.steps), strict=True)),
+        lambda name: dict(zip(names, measure(name, backends, args.device, args.steps), strict=True)),
         interleaved_row,
         "One process per model with an empty Inductor cache compiles fp32 Inductor's training step"
         " (forward, backward, SGD) and then lowprec's, and alternates their steps"
         f" {args.steps} times: each cell is the median step, and both variants see the same drift"
         " of the machine. With --repeats, the median over the processes (their range in brackets),"
-        ' a ratio taken within each. lowprec: `fp8-e5m2-sr`, `attention="operands"`, Inductor executor.',
+        f' a ratio taken within each. lowprec: `{args.recipe}`, `attention="operands"`, Inductor executor.',
         ("zoo_interleaved", "Model zoo: step times in one process (bench_zoo.py --interleaved)"),
     )
 
