@@ -54,6 +54,8 @@ CASES: dict[str, dict[str, Any]] = {
         "prediction": "lwp_v",
         "compile": {"recipe": "fp8-e5m2-sr"},
     },
+    # each stage's operands and errors scaled per tensor, compiled by Inductor
+    "fp8-tensorwise": {"prediction": "lwp_v", "compile": {"recipe": "fp8-tensorwise"}},
     "fp8-als": {
         "spike_compensation": True,
         "prediction": "lwp_v",
