@@ -11,6 +11,7 @@ from typing import Any
 import torch.fx
 
 from lpcompile.config import LowPrecConfig
+from lpcompile.numerics.quantize import scaling_argument
 
 
 @dataclass
@@ -31,8 +32,7 @@ class Site:
 
     def spec(self) -> str:
         """How it rounds, in words: ``"e5m2 nearest saturate"``, and the scaling, if any."""
-        scaling = () if self.scaling == "none" else (self.scaling,)
-        return " ".join([self.fmt, self.rounding, self.overflow, *scaling])
+        return " ".join([self.fmt, self.rounding, self.overflow, *scaling_argument(self.scaling)])
 
 
 @dataclass(frozen=True)
