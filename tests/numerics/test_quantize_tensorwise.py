@@ -137,3 +137,17 @@ def test_range_counts_count_the_scaled_tensor():
     assert (beyond, nonfinite, nonzero) == (0, 0, int((x != 0).sum()))
     assert below == int(((scaled != 0) & (scaled.abs() < smallest)).sum()) > 0
     assert range_counts(x, largest, smallest)[0] > 0  # unscaled, values of 1e3 overflow E4M3
+
+
+@pytest.mark.parametrize("fmt,dtype", [("fp16", torch.float16), ("bf16", torch.bfloat16)])
+def test_sixteen_bit_formats_scale_to_their_range_too(fmt, dtype):
+    """FP16's factor puts the largest magnitude at 65504; BF16's, which would pass FP32's
+    largest value for small tensors, is capped there (the scaled tensor stays finite)."""
+    for magnitude in (1e-30, 1e-3, 1.0):
+        x = spread(257, magnitude=magnitude)
+        largest = torch.finfo(dtype).max
+        amax = x.abs().max().double().clamp(min=1e-12)
+        scale = (largest / amax).clamp(max=torch.finfo(torch.float32).max).float()
+        expected = (x * scale).clamp(-largest, largest).to(dtype).float() / scale
+        got = quantize(x, fmt, scaling="tensorwise")
+        assert torch.isfinite(got).all() and torch.equal(got, expected), (fmt, magnitude)
