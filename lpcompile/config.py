@@ -100,7 +100,10 @@ class QuantSpec:
     takes its largest magnitude to the format's largest value, and divides it back out
     (torchao float8's dynamic scaling, TransformerEngine's current scaling), so nothing
     overflows and ``overflow`` only decides what a non-finite input becomes;
-    ``"tensorwise_pow2"`` rounds that factor down to a power of two.
+    ``"rowwise"`` gives each row a factor of its own, a row being a line of an operand along
+    the dimension its matmul sums over (every matmul, forward and backward, rounds its
+    operands so; a convolution's and fused attention's per tensor); the ``_pow2`` scalings
+    round the factors down to powers of two.
     """
 
     fmt: str | None = None
@@ -160,6 +163,15 @@ _RECIPES: dict[str, tuple[str, dict[str, Any]]] = {
         _specs(
             QuantSpec("e4m3", scaling="tensorwise"),
             QuantSpec("e5m2", overflow="inf", scaling="tensorwise"),
+            OFF,
+        ),
+    ),
+    "fp8-rowwise": (
+        "torchao float8's rowwise recipe: E4M3 weights, activations and errors, each row of a"
+        " matmul operand scaled by a power of two (nearest even); weight gradients unrounded",
+        _specs(
+            QuantSpec("e4m3", scaling="rowwise_pow2"),
+            QuantSpec("e4m3", overflow="inf", scaling="rowwise_pow2"),
             OFF,
         ),
     ),

@@ -189,13 +189,26 @@ def _fx_compiler(ctx: CompileContext, record: CompiledGraph, kind: str) -> Calla
 
     def compile_graph(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]):
         gm.meta["lowprec_graph"] = kind
-        run_passes(gm, AOT_PASSES, ctx, graph=kind)
+        passes = (*JOINT_PASSES, *AOT_PASSES) if kind.startswith("inference") else AOT_PASSES
+        run_passes(gm, passes, ctx, graph=kind)
         if ctx.config.codegen == "triton":
             run_passes(gm, CODEGEN_PASSES, ctx, graph=kind)
         record.aten_graphs[kind] = gm
         return make_boxed_func(gm)
 
     return compile_graph
+
+
+def _partition_after_joint_passes(ctx: CompileContext, tag: str) -> Callable:
+    """AOT's partition function for graphs that run as FX: :data:`JOINT_PASSES`, then AOT
+    autograd's default partition."""
+    from torch._functorch.partitioners import default_partition
+
+    def partition(joint: torch.fx.GraphModule, joint_inputs: Sequence[Any], **kwargs: Any):
+        run_passes(joint, JOINT_PASSES, ctx, graph="joint" + tag)
+        return default_partition(joint, joint_inputs, **kwargs)
+
+    return partition
 
 
 def _inductor_compiler(ctx: CompileContext, record: CompiledGraph, tag: str, observers: list) -> Callable:
@@ -332,6 +345,7 @@ def _execute(
             fw_compiler=_fx_compiler(ctx, record, "forward" + tag),
             bw_compiler=_fx_compiler(ctx, record, "backward" + tag),
             inference_compiler=_fx_compiler(ctx, record, "inference" + tag),
+            partition_fn=_partition_after_joint_passes(ctx, tag),
         )
         compiled = backend(gm, example_inputs)
     else:

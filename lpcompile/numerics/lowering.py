@@ -12,7 +12,10 @@ Inductor itself is imported (a plain ``torch.compile`` of code that calls
   re-traced once per read: an E5M2 rounding cost Inductor hundreds of op calls
   per kernel body, a stochastic one's key thousands, and compile time grew with
   them. A scaled quantize decomposes into an unscaled one between the multiply
-  and the divide; a tensorwise one computes its scale first (a reduction).
+  and the divide; a tensorwise one computes its scale first (a reduction). A rowwise one
+  is lowered, its factors a reduction per row: it stays one node in the joint graph,
+  where the backend reads which tensor each matmul's operand rounds
+  (:mod:`lpcompile.passes.joint.rowwise`).
 * ``predict_weight``: its reference implementation, traced into Inductor's kernels.
 * ``quantize_grad``, ``scale_grad``, ``count_grad``: the identity in the forward (their
   backward nodes come from autograd).
@@ -29,14 +32,22 @@ from torch._inductor.utils import sympy_product
 from torch._inductor.virtualized import V, ops
 
 from lpcompile.numerics import predict, rng, scale_grad  # noqa: F401  (defines their operators)
-from lpcompile.numerics.quantize import check_args, round_value, scale_within, tensorwise_scale
+from lpcompile.numerics.quantize import (
+    AMAX_FLOOR,
+    FP32_MAX,
+    check_args,
+    dynamic_scale,
+    is_rowwise,
+    round_value,
+    scale_within,
+)
 
 
 @register_decomposition(torch.ops.lowprec.quantize.default)
 def _decompose_quantize(x, fmt, rounding, overflow, seed, offset, scale, scaling="none"):
-    if scaling != "none":  # the reference's steps around an unscaled quantize
+    if scaling != "none" and not is_rowwise(scaling):  # the reference's steps around an unscaled quantize
         largest = check_args(x, fmt, rounding, overflow, scaling).max
-        scale = tensorwise_scale(x, largest, scaling)
+        scale = dynamic_scale(x, largest, scaling)
         xf = scale_within(x.to(torch.float32), scale, largest)
         rounded = torch.ops.lowprec.quantize(xf, fmt, rounding, overflow, seed, offset, None)
         return (rounded / scale).to(x.dtype)
@@ -113,9 +124,10 @@ def _stream_key(seed: ir.TensorBox, offset) -> ir.TensorBox:
 def _lower_quantize(
     x: ir.TensorBox, fmt, rounding, overflow, seed, offset, scale, scaling="none"
 ) -> ir.TensorBox:
-    """An unscaled quantize as one pointwise node, each op of :func:`round_value` (and,
-    for stochastic rounding, of the generator) issued once per kernel body."""
-    if scale is not None or scaling != "none":  # _decompose_quantize takes the scale out first
+    """An unscaled or rowwise quantize as one pointwise node, each op of :func:`round_value`
+    (and, for stochastic rounding, of the generator) issued once per kernel body; a rowwise
+    one reads its rows' factors (:func:`_row_scales`)."""
+    if scale is not None or not (scaling == "none" or is_rowwise(scaling)):  # _decompose_quantize's
         raise NotImplementedError(
             "a scaled lowprec::quantize reached Inductor's lowering: Inductor's decomposition table"
             " lacks lpcompile.numerics.lowering's (see refresh_inductor_decompositions)"
@@ -133,19 +145,51 @@ def _lower_quantize(
         V.graph.sizevars.check_lt(numel, 1 << 31)  # a dynamic size: guarded
         load_key = _stream_key(seed, offset).make_loader()
     strides = ir.FlexibleLayout.contiguous_strides(shape)
+    load_scale = _row_scales(x, target.max, scaling).make_loader() if is_rowwise(scaling) else None
 
     def inner_fn(index):
         xf = load_x(index)
         if dtype != torch.float32:
             xf = ops.to_dtype(xf, torch.float32)
+        if load_scale is not None:  # scale_within's product and clamp
+            scale = load_scale([*index[:-1], 0] if index else [])
+            largest = ops.constant(target.max, torch.float32)
+            xf = ops.minimum(ops.maximum(ops.mul(xf, scale), ops.neg(largest)), largest)
         random = None
         if load_key is not None:  # element indices are row-major, whatever the layout
             row_major = sum((i * stride for i, stride in zip(index, strides, strict=True)), 0)
             random = rng.bits_from_index(ops.index_expr(row_major, torch.int32), load_key([]), ops)
         out = round_value(xf, target, rounding, overflow, random, ops)
+        if load_scale is not None:
+            out = ops.truediv(out, scale)
         return out if dtype == torch.float32 else ops.to_dtype(out, dtype)
 
     return ir.Pointwise.create(device=x.get_device(), dtype=dtype, inner_fn=inner_fn, ranges=shape)
+
+
+def _row_scales(x: ir.TensorBox, largest: float, scaling: str) -> ir.TensorBox:
+    """:func:`lpcompile.numerics.quantize.dynamic_scale`'s factors of ``x`` (one per row of
+    its last dimension, that kept as size 1), computed once into a buffer."""
+    from torch._inductor.lowering import lowerings, to_dtype
+
+    aten, f64 = torch.ops.aten, torch.float64
+    magnitude = lowerings[aten.abs.default](to_dtype(x, torch.float32))
+    amax = lowerings[aten.amax.default](magnitude, [-1] if x.get_size() else [], True)
+    load_amax = amax.make_loader()
+
+    def inner_fn(index):
+        floored = ops.maximum(ops.to_dtype(load_amax(index), f64), ops.constant(AMAX_FLOOR, f64))
+        scale = ops.minimum(ops.truediv(ops.constant(largest, f64), floored), ops.constant(FP32_MAX, f64))
+        scale = ops.to_dtype(scale, torch.float32)
+        if scaling.endswith("_pow2"):
+            scale = ops.exp2(ops.floor(ops.log2(scale)))
+        return scale
+
+    scales = ir.Pointwise.create(
+        device=x.get_device(), dtype=torch.float32, inner_fn=inner_fn, ranges=list(amax.get_size())
+    )
+    scales.realize()
+    return scales
 
 
 @register_lowering(torch.ops.lowprec.realize.default, type_promotion_kind=None)

@@ -36,13 +36,15 @@ ROUNDINGS = ("nearest", "stochastic")
 OVERFLOWS = ("saturate", "inf")
 # "none": values rounded as they are; "tensorwise": each tensor times the factor that takes
 # its largest magnitude to the format's largest value (torchao float8's dynamic scaling,
-# TransformerEngine's current scaling); "tensorwise_pow2": that factor rounded down to a
-# power of two.
-SCALINGS = ("none", "tensorwise", "tensorwise_pow2")
+# TransformerEngine's current scaling); "rowwise": a factor per row of the last dimension
+# (torchao's axiswise scaling: the backend rounds each matmul operand along the dimension
+# that matmul sums over, passes/joint/rowwise.py); "_pow2": the factors rounded down to
+# powers of two.
+SCALINGS = ("none", "tensorwise", "tensorwise_pow2", "rowwise", "rowwise_pow2")
 # The smallest largest-magnitude a factor is computed from (torchao's): an all-zero or
 # nearly zero tensor is not blown up to the format's range.
 AMAX_FLOOR = 1e-12
-_FP32_MAX = torch.finfo(torch.float32).max
+FP32_MAX = torch.finfo(torch.float32).max
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 _EXP_MASK = 0x7F800000
@@ -151,24 +153,38 @@ def round_value(xf, fmt: FloatFormat, rounding: str, overflow: str, random, ops=
     return ops.copysign(ops.to_dtype_bitcast(mag, f32, i32), xf)
 
 
-def tensorwise_scale(x: torch.Tensor, largest: float, scaling: str) -> torch.Tensor:
-    """The factor ``scaling`` rounds ``x`` with (a 0-dim FP32 tensor): ``largest`` (the
-    format's largest finite value) over ``x``'s largest magnitude, that at least
-    :data:`AMAX_FLOOR`, computed in float64 and rounded to FP32 as torchao does (so that
-    every executor gets the same bits), rounded down to a power of two for
-    ``"tensorwise_pow2"``. An empty tensor's is 1; an infinite magnitude gives 0 and a NaN
-    gives NaN, so that the rounded tensor is all NaN and a loss scaler sees it."""
+def is_rowwise(scaling: str) -> bool:
+    """Whether ``scaling`` gives each row of the last dimension a factor of its own."""
+    return scaling.startswith("rowwise")
+
+
+def per_tensor(scaling: str) -> str:
+    """The tensorwise counterpart of ``scaling`` (itself if it is not rowwise)."""
+    return scaling.replace("rowwise", "tensorwise")
+
+
+def dynamic_scale(x: torch.Tensor, largest: float, scaling: str) -> torch.Tensor:
+    """The factors ``scaling`` rounds ``x`` with, in FP32: one (a 0-dim tensor) for a
+    tensorwise scaling, one per row of the last dimension (keeping it, as size 1) for a
+    rowwise one. Each is ``largest`` (the format's largest finite value) over the largest
+    magnitude it scales, that at least :data:`AMAX_FLOOR`, computed in float64 and rounded to
+    FP32 as torchao does (so that every executor gets the same bits), rounded down to a
+    power of two for the ``_pow2`` scalings. An empty tensor's is 1; an infinite magnitude
+    gives 0 and a NaN gives NaN, so that the rounded values are NaN and a loss scaler sees
+    them."""
     if not isinstance(x, torch.fx.Proxy) and x.numel() == 0:  # (a pass traces it with proxies)
         return torch.ones((), dtype=torch.float32, device=x.device)
-    amax = x.detach().abs().amax().to(torch.float64)
-    scale = (largest / amax.clamp(min=AMAX_FLOOR)).clamp(max=_FP32_MAX).to(torch.float32)
-    if scaling == "tensorwise_pow2":
+    magnitude = x.detach().abs()
+    rows = is_rowwise(scaling) and (isinstance(x, torch.fx.Proxy) or x.dim() > 0)
+    amax = (magnitude.amax(-1, keepdim=True) if rows else magnitude.amax()).to(torch.float64)
+    scale = (largest / amax.clamp(min=AMAX_FLOOR)).clamp(max=FP32_MAX).to(torch.float32)
+    if scaling.endswith("_pow2"):
         scale = torch.exp2(torch.floor(torch.log2(scale)))
     return scale
 
 
 def scale_within(xf: torch.Tensor, scale: torch.Tensor, largest: float) -> torch.Tensor:
-    """``xf`` times its tensorwise ``scale``, clamped to ``±largest``: the factor's FP32
+    """``xf`` times its dynamic ``scale``, clamped to ``±largest``: the factor's FP32
     rounding can take the largest magnitude one ulp past it, which stochastic rounding
     would then round up beyond the format's range."""
     return (xf * scale).clamp(-largest, largest)
@@ -192,7 +208,7 @@ def quantize_reference(
     # give a transposed result); element indices are row-major anyway.
     xf = x.to(torch.float32).contiguous()
     if scaling != "none":
-        scale = tensorwise_scale(xf, target.max, scaling)
+        scale = dynamic_scale(xf, target.max, scaling)
         xf = scale_within(xf, scale, target.max)
     elif scale is not None:
         xf = xf * scale
@@ -327,9 +343,10 @@ def quantize(
     non-saturating mode). NaN stays NaN under both.
     With ``scale``, ``x * scale`` is rounded and the result divided by ``scale``.
     ``scaling="tensorwise"`` takes the scale from ``x`` itself: the format's largest
-    finite value over ``x``'s largest magnitude (:func:`tensorwise_scale`; ``x`` times it
-    is clamped to the format's range), and ``"tensorwise_pow2"`` that rounded down to a
-    power of two; no ``scale`` goes with them.
+    finite value over ``x``'s largest magnitude (:func:`dynamic_scale`; ``x`` times it
+    is clamped to the format's range), ``"rowwise"`` one such factor per row of the last
+    dimension, and the ``_pow2`` scalings those rounded down to powers of two; no ``scale``
+    goes with them.
     """
     name = parse_format(fmt).name if isinstance(fmt, FloatFormat) else fmt
     if not isinstance(x, torch.Tensor):

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import torch
 
-from lpcompile.numerics.quantize import scale_within, tensorwise_scale
+from lpcompile.numerics.quantize import dynamic_scale, scale_within
 
 EXP_BINS = 256
 STATS_SIZE = EXP_BINS + 2
@@ -140,7 +140,7 @@ def range_counts(x: torch.Tensor, largest: float, smallest: float, scaling: str 
     can only flush to zero or raise to ``smallest``). With a ``scaling`` other than
     ``"none"``, of ``x`` scaled as the quantize with that scaling scales it."""
     if scaling != "none":
-        x = scale_within(x, tensorwise_scale(x, largest, scaling), largest)
+        x = scale_within(x, dynamic_scale(x, largest, scaling), largest)
     magnitude = x.abs()
     nonzero = magnitude != 0
     return torch.stack(

@@ -77,6 +77,9 @@ class CompileContext:
     graph_id: int  # order of compilation in this process (names in dumps)
     stream: int  # from the graph's layers: keys its random streams, whatever was compiled before
     sites: dict[int, Site] = field(default_factory=dict)
+    # sites the joint graph's passes add, by (the site they derive from, what they round):
+    # every compile of the graph (the adaptive variants') rounds with the same streams
+    derived_sites: dict[tuple, Site] = field(default_factory=dict)
     kept: list[KeptProduct] = field(default_factory=list)  # products left in higher precision
     # the sites whose saturation the graph's last output counts (option saturation)
     counted: list[Site] = field(default_factory=list)

@@ -20,15 +20,17 @@ accumulate in FP32 (the matmul itself is untouched).
 
 from __future__ import annotations
 
+import dataclasses
 import fnmatch
 import warnings
 from collections.abc import Callable, Iterable
 
 import torch
 import torch.fx
+import torch.nn.functional as F
 
 from lpcompile.config import QuantSpec, Role
-from lpcompile.numerics.quantize import FLOAT_DTYPES, scaling_argument
+from lpcompile.numerics.quantize import FLOAT_DTYPES, is_rowwise, per_tensor, scaling_argument
 from lpcompile.passes.driver import CompileContext, KeptProduct, Site
 from lpcompile.passes.dynamo.functions import (
     BACKWARD,
@@ -44,6 +46,8 @@ from lpcompile.passes.graph import (
     BODIES,
     CHECKPOINT,
     COND,
+    CONV_TARGETS,
+    CONV_TRANSPOSE_TARGETS,
     FLEX_ATTENTION,
     OPERAND_NAMES,
     append_input,
@@ -528,25 +532,44 @@ def check_operand_dtypes(call: torch.fx.Node) -> None:
         )
 
 
+# Products that read one rounding of an operand along more than one dimension (a
+# convolution's window, a fused attention kernel's forward and backward, bilinear's weight):
+# a rowwise scaling rounds their operands per tensor (see passes/joint/rowwise.py).
+WHOLE_TENSOR_TARGETS = (
+    CONV_TARGETS | CONV_TRANSPOSE_TARGETS | {F.scaled_dot_product_attention, FLEX_ATTENTION, F.bilinear}
+)
+
+
+def spec_for(call: torch.fx.Node, spec: QuantSpec) -> QuantSpec:
+    """How ``call``'s operands of a role with ``spec`` are rounded: a rowwise spec per tensor
+    for a product that is not a matmul (:data:`WHOLE_TENSOR_TARGETS`, other libraries'
+    operators)."""
+    library = isinstance(call.target, torch._ops.OpOverload | torch._ops.OpOverloadPacket)
+    if is_rowwise(spec.scaling) and (call.target in WHOLE_TENSOR_TARGETS or library):
+        return dataclasses.replace(spec, scaling=per_tensor(spec.scaling))
+    return spec
+
+
 def _quantize_operand(
     gm: torch.fx.GraphModule,
     ctx: CompileContext,
     operand: torch.fx.Node,
-    layer: str,
+    call: torch.fx.Node,
     before: torch.fx.Node,
     computed_weight: bool = False,
 ) -> torch.fx.Node:
-    """``operand`` of a product, quantized (with its gradient, for a trained weight) right
-    before ``before``. A weight is a parameter, or (``computed_weight``) a tensor computed
-    from parameters."""
-    config = ctx.config
+    """``operand`` of the product ``call``, quantized (with its gradient, for a trained
+    weight) right before ``before``. A weight is a parameter, or (``computed_weight``) a
+    tensor computed from parameters."""
+    config, layer = ctx.config, layer_name(call)
     weight = computed_weight or parameter_of(operand) is not None
     value = operand
     if weight and config.weight_grad.enabled and needs_grad(operand) and torch.is_grad_enabled():
-        value = _insert(gm, ctx, value, Role.WEIGHT_GRAD, layer, config.weight_grad, True, before)
+        spec = spec_for(call, config.weight_grad)
+        value = _insert(gm, ctx, value, Role.WEIGHT_GRAD, layer, spec, True, before)
     role = Role.WEIGHT if weight else Role.ACTIVATION
     if config.spec(role).enabled:
-        value = _insert(gm, ctx, value, role, layer, config.spec(role), False, before)
+        value = _insert(gm, ctx, value, role, layer, spec_for(call, config.spec(role)), False, before)
     return value
 
 
@@ -572,15 +595,15 @@ def _quantize_calls(gm: torch.fx.GraphModule, ctx: CompileContext, calls: list[t
                 # gather, so that it is rounded once and its summed gradient is rounded whole
                 if gather not in gathers:
                     gathers.add(gather)
-                    gather.update_arg(0, _quantize_operand(gm, ctx, gather.args[0], layer, gather))
+                    gather.update_arg(0, _quantize_operand(gm, ctx, gather.args[0], call, gather))
                 continue
-            value = _quantize_operand(gm, ctx, operand, layer, call, operand in computed)
+            value = _quantize_operand(gm, ctx, operand, call, call, operand in computed)
             if value is not operand:
                 call.update_arg(index, value)
         # (a graph compiled under no_grad has no backward: Dynamo guards on the grad mode)
         if config.error.enabled and torch.is_grad_enabled() and (output := product_output(call)) is not None:
             users = list(output.users)
-            error = _insert(gm, ctx, output, Role.ERROR, layer, config.error, True)
+            error = _insert(gm, ctx, output, Role.ERROR, layer, spec_for(call, config.error), True)
             for user in users:
                 user.replace_input_with(output, error)
 
@@ -638,7 +661,7 @@ def _round_body_operands(
             base = base_of(operand)
             weight = parameter_of(base) is not None
             role = Role.ERROR if base in errors else Role.WEIGHT if weight else Role.ACTIVATION
-            spec = ctx.config.spec(role)
+            spec = spec_for(call, ctx.config.spec(role))
             if not spec.enabled:
                 continue
             if base not in rounded:

@@ -1,0 +1,293 @@
+"""Rowwise scaling per matmul (joint graph): each matmul's operands scaled along the
+dimension that matmul sums over, as torchao's rowwise float8 training scales them.
+
+A rowwise ``lowprec::quantize`` gives each row of its input's last dimension a factor of
+its own (:func:`lpcompile.numerics.quantize.dynamic_scale`). That suits the forward of
+``x @ w.T``, which sums over both operands' last dimension, but the backward's matmuls
+read the same tensors along other dimensions: ``grad_x = grad_y @ w`` sums over ``w``'s
+rows, ``grad_w = grad_y.T @ x`` over ``x``'s. A factor must be constant along the summed
+dimension to come out of each dot product (what an FP8 GEMM with row scales computes), so
+:func:`round_operands_per_matmul` gives every matmul its own rounding of each operand:
+the tensor the site rounds (before rounding), taken through the views and gathers the
+matmul reads it through, rounded with a factor per row of the summed dimension. Each
+such rounding is a site of its own (its own random stream), shared by the matmuls that
+need the same one; the forward's usually is the site's own node.
+
+Products that are not matmuls (a convolution, a fused attention kernel) read one rounding
+of a tensor in both passes, and a row of it is no slice they sum over: they get the
+tensorwise counterpart. Other readers (a bias gradient's sum) read the site's node as it is.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+import torch.fx
+
+from lpcompile.numerics.quantize import is_rowwise, per_tensor, scale_arguments
+from lpcompile.passes.driver import CompileContext
+
+aten = torch.ops.aten
+QUANTIZE = torch.ops.lowprec.quantize.default
+# matmuls: target -> (position of an operand, the dimension the matmul sums it over)
+MATMULS: dict[object, tuple[tuple[int, int], ...]] = {
+    **{op: ((0, -1), (1, -2)) for op in (aten.mm.default, aten.bmm.default, aten._grouped_mm.default)},
+    **{op: ((1, -1), (2, -2)) for op in (aten.addmm.default, aten.baddbmm.default)},
+    aten.mv.default: ((0, -1), (1, -1)),
+    aten.addmv.default: ((1, -1), (2, -1)),
+    aten.dot.default: ((0, -1), (1, -1)),
+    aten.vdot.default: ((0, -1), (1, -1)),
+}
+# Other products: they read one rounding of each operand (per tensor here), forward and backward.
+FUSED_ATTENTION = (
+    *(f"_scaled_dot_product_{kind}_attention" for kind in ("flash", "efficient", "cudnn")),
+    "_scaled_dot_product_flash_attention_for_cpu",
+    "_scaled_dot_product_fused_attention_overrideable",
+    "_flash_attention",
+    "_efficient_attention",
+)
+WHOLE_TENSOR_PRODUCTS = {
+    aten.convolution.default,
+    aten.convolution_backward.default,
+    aten._trilinear.default,
+    *(
+        getattr(aten, name + suffix).default
+        for name in FUSED_ATTENTION
+        for suffix in ("", "_backward", "_forward")
+        if hasattr(aten, name + suffix)
+    ),
+    torch.ops.higher_order.flex_attention,
+    torch.ops.higher_order.flex_attention_backward,
+}
+# Ops whose output elements are copies of their first argument's: a matmul reading a rounded
+# tensor through them reads the same values as the rounding of the tensor they copy from.
+COPIES = {
+    aten.view.default,
+    aten.reshape.default,
+    aten._unsafe_view.default,
+    aten.permute.default,
+    aten.t.default,
+    aten.transpose.int,
+    aten.expand.default,
+    aten.unsqueeze.default,
+    aten.squeeze.dim,
+    aten.squeeze.dims,
+    aten.clone.default,
+    aten.alias.default,
+    aten.slice.Tensor,
+    aten.select.int,
+    aten.index_select.default,
+    aten.index.Tensor,
+    aten.embedding.default,
+    aten.repeat.default,
+}
+
+
+def has_rowwise_sites(gm: torch.fx.GraphModule, ctx: CompileContext, kind: str) -> bool:
+    """Whether some role of the graph's options is scaled per row."""
+    config = ctx.config
+    return any(is_rowwise(spec.scaling) for spec in (config.weight, config.activation, config.error))
+
+
+def round_operands_per_matmul(gm: torch.fx.GraphModule, ctx: CompileContext) -> None:
+    """Round each matmul operand that reads a rowwise site along the dimension the matmul
+    sums over, and each operand of another product per tensor (see the module's doc)."""
+    graph = gm.graph
+    made: dict[tuple, torch.fx.Node] = {}
+    replaced: list[torch.fx.Node] = []  # the site nodes and copies read before
+    for node in list(graph.nodes):
+        if node.op != "call_function":
+            continue
+        if node.target in MATMULS:
+            for index, dim in MATMULS[node.target]:
+                if index < len(node.args) and (found := _rowwise_source(node.args[index], ctx)):
+                    site_node, chain = found
+                    replaced += [site_node, *chain]
+                    node.update_arg(index, _along(gm, ctx, made, node, site_node, chain, dim))
+        elif node.target in WHOLE_TENSOR_PRODUCTS:
+            for index, operand in enumerate(node.args):
+                if isinstance(operand, torch.fx.Node) and (found := _rowwise_source(operand, ctx)):
+                    site_node, chain = found
+                    replaced += [site_node, *chain]
+                    node.update_arg(index, _whole(gm, ctx, made, node, site_node, chain))
+    for node in sorted(set(replaced), key=list(graph.nodes).index, reverse=True):
+        if not node.users:
+            graph.erase_node(node)
+
+
+def _rowwise_source(operand: Any, ctx: CompileContext) -> tuple[torch.fx.Node, list[torch.fx.Node]] | None:
+    """The rowwise site node ``operand`` copies its values from, and the copying ops from it
+    to ``operand`` (first to last); ``None`` if it reads none."""
+    chain = []
+    node = operand
+    while isinstance(node, torch.fx.Node) and node.op == "call_function":
+        if node.target is QUANTIZE:
+            scale, scaling = scale_arguments(node.args, node.kwargs)
+            if is_rowwise(scaling) and scale is None and node.args[5] in ctx.sites:
+                return node, chain[::-1]
+            return None
+        if node.target not in COPIES:
+            return None
+        chain.append(node)
+        node = node.args[0]
+    return None
+
+
+def _along(
+    gm: torch.fx.GraphModule,
+    ctx: CompileContext,
+    made: dict[tuple, torch.fx.Node],
+    product: torch.fx.Node,
+    site_node: torch.fx.Node,
+    chain: list[torch.fx.Node],
+    dim: int,
+) -> torch.fx.Node:
+    """The operand ``site_node`` and ``chain`` give ``product``, rounded with a factor per
+    row of its dimension ``dim``: the site's own rounding where that is its last dimension."""
+    dim %= _ndim(chain[-1] if chain else site_node)
+    if _source_dim(chain, dim) == _ndim(site_node) - 1:
+        return chain[-1] if chain else site_node
+    key = (site_node, *chain, dim)
+    if key not in made:
+        graph = gm.graph
+        with graph.inserting_before(product):
+            value = _replay(graph, product, site_node.args[0], chain)
+            swap = list(range(_ndim(value)))  # the summed dimension and the last exchanged
+            swap[dim], swap[-1] = swap[-1], swap[dim]
+            if dim != swap[dim]:
+                value = _call(graph, product, aten.permute.default, (value, swap))
+            value = _rounding(graph, ctx, product, site_node, value, ("rows", *_signature(chain), dim))
+            if dim != swap[dim]:
+                value = _call(graph, product, aten.permute.default, (value, swap))
+        made[key] = value
+    return made[key]
+
+
+def _whole(
+    gm: torch.fx.GraphModule,
+    ctx: CompileContext,
+    made: dict[tuple, torch.fx.Node],
+    product: torch.fx.Node,
+    site_node: torch.fx.Node,
+    chain: list[torch.fx.Node],
+) -> torch.fx.Node:
+    """The operand ``site_node`` and ``chain`` give ``product``, its source rounded with one
+    factor (the site's scaling per tensor) and taken through ``chain``."""
+    key = (site_node, "tensor", *chain)
+    if key not in made:
+        with gm.graph.inserting_before(product):
+            value = _rounding(gm.graph, ctx, product, site_node, site_node.args[0], ("tensor",), per_tensor)
+            made[key] = _replay(gm.graph, product, value, chain)
+    return made[key]
+
+
+def _rounding(
+    graph: torch.fx.Graph,
+    ctx: CompileContext,
+    product: torch.fx.Node,
+    site_node: torch.fx.Node,
+    value: torch.fx.Node,
+    how: tuple,
+    scaling=lambda scaling: scaling,
+) -> torch.fx.Node:
+    """``value`` rounded as ``site_node`` rounds, its scaling mapped by ``scaling``, with a
+    site (a random stream) of its own, the same for the same ``how`` in every compile of
+    the graph (the adaptive variants'). ``how`` says what is rounded, in plain values."""
+    site = ctx.sites[site_node.args[5]]
+    derived = ctx.derived_sites.get((site.offset, how))
+    if derived is None:
+        spec = dataclasses.replace(site, offset=ctx.new_offset(), scaling=scaling(site.scaling))
+        derived = ctx.derived_sites[(site.offset, how)] = ctx.sites[spec.offset] = spec
+    fmt, rounding, overflow, seed = site_node.args[1:5]
+    args = (value, fmt, rounding, overflow, seed, derived.offset, None, derived.scaling)
+    node = _call(graph, product, QUANTIZE, args)
+    node.meta["lowprec"] = derived.meta()
+    return node
+
+
+def _replay(
+    graph: torch.fx.Graph, product: torch.fx.Node, source: torch.fx.Node, chain: list[torch.fx.Node]
+) -> torch.fx.Node:
+    """``chain``'s copying ops taken of ``source`` (the site's input) instead of the rounded
+    tensor, made contiguous first where the chain reshapes it (a view of the rounded tensor,
+    which is contiguous, may not be one of its input)."""
+    value = source
+    if chain and not source.meta["val"].is_contiguous():
+        value = _call(
+            graph, product, aten.clone.default, (value,), {"memory_format": torch.contiguous_format}
+        )
+    for op in chain:
+        value = _call(graph, product, op.target, (value, *op.args[1:]), dict(op.kwargs))
+    return value
+
+
+def _call(
+    graph: torch.fx.Graph, product: torch.fx.Node, target: Any, args: tuple, kwargs: dict | None = None
+) -> torch.fx.Node:
+    """A call of ``target`` with ``product``'s metadata (its pass, forward or backward, and
+    its recomputation tags), and the value it computes on the example values."""
+    node = graph.call_function(target, args, kwargs or {})
+    node.meta = {k: v for k, v in product.meta.items() if k not in ("val", "tensor_meta")}
+    values = torch.fx.node.map_arg((args, kwargs or {}), lambda n: n.meta["val"])
+    fake_mode = next(v.fake_mode for v in torch.utils._pytree.tree_leaves(values) if hasattr(v, "fake_mode"))
+    with fake_mode:
+        node.meta["val"] = target(*values[0], **values[1])
+    return node
+
+
+def _signature(chain: list[torch.fx.Node]) -> tuple:
+    """``chain`` in plain values (its ops and their non-tensor arguments), the same in every
+    compile of the graph."""
+    return tuple(
+        (str(op.target), *(a if not isinstance(a, torch.fx.Node) else "tensor" for a in op.args[1:]))
+        for op in chain
+    )
+
+
+def _ndim(node: torch.fx.Node) -> int:
+    return node.meta["val"].dim()
+
+
+def _source_dim(chain: list[torch.fx.Node], dim: int) -> int | None:
+    """The dimension of the chain's source that dimension ``dim`` of its result copies
+    along, where that is one dimension of it; else ``None``."""
+    for op in reversed(chain):
+        source = op.args[0]
+        rank_in, rank_out = _ndim(source), _ndim(op)
+        dim %= rank_out
+        target, args = op.target, op.args
+        if target in (aten.clone.default, aten.alias.default):
+            pass
+        elif target in (aten.slice.Tensor, aten.index_select.default):
+            if args[1] % rank_in == dim:  # a part of each row: rounded with factors of its own
+                return None
+        elif target is aten.t.default:
+            dim = rank_in - 1 - dim
+        elif target is aten.transpose.int:
+            a, b = args[1] % rank_in, args[2] % rank_in
+            dim = b if dim == a else a if dim == b else dim
+        elif target is aten.permute.default:
+            dim = args[1][dim] % rank_in
+        elif target in (aten.view.default, aten.reshape.default, aten._unsafe_view.default):
+            in_shape, out_shape = source.meta["val"].shape, op.meta["val"].shape
+            if dim != rank_out - 1 or rank_in == 0 or in_shape[-1] != out_shape[-1]:
+                return None
+            dim = rank_in - 1
+        elif target in (aten.expand.default, aten.repeat.default):
+            dim -= rank_out - rank_in
+            if dim < 0 or source.meta["val"].shape[dim] != op.meta["val"].shape[dim + rank_out - rank_in]:
+                return None
+        elif target is aten.unsqueeze.default:
+            new = args[1] % rank_out
+            if dim == new:
+                return None
+            dim -= dim > new
+        elif target is aten.select.int:
+            dim += dim >= args[1] % rank_in
+        elif target is aten.embedding.default and dim == rank_out - 1:
+            dim = rank_in - 1
+        else:  # squeeze, index, embedding's gathered dimensions: not followed
+            return None
+    return dim
