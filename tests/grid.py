@@ -63,33 +63,67 @@ def on_e5m2_grid(t: torch.Tensor) -> bool:
 
 # The largest finite values of E4M3 and E5M2
 FP8_LARGEST = (448.0, 57344.0)
+# The smallest largest magnitude a factor is computed from (torchao's, and lowprec's)
+AMAX_FLOOR = 1e-12
 
 
 def on_scaled_fp8_grid(t: torch.Tensor) -> bool:
-    """Every value, times the factor that takes the largest magnitude to E4M3's or to E5M2's
-    largest value, has at most E4M3's 4 significant bits (to within that factor's FP32
-    rounding): what a tensor rounded with tensorwise scaling and divided back holds."""
+    """Every value, times the factor that takes the largest magnitude (at least
+    :data:`AMAX_FLOOR`) to E4M3's or to E5M2's largest value, has at most E4M3's 4
+    significant bits (to within that factor's FP32 rounding): what a tensor rounded with
+    tensorwise scaling and divided back holds."""
     t = t.detach().float()
     amax = t.abs().max()
     if amax == 0:
         return True
     for largest in FP8_LARGEST:
-        mantissa = torch.frexp(t * (largest / amax)).mantissa.abs() * 16  # [8, 16) for values
+        mantissa = torch.frexp(t * (largest / amax.clamp(min=AMAX_FLOOR))).mantissa.abs() * 16  # [8, 16)
         if ((mantissa - mantissa.round()).abs() <= 2.0**-16).all():
             return True
     return False
 
 
+# Matmuls: op -> {position of an operand: the dimension the matmul sums it over}
+SUMMED = {
+    **{op: {0: -1, 1: -2} for op in (aten.mm.default, aten.bmm.default, aten._grouped_mm.default)},
+    **{op: {1: -1, 2: -2} for op in (aten.addmm.default, aten.baddbmm.default)},
+    aten.mv.default: {0: -1, 1: -1},
+    aten.dot.default: {0: -1, 1: -1},
+}
+
+
+def on_scaled_fp8_rows(func: Any, position: int, t: torch.Tensor) -> bool:
+    """A matmul's operand: every line along the dimension the matmul sums over is on the
+    scaled grid of :func:`on_scaled_fp8_grid` (each with its own factor), what rowwise
+    scaling gives; any other product's operand as a whole."""
+    dim = SUMMED.get(func, {}).get(position)
+    if dim is None or t.dim() == 0:
+        return on_scaled_fp8_grid(t)
+    rows = t.detach().float().movedim(dim, -1).reshape(-1, t.shape[dim])
+    amax = rows.abs().amax(-1, keepdim=True)
+    rows, amax = rows[amax[:, 0] > 0], amax[amax[:, 0] > 0]
+    on_grid = torch.zeros(len(rows), dtype=torch.bool)
+    for largest in FP8_LARGEST:
+        mantissa = torch.frexp(rows * (largest / amax.clamp(min=AMAX_FLOOR))).mantissa.abs() * 16
+        on_grid |= ((mantissa - mantissa.round()).abs() <= 2.0**-16).all(-1)
+    return bool(on_grid.all())
+
+
 class GridCheck(TorchDispatchMode):
     """Counts the products that ran, by (op, all operands on the grid): the E5M2 grid, or
-    another check of a tensor (``on_grid``)."""
+    another check of a tensor (``on_grid``), or of each operand of an op
+    (``on_operand(op, position, tensor)``)."""
 
     # the RNG-state operators of checkpointed dropout come through too: they run as they are
     supports_higher_order_operators = True
 
-    def __init__(self, on_grid: Callable[[torch.Tensor], bool] = on_e5m2_grid) -> None:
+    def __init__(
+        self,
+        on_grid: Callable[[torch.Tensor], bool] = on_e5m2_grid,
+        on_operand: Callable[[Any, int, torch.Tensor], bool] | None = None,
+    ) -> None:
         super().__init__()
-        self.on_grid = on_grid
+        self.on_operand = on_operand or (lambda func, position, t: on_grid(t))
         self.products: Counter = Counter()
         self.unknown: Counter = Counter()  # other ops whose name says product: a gap in PRODUCTS
 
@@ -98,9 +132,10 @@ class GridCheck(TorchDispatchMode):
         hop = isinstance(func, torch._ops.HigherOrderOperator)
         positions = HOP_PRODUCTS.get(func) if hop else PRODUCTS.get(func, LIBRARY_PRODUCTS.get(func.name()))
         if positions is not None:
-            operands = [args[i] for i in positions if i < len(args)]
-            floats = [a for a in operands if isinstance(a, torch.Tensor) and a.is_floating_point()]
-            self.products[(func.__name__, all(map(self.on_grid, floats)))] += 1
+            operands = [(i, args[i]) for i in positions if i < len(args)]
+            floats = [(i, a) for i, a in operands if isinstance(a, torch.Tensor) and a.is_floating_point()]
+            on_grid = all(self.on_operand(func, i, a) for i, a in floats)
+            self.products[(func.__name__, on_grid)] += 1
         elif not hop and any(word in func.__name__ for word in PRODUCT_WORDS):
             self.unknown[func.__name__] += 1
         return func(*args, **kwargs)

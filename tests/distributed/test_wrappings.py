@@ -1,6 +1,7 @@
 """Every DDP and FSDP2 wrapping of a compiled model trains with lowprec's rewriting on
 every rank: each matmul-class ATen call of two training steps, forward and backward,
-has its operands on the E5M2 grid (scaled per tensor, for ``fp8-tensorwise``), checked by
+has its operands on the E5M2 grid (scaled per tensor, for ``fp8-tensorwise``; per row of the
+dimension each matmul sums over, for rowwise scaling), checked by
 ``GridCheck`` (torch's own float8 cast; a tensor's significant bits once scaled),
 not by lowprec's records. Before the backend traced wrapped ``torch.nn`` forwards,
 ``torch.compile(DDP(nn.Sequential))`` and FSDP2 on ``nn.Linear`` layers ran in FP32."""
@@ -10,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from grid import GridCheck, on_e5m2_grid, on_scaled_fp8_grid, watched_backend
+from grid import GridCheck, on_e5m2_grid, on_scaled_fp8_grid, on_scaled_fp8_rows, watched_backend
 from ranks import EAGER_ALS, EAGER_SR, Blocks, mlp3, run_ranks, wide_mlp
 from torch import nn
 from torch.distributed.fsdp import fully_shard
@@ -21,6 +22,12 @@ from lpcompile.backend.watch import module_name
 
 STEPS = 2
 EAGER_TENSORWISE = {"recipe": "fp8-tensorwise", "executor": "eager"}
+# fp8-rowwise with factors that are not powers of two, which the check tells from per-tensor ones
+EAGER_ROWWISE = {
+    "recipe": "fp8-rowwise",
+    "executor": "eager",
+    **{role: {"scaling": "rowwise"} for role in ("weight", "activation", "error")},
+}
 
 
 def _compile_ddp(model: nn.Module, backend) -> nn.Module:
@@ -115,6 +122,15 @@ WRAPPINGS = {
         EAGER_TENSORWISE,
         {},
     ),
+    # a sharded weight gathered, then rounded per row of each matmul that reads it
+    "FSDP2 per block and root, compiled per block, rowwise": (Blocks, _fsdp_per_block, 8, EAGER_ROWWISE, {}),
+    "DDP(torch.compile(model)) split at buckets, rowwise": (
+        wide_mlp,
+        _ddp_of_compiled_split,
+        11,
+        EAGER_ROWWISE,
+        {},
+    ),
 }
 
 
@@ -132,7 +148,11 @@ def train_wrappings(rank: int) -> dict[str, dict]:
 
 def _train(make, wrap, options: dict, rank: int) -> dict:
     torch._dynamo.reset()
-    check, graphs = GridCheck(on_scaled_fp8_grid if options is EAGER_TENSORWISE else on_e5m2_grid), []
+    if options is EAGER_ROWWISE:
+        check = GridCheck(on_operand=on_scaled_fp8_rows)
+    else:
+        check = GridCheck(on_scaled_fp8_grid if options is EAGER_TENSORWISE else on_e5m2_grid)
+    graphs = []
     watched = watched_backend(options, check)
 
     def backend(gm, example_inputs):

@@ -56,6 +56,8 @@ CASES: dict[str, dict[str, Any]] = {
     },
     # each stage's operands and errors scaled per tensor, compiled by Inductor
     "fp8-tensorwise": {"prediction": "lwp_v", "compile": {"recipe": "fp8-tensorwise"}},
+    # each matmul's operands scaled per row of the dimension it sums over
+    "fp8-rowwise": {"prediction": "lwp_v", "compile": {"recipe": "fp8-rowwise"}},
     "fp8-als": {
         "spike_compensation": True,
         "prediction": "lwp_v",

@@ -10,7 +10,7 @@ import warnings
 
 import pytest
 import torch
-from grid import GridCheck, grid_step, on_e5m2_grid, on_scaled_fp8_grid, watched_backend
+from grid import GridCheck, grid_step, on_e5m2_grid, on_scaled_fp8_grid, on_scaled_fp8_rows, watched_backend
 from models import Records
 
 import lpcompile
@@ -226,6 +226,44 @@ def test_tensorwise_scaling_step_of_every_zoo_model_on_the_scaled_grid(name):
     tensorwise_step_on_the_scaled_grid(
         *(diffusers_model(name) if name in DIFFUSERS_MODELS else zoo_model(name))
     )
+
+
+# fp8-rowwise with factors that are not powers of two, which the check tells from per-tensor ones
+ROWWISE = {
+    "recipe": "fp8-rowwise",
+    "executor": "eager",
+    "attention": "full",
+    **{role: {"scaling": "rowwise"} for role in ("weight", "activation", "error")},
+}
+
+
+def rowwise_step_on_the_row_grid(model: torch.nn.Module, inputs: dict) -> None:
+    check = grid_step(model, inputs, ROWWISE, GridCheck(on_operand=on_scaled_fp8_rows))
+    assert check.count > 0 and check.off_grid == {}, check.products
+    assert not check.unknown, check.unknown
+    # per-tensor factors are not per row (so the check can fail)
+    options = {**ROWWISE, **{role: {"scaling": "tensorwise"} for role in ("weight", "activation", "error")}}
+    check = grid_step(model, inputs, options, GridCheck(on_operand=on_scaled_fp8_rows))
+    assert check.off_grid, check.products
+
+
+@pytest.mark.parametrize("name", TENSORWISE_FAST)
+def test_rowwise_scaling_step_runs_every_matmul_on_its_rows(name):
+    """Each matmul's operands scaled per row of the dimension it sums over, forward and
+    backward: Conv1D's addmm, attention written out, cells, checkpoint bodies."""
+    torch.manual_seed(0)
+    rowwise_step_on_the_row_grid(*zoo_model(name))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", TENSORWISE_SLOW + list(DIFFUSERS_MODELS))
+def test_rowwise_scaling_step_of_every_zoo_model_on_the_row_grid(name):
+    """The rest of the zoo: mixture of experts (grouped matmuls), T5, Longformer, GRU, einsum
+    attention, nn.TransformerEncoder; convolutions per tensor (ResNet, MobileNetV2, the UNet)."""
+    if name in DIFFUSERS_MODELS:
+        pytest.importorskip("diffusers")
+    torch.manual_seed(0)
+    rowwise_step_on_the_row_grid(*(diffusers_model(name) if name in DIFFUSERS_MODELS else zoo_model(name)))
 
 
 class Logits(torch.nn.Module):

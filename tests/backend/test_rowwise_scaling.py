@@ -1,0 +1,225 @@
+"""Rowwise scaling in compiled training steps (recipe ``fp8-rowwise``): each matmul's
+operands scaled per row of the dimension that matmul sums over, forward and backward,
+against a model written by hand with torch's float8 casts, against torchao's rowwise
+float8 training (its CPU emulation), and in the reports."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from grid import GridCheck, grid_step, on_scaled_fp8_rows
+from torch import nn
+
+import lpcompile
+from lpcompile.backend.state import REGISTRY
+from lpcompile.config import LowPrecConfig
+from lpcompile.passes.joint import rowwise
+
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+# Factors that are not powers of two, and E5M2 errors: not torchao's recipe, checked by hand
+ROWS = {
+    "recipe": "fp8-rowwise",
+    "weight": {"scaling": "rowwise"},
+    "activation": {"scaling": "rowwise"},
+    "error": {"fmt": "e5m2", "scaling": "rowwise"},
+}
+
+
+def _cast(t: torch.Tensor, dtype: torch.dtype, dim: int) -> torch.Tensor:
+    """``t`` with each line along ``dim`` scaled to ``dtype``'s range, cast with torch, scaled back."""
+    largest = torch.finfo(dtype).max
+    scale = (largest / t.abs().amax(dim, keepdim=True).double().clamp(min=1e-12)).float()
+    return (t * scale).clamp(-largest, largest).to(dtype).float() / scale
+
+
+class _RowwiseLinear(torch.autograd.Function):
+    """``F.linear`` with every GEMM's operands cast along the dimension that GEMM sums over."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias):
+        ctx.save_for_backward(x, weight)
+        return _cast(x, E4M3, -1) @ _cast(weight, E4M3, -1).T + bias
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        x2, grad2 = x.reshape(-1, x.shape[-1]), grad.reshape(-1, grad.shape[-1])
+        error = _cast(grad2, E5M2, -1)
+        grad_x = error @ _cast(weight, E4M3, 0)  # sums over the weight's rows
+        grad_w = _cast(grad2, E5M2, 0).T @ _cast(x2, E4M3, 0)  # sums over the tokens
+        return grad_x.reshape(x.shape), grad_w, error.sum(0)  # the bias reads the layer's error
+
+
+def _mlp() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 32))
+
+
+def _by_hand(model: nn.Sequential, x: torch.Tensor) -> torch.Tensor:
+    h = torch.relu(_RowwiseLinear.apply(x, model[0].weight, model[0].bias))
+    return _RowwiseLinear.apply(h, model[2].weight, model[2].bias)
+
+
+def _inputs(tokens: int = 16) -> torch.Tensor:
+    x = torch.randn(2, tokens // 2, 64, generator=torch.Generator().manual_seed(tokens))
+    x[0, 0, :4] = torch.tensor([1e-3, 2e4, -5.0, 0.0])  # one row far above the others
+    x[1] *= 1e-3
+    return x.requires_grad_()
+
+
+def _compiled(options: dict, x: torch.Tensor, **compile_options) -> tuple[nn.Module, torch.Tensor]:
+    torch._dynamo.reset()
+    model = _mlp()
+    out = torch.compile(model, backend="lowprec", options=options, **compile_options)(x)
+    out.square().mean().backward()
+    return model, out.detach()
+
+
+def _grads(model: nn.Module, x: torch.Tensor) -> list[torch.Tensor]:
+    return [x.grad, *(p.grad for p in model.parameters())]
+
+
+def _reference(x: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    model = _mlp()
+    out = _by_hand(model, x)
+    out.square().mean().backward()
+    return out.detach(), _grads(model, x)
+
+
+@pytest.mark.parametrize("executor", ["inductor", "eager"])
+def test_a_training_step_equals_the_model_written_with_torch_casts(executor):
+    x = _inputs()
+    model, out = _compiled({**ROWS, "executor": executor}, x)
+    expected, grads = _reference(x.detach().requires_grad_())
+    assert torch.equal(out, expected)
+    for i, (got, want) in enumerate(zip(_grads(model, x), grads, strict=True)):
+        assert torch.equal(got, want), i
+
+
+def test_without_a_rounding_per_matmul_the_gradients_differ(monkeypatch):
+    """Rowwise sites reused as they are by the backward's matmuls (the rows of the wrong
+    dimension): the comparison above tells them apart."""
+    monkeypatch.setattr(rowwise, "MATMULS", {})
+    x = _inputs()
+    model, out = _compiled({**ROWS, "executor": "eager"}, x)
+    expected, grads = _reference(x.detach().requires_grad_())
+    assert torch.equal(out, expected)  # the forward's rows are the sites' own
+    assert not torch.equal(model[0].weight.grad, grads[1])
+
+
+def test_dynamic_shapes_round_each_batch_like_the_reference():
+    torch._dynamo.reset()
+    model = _mlp()
+    compiled = torch.compile(model, backend="lowprec", options=ROWS, dynamic=True)
+    for tokens in (16, 24):
+        x = _inputs(tokens)
+        out = compiled(x)
+        out.square().mean().backward()
+        expected, grads = _reference(x.detach().requires_grad_())
+        assert torch.equal(out.detach(), expected), tokens
+        assert torch.equal(model[0].weight.grad, grads[1]), tokens
+        model.zero_grad()
+
+
+def test_outputs_and_gradients_equal_torchao_rowwise_float8_training():
+    float8 = pytest.importorskip("torchao.float8")
+    x = _inputs()
+    model, out = _compiled({"recipe": "fp8-rowwise"}, x)
+    config = float8.Float8LinearConfig.from_recipe_name("rowwise")
+    config = float8.Float8LinearConfig(**{**config.__dict__, "emulate": True})
+    peer = float8.convert_to_float8_training(_mlp(), config=config)
+    x_peer = x.detach().requires_grad_()
+    expected = peer(x_peer)
+    expected.square().mean().backward()
+    assert torch.equal(out, expected.detach())
+    assert torch.equal(x.grad, x_peer.grad)
+    for i in (0, 2):
+        assert torch.equal(model[i].weight.grad, peer[i].weight.grad), i
+        # torchao's bias gradient sums the unrounded error (its bias is outside the float8 matmul)
+        difference = torch.linalg.vector_norm(model[i].bias.grad - peer[i].bias.grad)
+        assert 0 < difference < 0.1 * torch.linalg.vector_norm(peer[i].bias.grad), i
+
+
+class _ConvAttention(nn.Module):
+    """A convolution, a fused attention and a linear layer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv1d(8, 16, 3, padding=1)
+        self.proj = nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.conv(x).transpose(1, 2)  # (batch, length, channels)
+        q = k = v = h.unflatten(-1, (2, 8)).transpose(1, 2)
+        a = nn.functional.scaled_dot_product_attention(q, k, v).transpose(1, 2).flatten(2)
+        return self.proj(a)
+
+
+def test_convolutions_and_fused_attention_take_one_factor_per_tensor():
+    torch.manual_seed(0)
+    model, x = _ConvAttention(), torch.randn(2, 8, 12)
+    check = grid_step(
+        model, {"x": x}, {**ROWS, "executor": "eager"}, GridCheck(on_operand=on_scaled_fp8_rows)
+    )
+    products = {op for op, _ in check.products}
+    assert {"convolution.default", "mm.default", "addmm.default"} <= products, check.products
+    assert any("attention" in op for op in products), check.products
+    assert check.off_grid == {}, check.products
+    rows = {row.layer: row.quantized for row in lpcompile.coverage(model)}
+    assert rows["conv"]["weight"] == "e4m3 nearest saturate tensorwise"
+    assert rows["conv"]["error"] == "e5m2 nearest inf tensorwise"
+    assert set(rows["proj"].values()) == {"e4m3 nearest saturate rowwise", "e5m2 nearest inf rowwise"}
+    attention = next(name for name in rows if name not in ("conv", "proj"))
+    assert rows[attention]["activation"] == "e4m3 nearest saturate tensorwise", rows
+
+
+def test_stochastic_rounding_draws_a_stream_per_rounding_and_repeats_with_the_seed():
+    options = {
+        **ROWS,
+        "executor": "eager",
+        **{r: {"rounding": "stochastic", "scaling": "rowwise"} for r in ROWS},
+    }
+    options["recipe"] = "fp8-rowwise"
+    runs = []
+    for _ in range(2):
+        x = _inputs()
+        model, out = _compiled(options, x)
+        runs.append((out, _grads(model, x)))
+        sites = list(REGISTRY.records[-1].sites.values())
+    assert torch.equal(runs[0][0], runs[1][0])
+    assert all(torch.equal(a, b) for a, b in zip(runs[0][1], runs[1][1], strict=True))
+    # each layer's three sites, and three roundings of the backward's per layer (the weight
+    # along its rows, the activation and the error along the tokens): streams of their own
+    assert len({s.offset for s in sites}) == len(sites) == 6 + 6
+    nearest, _ = _reference(_inputs().detach().requires_grad_())
+    assert not torch.equal(runs[0][0], nearest)
+
+
+def test_adaptive_variants_round_with_the_same_streams():
+    """With adaptive loss scaling of unscaled errors, the step that records statistics runs
+    a variant of the graph (the eager executor): its roundings per matmul are the plain
+    variant's sites, not new ones."""
+    torch._dynamo.reset()
+    model = _mlp()
+    options = {
+        "recipe": "fp8-e5m2-als",
+        "executor": "eager",
+        "loss_scale_interval": 2,
+        **{role: {"scaling": "rowwise"} for role in ("weight", "activation")},
+    }
+    compiled = torch.compile(model, backend="lowprec", options=options)
+    counts = []
+    for _ in range(3):
+        compiled(_inputs()).square().mean().backward()
+        record = REGISTRY.records[-1]
+        counts.append(len(record.sites))
+    joints = [r.graph for r in record.records if r.name == "round_operands_per_matmul"]
+    assert len(joints) == 2 and counts == [counts[0]] * 3, (joints, counts)
+
+
+def test_recipe_and_options():
+    config = LowPrecConfig.from_options({"recipe": "fp8-rowwise"})
+    assert config.weight.scaling == config.error.scaling == "rowwise_pow2"
+    assert (config.weight.fmt, config.error.fmt, config.weight_grad.enabled) == ("e4m3", "e4m3", False)
+    with pytest.raises(ValueError, match="divides each layer's loss scale back out"):
+        LowPrecConfig.from_options({"recipe": "fp8-e5m2-als", "error": {"scaling": "rowwise"}})
