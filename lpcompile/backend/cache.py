@@ -30,6 +30,7 @@ TRACED_SOURCES = (
     "passes/joint/__init__.py",
     "passes/joint/masks.py",
     "passes/joint/matmul.py",
+    "passes/joint/rowwise.py",
     "passes/aot/__init__.py",
     "passes/aot/layout.py",
     "passes/aot/histogram.py",
