@@ -17,7 +17,9 @@ numerics differ:
   last layer (10 outputs) stays FP32 and the CNN has no torchao row.
   lowprec's ``fp8-tensorwise`` is the same recipe (on the layers torchao converts,
   the same outputs and weight gradients, bit for bit; lowprec rounds the MLP's last
-  layer too); ``fp8-hybrid`` is its unscaled form.
+  layer too); ``fp8-hybrid`` is its unscaled form. torchao's rowwise recipe (E4M3
+  everywhere, a power-of-two factor per row of each GEMM operand) and lowprec's
+  ``fp8-rowwise`` are another such pair.
 
 Run with the ``bench`` extra installed (``pip install -e ".[bench]"``); a peer
 that is not installed gets a row saying so.
@@ -43,6 +45,7 @@ LOWPREC = {
     OURS: {"recipe": "fp8-e5m2-sr", "executor": "inductor"},
     "lowprec fp8-hybrid, Inductor": {"recipe": "fp8-hybrid", "executor": "inductor"},
     "lowprec fp8-tensorwise, Inductor": {"recipe": "fp8-tensorwise", "executor": "inductor"},
+    "lowprec fp8-rowwise, Inductor": {"recipe": "fp8-rowwise", "executor": "inductor"},
     "lowprec fp8-e5m2-sr, eager executor": {"recipe": "fp8-e5m2-sr", "executor": "eager"},
 }
 
@@ -85,13 +88,15 @@ def with_qpytorch(model: nn.Sequential) -> nn.Sequential:
     )
 
 
-def with_torchao_float8(model: nn.Module) -> nn.Module:
-    """``model`` converted by torchao's float8 training (emulated), sizes permitting."""
+def with_torchao_float8(model: nn.Module, recipe: str = "tensorwise") -> nn.Module:
+    """``model`` converted by torchao's float8 training (emulated) with ``recipe``, sizes
+    permitting."""
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
+    config = Float8LinearConfig.from_recipe_name(recipe)
     return convert_to_float8_training(
         model,
-        config=Float8LinearConfig(emulate=True),
+        config=Float8LinearConfig(**{**config.__dict__, "emulate": True}),
         module_filter_fn=lambda m, _: m.in_features % 16 == 0 and m.out_features % 16 == 0,
     )
 
@@ -116,6 +121,9 @@ def peer_steps(model_fn: Callable[[], nn.Module], x: torch.Tensor, y: torch.Tens
             run = torch.compile(model) if compiled else model
             name = f"torchao float8 emulate, {'Inductor' if compiled else 'eager'}"
             steps[name] = sgd_step(model, run, x, y)
+        torch.manual_seed(0)
+        model = with_torchao_float8(model_fn(), "rowwise")
+        steps["torchao float8 rowwise emulate, Inductor"] = sgd_step(model, torch.compile(model), x, y)
     return steps
 
 

@@ -1,4 +1,4 @@
-"""Per-tensor scaling against unscaled FP8 and against torchao's float8 training.
+"""Per-tensor and per-row scaling against unscaled FP8 and against torchao's float8 training.
 
 A byte-level TinyGPT (2 blocks, width 64, 4 heads, context 64) on the standard library's
 sources, its weights drawn as GPT-2 draws them (normal, std 0.02; biases zero): many of
@@ -8,9 +8,11 @@ batches of files never trained on (lower is better). Rows: FP32; ``fp8-hybrid`` 
 forward, E5M2 backward, unscaled, under dynamic loss scaling); ``fp8-tensorwise`` (the
 same formats, each tensor scaled to its format's range, weight gradients unrounded), with
 its scales rounded down to powers of two, and with attention's operands left unrounded
-(the products torchao's float8 training converts: its ``nn.Linear`` layers); torchao's
-``convert_to_float8_training`` in its CPU emulation (tensorwise scaling, the same
-formats). lowprec compiles with Inductor; torchao runs eagerly. Per row: bits per character
+(the products torchao's float8 training converts: its ``nn.Linear`` layers); ``fp8-rowwise``
+(E4M3 everywhere, a power-of-two factor per row of each matmul operand), and with its
+errors scaled per tensor instead; torchao's ``convert_to_float8_training`` in its CPU
+emulation (its tensorwise and rowwise recipes). lowprec compiles with Inductor; torchao
+runs eagerly. Per row: bits per character
 over seeds, its difference from FP32's run of the same seed, and the share of the linear
 layers' weights below E4M3's smallest normal value at the end.
 
@@ -54,10 +56,12 @@ def lowprec(options: dict[str, Any]) -> Callable[[nn.Module], nn.Module]:
     return lambda model: torch.compile(model, backend="lowprec", options=options)
 
 
-def torchao_float8(model: nn.Module) -> nn.Module:
+def torchao_float8(recipe: str) -> Callable[[nn.Module], nn.Module]:
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
-    return convert_to_float8_training(model, config=Float8LinearConfig(emulate=True))
+    config = Float8LinearConfig.from_recipe_name(recipe)
+    config = Float8LinearConfig(**{**config.__dict__, "emulate": True})
+    return lambda model: convert_to_float8_training(model, config=config)
 
 
 POW2 = {"scaling": "tensorwise_pow2"}
@@ -74,7 +78,13 @@ ROWS: dict[str, tuple[Callable[[nn.Module], nn.Module], str]] = {
         lowprec({"recipe": "fp8-tensorwise", "attention": "off"}),
         "none",
     ),
-    "torchao float8 (tensorwise, emulated)": (torchao_float8, "none"),
+    "torchao float8 (tensorwise, emulated)": (torchao_float8("tensorwise"), "none"),
+    "fp8-rowwise": (lowprec({"recipe": "fp8-rowwise"}), "none"),
+    "fp8-rowwise, errors scaled per tensor": (
+        lowprec({"recipe": "fp8-rowwise", "error": POW2}),
+        "none",
+    ),
+    "torchao float8 (rowwise, emulated)": (torchao_float8("rowwise"), "none"),
 }
 
 
@@ -146,7 +156,7 @@ def main() -> None:
     if args.quick:
         print(body)
         return
-    path = write_results("scaling", "Per-tensor scaling beside unscaled FP8 and torchao", body)
+    path = write_results("scaling", "Per-tensor and per-row scaling beside unscaled FP8 and torchao", body)
     print(body, f"\nwrote {path}", sep="\n")
 
 

@@ -223,3 +223,32 @@ def test_recipe_and_options():
     assert (config.weight.fmt, config.error.fmt, config.weight_grad.enabled) == ("e4m3", "e4m3", False)
     with pytest.raises(ValueError, match="divides each layer's loss scale back out"):
         LowPrecConfig.from_options({"recipe": "fp8-e5m2-als", "error": {"scaling": "rowwise"}})
+
+
+class _Matmul(nn.Module):
+    """``x @ w`` with ``w`` stored (in, out): its forward sums over the weight's first dimension."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(64, 32, generator=torch.Generator().manual_seed(3)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x @ self.w
+
+
+@pytest.mark.parametrize("executor", ["inductor", "eager"])
+def test_a_weight_read_along_its_first_dimension_is_scaled_per_column(executor):
+    x = _inputs().detach()[0]
+    torch._dynamo.reset()
+    model = _Matmul()
+    compiled = torch.compile(model, backend="lowprec", options={**ROWS, "executor": executor})
+    expected = _cast(x, E4M3, -1) @ _cast(model.w.detach(), E4M3, 0)
+    with torch.no_grad():  # an inference graph: the joint passes run over it too
+        assert torch.equal(compiled(x), expected)
+    x.requires_grad_()
+    out = compiled(x)
+    assert torch.equal(out.detach(), expected)
+    grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(4))
+    out.backward(grad)
+    assert torch.equal(x.grad, _cast(grad, E5M2, -1) @ _cast(model.w.detach(), E4M3, 1).T)
+    assert torch.equal(model.w.grad, _cast(x.detach(), E4M3, 0).T @ _cast(grad, E5M2, 0))

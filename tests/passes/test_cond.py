@@ -96,3 +96,24 @@ def test_branch_layers_get_their_own_adaptive_scale(executor):
         assert torch.equal(float_bits(got), float_bits(expected))
     assert list(telemetry) == ["a", "b"] and telemetry["a"].cumulative == 2**6, telemetry
     assert math.isnan(telemetry["a"].underflow) and telemetry["b"].underflow == 0.0  # the call before: b
+
+
+def test_rowwise_scaling_rounds_a_branch_per_tensor():
+    """The rounding per matmul runs in the joint graph, which holds a branch as a subgraph:
+    a branch's products take the per-tensor counterpart, and coverage says so."""
+    model = Branches()
+    x = (torch.randn(4, 8) + 1).requires_grad_()
+    c = torch.randn(4, 8)
+    rowwise = {role: {"scaling": "rowwise"} for role in ("weight", "activation", "error")}
+    y = run(model, x, c, {"recipe": "fp8-rowwise", "executor": "eager", **rowwise})
+    rows = {row.layer: row.quantized for row in lpcompile.coverage(model)}
+    assert rows["a"]["weight"] == rows["b"]["activation"] == "e4m3 nearest saturate tensorwise"
+    assert rows["a"]["error"] == "e4m3 nearest inf tensorwise"
+
+    def e4(t: torch.Tensor) -> torch.Tensor:  # torch's cast of the tensor scaled to E4M3's range
+        scale = (448 / t.detach().abs().max().double()).float()
+        return (t.detach() * scale).to(torch.float8_e4m3fn).float() / scale
+
+    w = model.a.weight
+    assert torch.equal(y.detach(), e4(x) @ e4(w).t() + model.a.bias.detach())
+    assert torch.equal(x.grad, e4(c) @ e4(w))

@@ -543,9 +543,11 @@ WHOLE_TENSOR_TARGETS = (
 def spec_for(call: torch.fx.Node, spec: QuantSpec) -> QuantSpec:
     """How ``call``'s operands of a role with ``spec`` are rounded: a rowwise spec per tensor
     for a product that is not a matmul (:data:`WHOLE_TENSOR_TARGETS`, other libraries'
-    operators)."""
+    operators) and in a ``torch.cond`` branch (a subgraph of the joint graph, which the
+    rounding per matmul does not enter)."""
     library = isinstance(call.target, torch._ops.OpOverload | torch._ops.OpOverloadPacket)
-    if is_rowwise(spec.scaling) and (call.target in WHOLE_TENSOR_TARGETS or library):
+    branch = COND_PARENT in call.graph.owning_module.meta
+    if is_rowwise(spec.scaling) and (call.target in WHOLE_TENSOR_TARGETS or library or branch):
         return dataclasses.replace(spec, scaling=per_tensor(spec.scaling))
     return spec
 
