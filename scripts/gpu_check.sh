@@ -35,6 +35,7 @@ if [[ $parts == *" tests "* ]]; then
         tests/codegen/test_codegen_ops.py tests/codegen/test_codegen_graphs.py \
         tests/numerics/test_quantize_compile.py::test_inductor_matches_eager \
         tests/numerics/test_quantize_tensorwise.py::test_the_compiled_operator_rounds_like_the_reference \
+        tests/numerics/test_quantize_rowwise.py::test_the_compiled_operator_rounds_like_the_reference \
         tests/backend/test_backend_numerics.py::test_quantized_tensors_bit_identical \
         tests/backend/test_adaptive.py::test_recording_and_plain_calls_share_one_compiled_graph \
         tests/passes/test_histogram_pass.py tests/passes/test_flex_attention.py \

@@ -21,6 +21,7 @@ tensorwise counterpart. Other readers (a bias gradient's sum) read the site's no
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -95,7 +96,7 @@ def round_operands_per_matmul(gm: torch.fx.GraphModule, ctx: CompileContext) -> 
     """Round each matmul operand that reads a rowwise site along the dimension the matmul
     sums over, and each operand of another product per tensor (see the module's doc)."""
     graph = gm.graph
-    made: dict[tuple, torch.fx.Node] = {}
+    roundings = _Roundings(gm, ctx)
     replaced: list[torch.fx.Node] = []  # the site nodes and copies read before
     for node in list(graph.nodes):
         if node.op != "call_function":
@@ -103,15 +104,13 @@ def round_operands_per_matmul(gm: torch.fx.GraphModule, ctx: CompileContext) -> 
         if node.target in MATMULS:
             for index, dim in MATMULS[node.target]:
                 if index < len(node.args) and (found := _rowwise_source(node.args[index], ctx)):
-                    site_node, chain = found
-                    replaced += [site_node, *chain]
-                    node.update_arg(index, _along(gm, ctx, made, node, site_node, chain, dim))
+                    replaced += [found[0], *found[1]]
+                    node.update_arg(index, roundings.along(node, *found, dim))
         elif node.target in WHOLE_TENSOR_PRODUCTS:
             for index, operand in enumerate(node.args):
                 if isinstance(operand, torch.fx.Node) and (found := _rowwise_source(operand, ctx)):
-                    site_node, chain = found
-                    replaced += [site_node, *chain]
-                    node.update_arg(index, _whole(gm, ctx, made, node, site_node, chain))
+                    replaced += [found[0], *found[1]]
+                    node.update_arg(index, roundings.whole(node, *found))
     for node in sorted(set(replaced), key=list(graph.nodes).index, reverse=True):
         if not node.users:
             graph.erase_node(node)
@@ -135,52 +134,53 @@ def _rowwise_source(operand: Any, ctx: CompileContext) -> tuple[torch.fx.Node, l
     return None
 
 
-def _along(
-    gm: torch.fx.GraphModule,
-    ctx: CompileContext,
-    made: dict[tuple, torch.fx.Node],
-    product: torch.fx.Node,
-    site_node: torch.fx.Node,
-    chain: list[torch.fx.Node],
-    dim: int,
-) -> torch.fx.Node:
-    """The operand ``site_node`` and ``chain`` give ``product``, rounded with a factor per
-    row of its dimension ``dim``: the site's own rounding where that is its last dimension."""
-    dim %= _ndim(chain[-1] if chain else site_node)
-    if _source_dim(chain, dim) == _ndim(site_node) - 1:
-        return chain[-1] if chain else site_node
-    key = (site_node, *chain, dim)
-    if key not in made:
-        graph = gm.graph
-        with graph.inserting_before(product):
-            value = _replay(graph, product, site_node.args[0], chain)
-            swap = list(range(_ndim(value)))  # the summed dimension and the last exchanged
-            swap[dim], swap[-1] = swap[-1], swap[dim]
-            if dim != swap[dim]:
-                value = _call(graph, product, aten.permute.default, (value, swap))
-            value = _rounding(graph, ctx, product, site_node, value, ("rows", *_signature(chain), dim))
-            if dim != swap[dim]:
-                value = _call(graph, product, aten.permute.default, (value, swap))
-        made[key] = value
-    return made[key]
+@dataclass
+class _Roundings:
+    """The roundings a graph's products read instead of its rowwise sites, each made once,
+    before the first product that reads it."""
 
+    gm: torch.fx.GraphModule
+    ctx: CompileContext
+    made: dict[tuple, torch.fx.Node] = field(default_factory=dict)
 
-def _whole(
-    gm: torch.fx.GraphModule,
-    ctx: CompileContext,
-    made: dict[tuple, torch.fx.Node],
-    product: torch.fx.Node,
-    site_node: torch.fx.Node,
-    chain: list[torch.fx.Node],
-) -> torch.fx.Node:
-    """The operand ``site_node`` and ``chain`` give ``product``, its source rounded with one
-    factor (the site's scaling per tensor) and taken through ``chain``."""
-    key = (site_node, "tensor", *chain)
-    if key not in made:
-        with gm.graph.inserting_before(product):
-            value = _rounding(gm.graph, ctx, product, site_node, site_node.args[0], ("tensor",), per_tensor)
-            made[key] = _replay(gm.graph, product, value, chain)
-    return made[key]
+    def along(
+        self, product: torch.fx.Node, site_node: torch.fx.Node, chain: list[torch.fx.Node], dim: int
+    ) -> torch.fx.Node:
+        """The operand ``site_node`` and ``chain`` give ``product``, rounded with a factor
+        per row of its dimension ``dim``: the site's own rounding where that is its last."""
+        dim %= _ndim(chain[-1] if chain else site_node)
+        if _source_dim(chain, dim) == _ndim(site_node) - 1:
+            return chain[-1] if chain else site_node
+        key = (site_node, *chain, dim)
+        if key not in self.made:
+            graph = self.gm.graph
+            with graph.inserting_before(product):
+                value = _replay(graph, product, site_node.args[0], chain)
+                swap = list(range(_ndim(value)))  # the summed dimension and the last exchanged
+                swap[dim], swap[-1] = swap[-1], swap[dim]
+                if dim != swap[dim]:
+                    value = _call(graph, product, aten.permute.default, (value, swap))
+                how = ("rows", *_signature(chain), dim)
+                value = _rounding(graph, self.ctx, product, site_node, value, how)
+                if dim != swap[dim]:
+                    value = _call(graph, product, aten.permute.default, (value, swap))
+            self.made[key] = value
+        return self.made[key]
+
+    def whole(
+        self, product: torch.fx.Node, site_node: torch.fx.Node, chain: list[torch.fx.Node]
+    ) -> torch.fx.Node:
+        """The operand ``site_node`` and ``chain`` give ``product``, its source rounded with
+        one factor (the site's scaling per tensor) and taken through ``chain``."""
+        key = (site_node, "tensor", *chain)
+        if key not in self.made:
+            graph = self.gm.graph
+            with graph.inserting_before(product):
+                value = _rounding(
+                    graph, self.ctx, product, site_node, site_node.args[0], ("tensor",), per_tensor
+                )
+                self.made[key] = _replay(graph, product, value, chain)
+        return self.made[key]
 
 
 def _rounding(
