@@ -385,8 +385,9 @@ def quantize(
             rng.check_numel(x.numel())
         scale_dtype = None if scale_t is None else scale_t.dtype
         kernel = _compiled_kernel(name, rounding, overflow, x.dtype, scale_dtype, scaling)
-        flat = x.reshape(-1)  # the elements in row-major order, as the reference indexes them
-        return _StraightThrough.apply(flat, kernel, seed_t, offset, scale_t).view(x.shape)
+        # the elements in row-major order, as the reference indexes them (rowwise: in rows)
+        view = x.reshape(-1, x.shape[-1]) if is_rowwise(scaling) and x.dim() > 0 else x.reshape(-1)
+        return _StraightThrough.apply(view, kernel, seed_t, offset, scale_t).view(x.shape)
     scaled = scaling_argument(scaling)
     return torch.ops.lowprec.quantize(x, name, rounding, overflow, seed_t, offset, scale_t, *scaled)
 
@@ -430,8 +431,8 @@ def _compiled_kernel(
     scale_dtype: torch.dtype | None,
     scaling: str,
 ):
-    """``lowprec::quantize`` over a 1-D tensor of any length, compiled; the offset is
-    symbolic too."""
+    """``lowprec::quantize`` over a 1-D tensor of any length (a 2-D one, for a rowwise
+    ``scaling``), compiled; the offset is symbolic too."""
     import lpcompile.numerics.lowering  # noqa: F401  (Inductor fuses the operator)
 
     def kernel(flat, seed, offset, scale):

@@ -109,3 +109,10 @@ def test_range_counts_count_each_row_as_scaled():
     assert (beyond, nonfinite, nonzero) == (0, 0, int((x != 0).sum()))
     assert below == int(((scaled != 0) & (scaled.abs() < smallest)).sum())
     assert below < range_counts(x, largest, smallest, "tensorwise")[3]
+
+
+def test_a_large_tensor_rounds_per_row_in_the_compiled_kernel():
+    """From 2^20 elements the direct API runs a compiled kernel: rows stay rows in it."""
+    x = rows((256, 4, 1024), seed=1)
+    assert x.numel() >= lpcompile.numerics.quantize.COMPILED_NUMEL
+    assert torch.equal(quantize(x, "e4m3", scaling="rowwise"), reference(x, "e4m3"))
