@@ -14,7 +14,9 @@ errors scaled per tensor instead; torchao's ``convert_to_float8_training`` in it
 emulation (its tensorwise and rowwise recipes). lowprec compiles with Inductor; torchao
 runs eagerly. Per row: bits per character
 over seeds, its difference from FP32's run of the same seed, and the share of the linear
-layers' weights below E4M3's smallest normal value at the end.
+layers' weights below E4M3's smallest normal value at the end. lowprec's compiled runs are
+not bit-reproducible from process to process here (three 60-step runs of one row differed
+by 2e-4 bits/char), so rows closer than a few thousandths are not told apart.
 
 ``python -m benchmarks.bench_scaling`` writes ``results/scaling.md``; ``--quick`` runs one
 seed of 60 steps and prints the page.

@@ -127,7 +127,7 @@ def _lower_quantize(
     """An unscaled or rowwise quantize as one pointwise node, each op of :func:`round_value`
     (and, for stochastic rounding, of the generator) issued once per kernel body; a rowwise
     one reads its rows' factors (:func:`_row_scales`)."""
-    if scale is not None or not (scaling == "none" or is_rowwise(scaling)):  # _decompose_quantize's
+    if scale is not None or not (scaling == "none" or is_rowwise(scaling)):  # decomposed first
         raise NotImplementedError(
             "a scaled lowprec::quantize reached Inductor's lowering: Inductor's decomposition table"
             " lacks lpcompile.numerics.lowering's (see refresh_inductor_decompositions)"
