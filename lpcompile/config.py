@@ -103,7 +103,8 @@ class QuantSpec:
     ``"rowwise"`` gives each row a factor of its own, a row being a line of an operand along
     the dimension its matmul sums over (every matmul, forward and backward, rounds its
     operands so; a convolution's and fused attention's per tensor); the ``_pow2`` scalings
-    round the factors down to powers of two.
+    round the factors down to powers of two; ``"mx"`` gives each block of 32 values of a
+    row a power-of-two factor (OCP microscaling's E8M0 scale).
     """
 
     fmt: str | None = None
@@ -174,6 +175,12 @@ _RECIPES: dict[str, tuple[str, dict[str, Any]]] = {
             QuantSpec("e4m3", overflow="inf", scaling="rowwise_pow2"),
             OFF,
         ),
+    ),
+    "mxfp8": (
+        "OCP MXFP8 (torchao's MXFP8 training): E4M3 weights, activations and errors, each"
+        " block of 32 values along a matmul's summed dimension scaled by a power of two"
+        " (nearest even); weight gradients unrounded",
+        _specs(QuantSpec("e4m3", scaling="mx"), QuantSpec("e4m3", overflow="inf", scaling="mx"), OFF),
     ),
 }
 _ALS = {"loss_scale": "adaptive"}

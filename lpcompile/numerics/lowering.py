@@ -24,10 +24,12 @@ Inductor itself is imported (a plain ``torch.compile`` of code that calls
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch._inductor import decomposition, ir
 from torch._inductor.decomposition import register_decomposition
-from torch._inductor.lowering import register_lowering
+from torch._inductor.lowering import lowerings, register_lowering, to_dtype
 from torch._inductor.utils import sympy_product
 from torch._inductor.virtualized import V, ops
 
@@ -35,12 +37,16 @@ from lpcompile.numerics import predict, rng, scale_grad  # noqa: F401  (defines 
 from lpcompile.numerics.quantize import (
     AMAX_FLOOR,
     FP32_MAX,
+    MX_BLOCK,
     check_args,
     dynamic_scale,
     is_rowwise,
+    mx_factor,
     round_value,
     scale_within,
 )
+
+aten = torch.ops.aten
 
 
 @register_decomposition(torch.ops.lowprec.quantize.default)
@@ -124,9 +130,10 @@ def _stream_key(seed: ir.TensorBox, offset) -> ir.TensorBox:
 def _lower_quantize(
     x: ir.TensorBox, fmt, rounding, overflow, seed, offset, scale, scaling="none"
 ) -> ir.TensorBox:
-    """An unscaled or rowwise quantize as one pointwise node, each op of :func:`round_value`
-    (and, for stochastic rounding, of the generator) issued once per kernel body; a rowwise
-    one reads its rows' factors (:func:`_row_scales`)."""
+    """An unscaled, rowwise or MX quantize as one pointwise node, each op of
+    :func:`round_value` (and, for stochastic rounding, of the generator) issued once per
+    kernel body; a rowwise one reads its rows' factors (:func:`_row_scales`), an MX one
+    rounds ``x`` viewed as blocks (:func:`_in_blocks`)."""
     if scale is not None or not (scaling == "none" or is_rowwise(scaling)):  # decomposed first
         raise NotImplementedError(
             "a scaled lowprec::quantize reached Inductor's lowering: Inductor's decomposition table"
@@ -135,7 +142,6 @@ def _lower_quantize(
     dtype = x.get_dtype()
     target = check_args(torch.empty((), dtype=dtype, device="meta"), fmt, rounding, overflow)
     shape = list(x.get_size())
-    load_x = x.make_loader()
     load_key = None
     if rounding == "stochastic":
         if seed is None:
@@ -144,52 +150,119 @@ def _lower_quantize(
         rng.check_numel(V.graph.sizevars.optimization_hint(numel))
         V.graph.sizevars.check_lt(numel, 1 << 31)  # a dynamic size: guarded
         load_key = _stream_key(seed, offset).make_loader()
-    strides = ir.FlexibleLayout.contiguous_strides(shape)
-    load_scale = _row_scales(x, target.max, scaling).make_loader() if is_rowwise(scaling) else None
+    strides = ir.FlexibleLayout.contiguous_strides(shape or [1])
+    if scaling != "mx":
+        load_scale = _row_scales(x, target, scaling) if is_rowwise(scaling) else None
+        return _round(x, target, (rounding, overflow, load_key), load_scale, lambda index: index, strides)
+    blocks = _in_blocks(x, shape)
+    load_factor = _mx_factors(blocks, target).make_loader()
+
+    def element(index):  # the element of x at an index of the blocks (past its end: padding)
+        return [*index[:-2], index[-2] * MX_BLOCK + index[-1]]
+
+    def factor(index):
+        return load_factor([*index[:-1], 0])
+
+    return _out_of_blocks(
+        _round(blocks, target, (rounding, overflow, load_key), factor, element, strides), shape
+    )
+
+
+def _round(x: ir.TensorBox, target, how: tuple, load_scale, element, strides) -> ir.TensorBox:
+    """``x`` rounded onto ``target``'s grid (``how``: the rounding, the overflow and the
+    random key's loader), times the factor ``load_scale`` gives at an index (if any) and
+    divided back; its random bits indexed by the row-major position (``strides``: of the
+    tensor rounded) of the element ``element`` maps an index to."""
+    rounding, overflow, load_key = how
+    dtype = x.get_dtype()
+    load_x = x.make_loader()
 
     def inner_fn(index):
         xf = load_x(index)
         if dtype != torch.float32:
             xf = ops.to_dtype(xf, torch.float32)
         if load_scale is not None:  # scale_within's product and clamp
-            scale = load_scale([*index[:-1], 0] if index else [])
+            scale = load_scale(index)
             largest = ops.constant(target.max, torch.float32)
             xf = ops.minimum(ops.maximum(ops.mul(xf, scale), ops.neg(largest)), largest)
         random = None
         if load_key is not None:  # element indices are row-major, whatever the layout
-            row_major = sum((i * stride for i, stride in zip(index, strides, strict=True)), 0)
+            row_major = sum((i * stride for i, stride in zip(element(index), strides, strict=False)), 0)
             random = rng.bits_from_index(ops.index_expr(row_major, torch.int32), load_key([]), ops)
         out = round_value(xf, target, rounding, overflow, random, ops)
         if load_scale is not None:
             out = ops.truediv(out, scale)
         return out if dtype == torch.float32 else ops.to_dtype(out, dtype)
 
-    return ir.Pointwise.create(device=x.get_device(), dtype=dtype, inner_fn=inner_fn, ranges=shape)
+    return ir.Pointwise.create(
+        device=x.get_device(), dtype=dtype, inner_fn=inner_fn, ranges=list(x.get_size())
+    )
 
 
-def _row_scales(x: ir.TensorBox, largest: float, scaling: str) -> ir.TensorBox:
-    """:func:`lpcompile.numerics.quantize.dynamic_scale`'s factors of ``x`` (one per row of
-    its last dimension, that kept as size 1), computed once into a buffer."""
-    from torch._inductor.lowering import lowerings, to_dtype
-
-    aten, f64 = torch.ops.aten, torch.float64
-    magnitude = lowerings[aten.abs.default](to_dtype(x, torch.float32))
-    amax = lowerings[aten.amax.default](magnitude, [-1] if x.get_size() else [], True)
-    load_amax = amax.make_loader()
+def _row_scales(x: ir.TensorBox, target, scaling: str):
+    """A loader, by ``x``'s index, of :func:`lpcompile.numerics.quantize.dynamic_scale`'s
+    factor of that element's row (of the last dimension), the factors computed once into a
+    buffer."""
+    f32, f64 = torch.float32, torch.float64
+    shape = list(x.get_size())
+    magnitude = lowerings[aten.abs.default](to_dtype(x, f32))
+    load_amax = lowerings[aten.amax.default](magnitude, [-1] if shape else [], True).make_loader()
 
     def inner_fn(index):
         floored = ops.maximum(ops.to_dtype(load_amax(index), f64), ops.constant(AMAX_FLOOR, f64))
-        scale = ops.minimum(ops.truediv(ops.constant(largest, f64), floored), ops.constant(FP32_MAX, f64))
-        scale = ops.to_dtype(scale, torch.float32)
+        scale = ops.minimum(ops.truediv(ops.constant(target.max, f64), floored), ops.constant(FP32_MAX, f64))
+        scale = ops.to_dtype(scale, f32)
         if scaling.endswith("_pow2"):
             scale = ops.exp2(ops.floor(ops.log2(scale)))
         return scale
 
-    scales = ir.Pointwise.create(
-        device=x.get_device(), dtype=torch.float32, inner_fn=inner_fn, ranges=list(amax.get_size())
-    )
+    size = [*shape[:-1], 1] if shape else []
+    scales = ir.Pointwise.create(device=x.get_device(), dtype=f32, inner_fn=inner_fn, ranges=size)
     scales.realize()
-    return scales
+    load = scales.make_loader()
+    return lambda index: load([*index[:-1], 0] if index else [])
+
+
+def _in_blocks(x: ir.TensorBox, shape: list) -> ir.TensorBox:
+    """``x`` as (..., blocks, :data:`MX_BLOCK`) along its last dimension, padded with zeros
+    (a 0-dim ``x``: one block); the last dimension's length made static."""
+    length = V.graph.sizevars.guard_int(shape[-1]) if shape else 1
+    if not shape:
+        x = lowerings[aten.view.default](x, [1])
+    blocks = -(-length // MX_BLOCK)
+    if blocks * MX_BLOCK != length:
+        x = lowerings[aten.constant_pad_nd.default](x, [0, blocks * MX_BLOCK - length], 0.0)
+    return lowerings[aten.view.default](x, [*shape[:-1], blocks, MX_BLOCK])
+
+
+def _mx_factors(blocks: ir.TensorBox, target) -> ir.TensorBox:
+    """:func:`lpcompile.numerics.quantize.mx_factor` of each block (the last dimension kept,
+    as size 1), computed once into a buffer."""
+    magnitude = lowerings[aten.abs.default](to_dtype(blocks, torch.float32))
+    load_amax = lowerings[aten.amax.default](magnitude, [-1], True).make_loader()
+    max_exp = math.frexp(target.max)[1] - 1
+    factors = ir.Pointwise.create(
+        device=blocks.get_device(),
+        dtype=torch.float32,
+        inner_fn=lambda index: mx_factor(load_amax(index), max_exp, ops),
+        ranges=[*blocks.get_size()[:-1], 1],
+    )
+    factors.realize()
+    return factors
+
+
+def _out_of_blocks(rounded: ir.TensorBox, shape: list) -> ir.TensorBox:
+    """The rounded blocks in ``x``'s shape again, the padding left out. They are stored
+    first: read through the view, Inductor splits the last dimension into blocks and drops a
+    last block that is not whole."""
+    rounded.realize()
+    *outer, blocks, block = rounded.get_size()
+    load = lowerings[aten.view.default](rounded, [*outer, blocks * block]).make_loader()
+    ranges = shape or [1]
+    out = ir.Pointwise.create(
+        device=rounded.get_device(), dtype=rounded.get_dtype(), inner_fn=load, ranges=ranges
+    )
+    return out if shape else lowerings[aten.view.default](out, [])
 
 
 @register_lowering(torch.ops.lowprec.realize.default, type_promotion_kind=None)

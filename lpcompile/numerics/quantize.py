@@ -23,6 +23,7 @@ is tested against); run by Inductor it is the operator's lowering
 from __future__ import annotations
 
 import functools
+import math
 import numbers
 
 import torch
@@ -39,8 +40,10 @@ OVERFLOWS = ("saturate", "inf")
 # TransformerEngine's current scaling); "rowwise": a factor per row of the last dimension
 # (torchao's axiswise scaling: the backend rounds each matmul operand along the dimension
 # that matmul sums over, passes/joint/rowwise.py); "_pow2": the factors rounded down to
-# powers of two.
-SCALINGS = ("none", "tensorwise", "tensorwise_pow2", "rowwise", "rowwise_pow2")
+# powers of two; "mx": OCP microscaling, a power-of-two factor per block of MX_BLOCK values
+# along the last dimension (along the summed dimension, as rowwise).
+SCALINGS = ("none", "tensorwise", "tensorwise_pow2", "rowwise", "rowwise_pow2", "mx")
+MX_BLOCK = 32
 # The smallest largest-magnitude a factor is computed from (torchao's): an all-zero or
 # nearly zero tensor is not blown up to the format's range.
 AMAX_FLOOR = 1e-12
@@ -154,19 +157,53 @@ def round_value(xf, fmt: FloatFormat, rounding: str, overflow: str, random, ops=
 
 
 def is_rowwise(scaling: str) -> bool:
-    """Whether ``scaling`` gives each row of the last dimension a factor of its own."""
-    return scaling.startswith("rowwise")
+    """Whether ``scaling`` gives each row of the last dimension (or each block of a row)
+    factors of its own: ``"rowwise"``, ``"rowwise_pow2"``, ``"mx"``."""
+    return scaling.startswith("rowwise") or scaling == "mx"
 
 
 def per_tensor(scaling: str) -> str:
-    """The tensorwise counterpart of ``scaling`` (itself if it is not rowwise)."""
-    return scaling.replace("rowwise", "tensorwise")
+    """The tensorwise counterpart of ``scaling`` (itself if it is not rowwise; MX's
+    power-of-two factors give ``"tensorwise_pow2"``)."""
+    return "tensorwise_pow2" if scaling == "mx" else scaling.replace("rowwise", "tensorwise")
+
+
+def mx_factor(amax, max_exp: int, ops=rng.TorchOps):
+    """The factor of an MX block whose largest magnitude is ``amax`` (FP32): one over the
+    OCP MX scale ``2^(floor(log2(amax)) - max_exp)`` (``max_exp``: the exponent of the
+    element format's largest value), the scale at least 2^-126 (torchao's ``FLOOR`` mode,
+    which clamps E8M0's exponent to FP32's normal range); NaN for an infinite or NaN
+    ``amax``. Read off ``amax``'s exponent bits, in ``ops``' terms (see :func:`round_bits`)."""
+    i32 = torch.int32
+
+    def const(value: int):
+        return ops.constant(value, i32)
+
+    bits = ops.to_dtype_bitcast(amax, i32, torch.float32)
+    exponent = ops.bitwise_and(ops.bitwise_right_shift(bits, const(23)), const(0xFF))
+    biased = ops.sub(exponent, const(max_exp))  # the scale's biased exponent
+    biased = ops.where(ops.lt(biased, const(1)), const(1), biased)
+    factor = ops.to_dtype_bitcast(ops.mul(ops.sub(const(254), biased), const(1 << 23)), torch.float32, i32)
+    return ops.where(ops.gt(exponent, const(254)), ops.constant(float("nan"), torch.float32), factor)
+
+
+def mx_factors(x: torch.Tensor, max_exp: int) -> torch.Tensor:
+    """:func:`mx_factor` of each block of :data:`MX_BLOCK` values along ``x``'s last
+    dimension (the last block as if padded with zeros), repeated over its values."""
+    if x.dim() == 0:
+        return mx_factors(x.reshape(1), max_exp).reshape(())
+    length = x.shape[-1]
+    blocks = -(-length // MX_BLOCK)
+    magnitude = torch.nn.functional.pad(x.detach().abs().float(), (0, blocks * MX_BLOCK - length))
+    amax = magnitude.unflatten(-1, (blocks, MX_BLOCK)).amax(-1)
+    return mx_factor(amax, max_exp).repeat_interleave(MX_BLOCK, -1)[..., :length]
 
 
 def dynamic_scale(x: torch.Tensor, largest: float, scaling: str) -> torch.Tensor:
     """The factors ``scaling`` rounds ``x`` with, in FP32: one (a 0-dim tensor) for a
     tensorwise scaling, one per row of the last dimension (keeping it, as size 1) for a
-    rowwise one. Each is ``largest`` (the format's largest finite value) over the largest
+    rowwise one, one per element for ``"mx"`` (its block's: :func:`mx_factors`). Each
+    tensorwise or rowwise factor is ``largest`` (the format's largest finite value) over the largest
     magnitude it scales, that at least :data:`AMAX_FLOOR`, computed in float64 and rounded to
     FP32 as torchao does (so that every executor gets the same bits), rounded down to a
     power of two for the ``_pow2`` scalings. An empty tensor's is 1; an infinite magnitude
@@ -174,6 +211,8 @@ def dynamic_scale(x: torch.Tensor, largest: float, scaling: str) -> torch.Tensor
     them."""
     if not isinstance(x, torch.fx.Proxy) and x.numel() == 0:  # (a pass traces it with proxies)
         return torch.ones((), dtype=torch.float32, device=x.device)
+    if scaling == "mx":
+        return mx_factors(x, math.frexp(largest)[1] - 1)
     magnitude = x.detach().abs()
     rows = is_rowwise(scaling) and (isinstance(x, torch.fx.Proxy) or x.dim() > 0)
     amax = (magnitude.amax(-1, keepdim=True) if rows else magnitude.amax()).to(torch.float64)
@@ -345,7 +384,8 @@ def quantize(
     ``scaling="tensorwise"`` takes the scale from ``x`` itself: the format's largest
     finite value over ``x``'s largest magnitude (:func:`dynamic_scale`; ``x`` times it
     is clamped to the format's range), ``"rowwise"`` one such factor per row of the last
-    dimension, and the ``_pow2`` scalings those rounded down to powers of two; no ``scale``
+    dimension, and the ``_pow2`` scalings those rounded down to powers of two; ``"mx"`` a
+    power-of-two factor per block of 32 values of a row (:func:`mx_factor`); no ``scale``
     goes with them.
     """
     name = parse_format(fmt).name if isinstance(fmt, FloatFormat) else fmt
