@@ -109,6 +109,24 @@ def on_scaled_fp8_rows(func: Any, position: int, t: torch.Tensor) -> bool:
     return bool(on_grid.all())
 
 
+def on_mx_blocks(func: Any, position: int, t: torch.Tensor) -> bool:
+    """A matmul's operand: each block of 32 values along the dimension the matmul sums over
+    (the last one padded with zeros), divided by its MX scale (2^(floor(log2 of the block's
+    largest magnitude) - 8), at least 2^-126), is on the E4M3 grid; any other product's
+    operand, E4M3 values times one power of two (an MX recipe rounds those per tensor)."""
+    dim = SUMMED.get(func, {}).get(position)
+    t = t.detach().float()
+    if dim is None or t.dim() == 0:
+        mantissa = torch.frexp(t).mantissa.abs() * 16
+        return bool((mantissa == mantissa.round()).all())
+    rows = t.movedim(dim, -1)
+    rows = torch.nn.functional.pad(rows, (0, -rows.shape[-1] % 32)).unflatten(-1, (-1, 32))
+    amax = rows.abs().amax(-1, keepdim=True)
+    scale = torch.exp2((torch.frexp(amax).exponent - 9).float()).clamp(min=2.0**-126)
+    scaled = rows / scale
+    return bool((scaled.to(torch.float8_e4m3fn).float() == scaled).all())
+
+
 class GridCheck(TorchDispatchMode):
     """Counts the products that ran, by (op, all operands on the grid): the E5M2 grid, or
     another check of a tensor (``on_grid``), or of each operand of an op

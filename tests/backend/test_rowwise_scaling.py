@@ -252,3 +252,60 @@ def test_a_weight_read_along_its_first_dimension_is_scaled_per_column(executor):
     out.backward(grad)
     assert torch.equal(x.grad, _cast(grad, E5M2, -1) @ _cast(model.w.detach(), E4M3, 1).T)
     assert torch.equal(model.w.grad, _cast(x.detach(), E4M3, 0).T @ _cast(grad, E5M2, 0))
+
+
+# -- MX: blocks of 32 along each matmul's summed dimension ---------------------------------
+
+
+def _torchao_mx_linear(x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
+    """torchao's MXFP8 training matmul (emulated: its casts in torch), the bias added after."""
+    mxfp8 = pytest.importorskip("torchao.prototype.moe_training.mxfp8_linear")
+    config = pytest.importorskip("torchao.prototype.mx_formats.config")
+    kernels = pytest.importorskip("torchao.quantization.quantize_.common.kernel_preference")
+    e4m3, torch_cast = torch.float8_e4m3fn, config.MXFP8Dim1CastKernelChoice.TORCH
+    y = mxfp8.mx_mm.apply(
+        x,
+        layer.weight,
+        e4m3,
+        e4m3,
+        e4m3,
+        32,
+        kernels.KernelPreference.EMULATED,
+        config.MXFP8Dim0CastKernelChoice.TORCH,
+        torch_cast,
+        config.ScaleCalculationMode.FLOOR,
+        False,
+    )
+    return y + layer.bias
+
+
+@pytest.mark.parametrize("executor", ["inductor", "eager"])
+def test_mxfp8_step_equals_torchao_mxfp8_training(executor):
+    x = _inputs(32)  # torchao's casts along the tokens need a multiple of 32 of them
+    model, out = _compiled({"recipe": "mxfp8", "executor": executor}, x)
+    peer = _mlp()
+    x_peer = x.detach().requires_grad_()
+    expected = _torchao_mx_linear(torch.relu(_torchao_mx_linear(x_peer, peer[0])), peer[2])
+    expected.square().mean().backward()
+    assert torch.equal(out, expected.detach())
+    assert torch.equal(x.grad, x_peer.grad)
+    for i in (0, 2):
+        assert torch.equal(model[i].weight.grad, peer[i].weight.grad), i
+    rows = {row.layer: row.quantized for row in lpcompile.coverage(model)}
+    assert rows["0"] == {
+        "weight": "e4m3 nearest saturate mx",
+        "activation": "e4m3 nearest saturate mx",
+        "error": "e4m3 nearest inf mx",
+    }
+
+
+def test_mxfp8_rounds_convolutions_and_fused_attention_per_tensor():
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = _ConvAttention()
+    torch.compile(model, backend="lowprec", options={"recipe": "mxfp8"})(
+        torch.randn(2, 8, 12)
+    ).sum().backward()
+    rows = {row.layer: row.quantized for row in lpcompile.coverage(model)}
+    assert rows["conv"]["weight"] == "e4m3 nearest saturate tensorwise_pow2"
+    assert rows["proj"]["weight"] == "e4m3 nearest saturate mx"

@@ -10,7 +10,15 @@ import warnings
 
 import pytest
 import torch
-from grid import GridCheck, grid_step, on_e5m2_grid, on_scaled_fp8_grid, on_scaled_fp8_rows, watched_backend
+from grid import (
+    GridCheck,
+    grid_step,
+    on_e5m2_grid,
+    on_mx_blocks,
+    on_scaled_fp8_grid,
+    on_scaled_fp8_rows,
+    watched_backend,
+)
 from models import Records
 
 import lpcompile
@@ -264,6 +272,20 @@ def test_rowwise_scaling_step_of_every_zoo_model_on_the_row_grid(name):
         pytest.importorskip("diffusers")
     torch.manual_seed(0)
     rowwise_step_on_the_row_grid(*(diffusers_model(name) if name in DIFFUSERS_MODELS else zoo_model(name)))
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama", "lstm_lm", "mixtral"])
+def test_mxfp8_step_runs_every_matmul_on_its_blocks(name):
+    """Each matmul's operands in MX blocks of 32 along the dimension it sums over, forward and
+    backward (the experts' grouped matmuls too); unrounded operands are not on them."""
+    torch.manual_seed(0)
+    model, inputs = zoo_model(name)
+    options = {"recipe": "mxfp8", "executor": "eager", "attention": "full"}
+    check = grid_step(model, inputs, options, GridCheck(on_operand=on_mx_blocks))
+    assert check.count > 0 and check.off_grid == {}, check.products
+    assert not check.unknown, check.unknown
+    check = grid_step(model, inputs, {**options, "recipe": "fp32"}, GridCheck(on_operand=on_mx_blocks))
+    assert check.off_grid, check.products
 
 
 class Logits(torch.nn.Module):
