@@ -1,4 +1,4 @@
-"""Per-tensor and per-row scaling against unscaled FP8 and against torchao's float8 training.
+"""Per-tensor, per-row and MX scaling against unscaled FP8 and against torchao's float8 training.
 
 A byte-level TinyGPT (2 blocks, width 64, 4 heads, context 64) on the standard library's
 sources, its weights drawn as GPT-2 draws them (normal, std 0.02; biases zero): many of
@@ -10,9 +10,9 @@ same formats, each tensor scaled to its format's range, weight gradients unround
 its scales rounded down to powers of two, and with attention's operands left unrounded
 (the products torchao's float8 training converts: its ``nn.Linear`` layers); ``fp8-rowwise``
 (E4M3 everywhere, a power-of-two factor per row of each matmul operand), and with its
-errors scaled per tensor instead; torchao's ``convert_to_float8_training`` in its CPU
-emulation (its tensorwise and rowwise recipes). lowprec compiles with Inductor; torchao
-runs eagerly. Per row: bits per character
+errors scaled per tensor instead; ``mxfp8`` (the same, a factor per block of 32); torchao's
+``convert_to_float8_training`` in its CPU emulation (its tensorwise and rowwise recipes).
+lowprec compiles with Inductor; torchao runs eagerly. Per row: bits per character
 over seeds, its difference from FP32's run of the same seed, and the share of the linear
 layers' weights below E4M3's smallest normal value at the end. lowprec's compiled runs are
 not bit-reproducible from process to process here (three 60-step runs of one row differed
@@ -87,6 +87,7 @@ ROWS: dict[str, tuple[Callable[[nn.Module], nn.Module], str]] = {
         "none",
     ),
     "torchao float8 (rowwise, emulated)": (torchao_float8("rowwise"), "none"),
+    "mxfp8": (lowprec({"recipe": "mxfp8"}), "none"),
 }
 
 
@@ -158,7 +159,8 @@ def main() -> None:
     if args.quick:
         print(body)
         return
-    path = write_results("scaling", "Per-tensor and per-row scaling beside unscaled FP8 and torchao", body)
+    title = "Per-tensor, per-row and MX scaling beside unscaled FP8 and torchao"
+    path = write_results("scaling", title, body)
     print(body, f"\nwrote {path}", sep="\n")
 
 

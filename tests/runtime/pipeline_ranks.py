@@ -58,6 +58,7 @@ CASES: dict[str, dict[str, Any]] = {
     "fp8-tensorwise": {"prediction": "lwp_v", "compile": {"recipe": "fp8-tensorwise"}},
     # each matmul's operands scaled per row of the dimension it sums over
     "fp8-rowwise": {"prediction": "lwp_v", "compile": {"recipe": "fp8-rowwise"}},
+    "mxfp8": {"prediction": "lwp_v", "compile": {"recipe": "mxfp8"}},
     "fp8-als": {
         "spike_compensation": True,
         "prediction": "lwp_v",

@@ -78,7 +78,7 @@ def test_two_ranks_equal_the_simulator_bit_for_bit(tmp_path):
 @pytest.mark.slow
 def test_four_ranks_equal_the_simulator_bit_for_bit(tmp_path):
     """One stage per rank; also LWP^w with weight stashing, Inductor-compiled FP8 stages
-    with stochastic rounding, with tensorwise and with rowwise scaling, and FP8 with per-layer adaptive
+    with stochastic rounding, with tensorwise, rowwise and MX scaling, and FP8 with per-layer adaptive
     loss scaling."""
     _run_cases(tmp_path, 4, FAST + SLOW)
 
