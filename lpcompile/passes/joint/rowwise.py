@@ -137,8 +137,8 @@ def _rowwise_source(operand: Any, ctx: CompileContext) -> tuple[torch.fx.Node, l
 
 @dataclass
 class _Roundings:
-    """The roundings a graph's products read instead of its rowwise sites, each made once,
-    before the first product that reads it."""
+    """The roundings a graph's products read instead of its rowwise (and MX) sites, each
+    made once, before the first product that reads it."""
 
     gm: torch.fx.GraphModule
     ctx: CompileContext
@@ -147,8 +147,9 @@ class _Roundings:
     def along(
         self, product: torch.fx.Node, site_node: torch.fx.Node, chain: list[torch.fx.Node], dim: int
     ) -> torch.fx.Node:
-        """The operand ``site_node`` and ``chain`` give ``product``, rounded with a factor
-        per row of its dimension ``dim``: the site's own rounding where that is its last."""
+        """The operand ``site_node`` and ``chain`` give ``product``, rounded along its
+        dimension ``dim`` (a factor per row of it, or per MX block): the site's own rounding
+        where that is the site's last dimension."""
         dim %= _ndim(chain[-1] if chain else site_node)
         if _source_dim(chain, dim) == _ndim(site_node) - 1:
             return chain[-1] if chain else site_node
