@@ -309,3 +309,45 @@ def test_mxfp8_rounds_convolutions_and_fused_attention_per_tensor():
     rows = {row.layer: row.quantized for row in lpcompile.coverage(model)}
     assert rows["conv"]["weight"] == "e4m3 nearest saturate tensorwise_pow2"
     assert rows["proj"]["weight"] == "e4m3 nearest saturate mx"
+
+
+class _RowwiseLinearBF16(torch.autograd.Function):
+    """``_RowwiseLinear`` as autocast runs ``F.linear`` in bfloat16: each GEMM's operands cast
+    from the tensors it reads (a float32 tensor first cast to bfloat16, as autocast does),
+    along the dimension it sums over; GEMMs and bias in bfloat16."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias):
+        ctx.save_for_backward(x, weight)
+        w = _cast(weight, E4M3, -1).bfloat16()
+        return torch.addmm(bias.bfloat16(), _cast(x.float(), E4M3, -1).to(torch.bfloat16), w.T)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        error = _cast(grad.float(), E5M2, -1).bfloat16()
+        grad_x = error @ _cast(weight.bfloat16().float(), E4M3, 0).bfloat16()
+        columns = _cast(grad.float(), E5M2, 0).bfloat16()
+        grad_w = columns.T @ _cast(x.bfloat16().float(), E4M3, 0).bfloat16()
+        return grad_x.to(x.dtype), grad_w.float(), error.sum(0).float()
+
+
+@pytest.mark.parametrize("executor", ["inductor", "eager"])
+def test_under_autocast_each_matmul_rounds_the_cast_tensors_along_its_summed_dimension(executor):
+    """Autocast casts between a rounding and the matmuls that read it: the backward's
+    matmuls still round their own copies, not the forward's rows."""
+    x = _inputs().detach()[0].requires_grad_()
+    torch._dynamo.reset()
+    model = _mlp()
+    compiled = torch.compile(model, backend="lowprec", options={**ROWS, "executor": executor})
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = compiled(x)
+    out.float().square().mean().backward()
+    reference, x_ref = _mlp(), x.detach().requires_grad_()
+    h = torch.relu(_RowwiseLinearBF16.apply(x_ref, reference[0].weight, reference[0].bias))
+    expected = _RowwiseLinearBF16.apply(h, reference[2].weight, reference[2].bias)
+    expected.float().square().mean().backward()
+    assert torch.equal(out, expected)
+    assert torch.equal(x.grad, x_ref.grad)
+    for i in (0, 2):
+        assert torch.equal(model[i].weight.grad, reference[i].weight.grad), i

@@ -33,6 +33,7 @@ from lpcompile.passes.driver import CompileContext
 
 aten = torch.ops.aten
 QUANTIZE = torch.ops.lowprec.quantize.default
+CONVERT = torch.ops.prims.convert_element_type.default
 # matmuls: target -> (position of an operand, the dimension the matmul sums it over)
 MATMULS: dict[object, tuple[tuple[int, int], ...]] = {
     **{op: ((0, -1), (1, -2)) for op in (aten.mm.default, aten.bmm.default, aten._grouped_mm.default)},
@@ -63,9 +64,12 @@ WHOLE_TENSOR_PRODUCTS = {
     torch.ops.higher_order.flex_attention,
     torch.ops.higher_order.flex_attention_backward,
 }
-# Ops whose output elements are copies of their first argument's: a matmul reading a rounded
-# tensor through them reads the same values as the rounding of the tensor they copy from.
+# Ops whose output elements are copies of their first argument's (casts: in another dtype,
+# autocast's): a matmul reading a rounded tensor through them reads its own rounding of the
+# tensor they copy from, taken through them.
 COPIES = {
+    aten._to_copy.default,
+    CONVERT,
     aten.view.default,
     aten.reshape.default,
     aten._unsafe_view.default,
@@ -260,7 +264,7 @@ def _source_dim(chain: list[torch.fx.Node], dim: int) -> int | None:
         rank_in, rank_out = _ndim(source), _ndim(op)
         dim %= rank_out
         target, args = op.target, op.args
-        if target in (aten.clone.default, aten.alias.default):
+        if target in (aten.clone.default, aten.alias.default, aten._to_copy.default, CONVERT):
             pass
         elif target in (aten.slice.Tensor, aten.index_select.default):
             if args[1] % rank_in == dim:  # a part of each row: rounded with factors of its own
