@@ -351,3 +351,60 @@ def test_under_autocast_each_matmul_rounds_the_cast_tensors_along_its_summed_dim
     assert torch.equal(x.grad, x_ref.grad)
     for i in (0, 2):
         assert torch.equal(model[i].weight.grad, reference[i].weight.grad), i
+
+
+class _Halves(torch.autograd.Function):
+    """``x @ w.T`` computed by halves of ``w`` (its output features), backward written out:
+    the backward's matmuls read halves of the error and of the weight."""
+
+    @staticmethod
+    def forward(ctx, x, weight):
+        ctx.save_for_backward(x, weight)
+        a, b = weight.chunk(2)
+        return torch.cat([x @ a.T, x @ b.T], -1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        a, b = weight.chunk(2)
+        grad_a, grad_b = grad.chunk(2, -1)
+        return grad_a @ a + grad_b @ b, torch.cat([grad_a.T @ x, grad_b.T @ x])
+
+
+class _HalvesModel(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(64, 32, generator=torch.Generator().manual_seed(5)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _Halves.apply(x, self.weight)
+
+
+def test_a_functions_matmuls_round_their_operands_along_their_summed_dimensions():
+    """A Function's bodies round the chunks of the weight and of the error its matmuls read,
+    once each; the backward's matmuls read them along other dimensions than the forward's."""
+    x = torch.randn(16, 32, generator=torch.Generator().manual_seed(6))
+    x[:, 16:] *= 1e-4  # the halves' rows differ in magnitude
+    x.requires_grad_()
+    check = grid_step(
+        _HalvesModel(), {"x": x}, {**ROWS, "executor": "eager"}, GridCheck(on_operand=on_scaled_fp8_rows)
+    )
+    assert check.count == 6 and check.off_grid == {}, check.products
+
+
+def test_a_matmul_reading_a_rounding_through_another_op_is_named():
+    """Where a matmul reads a rowwise site through an op that is no copy of it, the pass
+    cannot give it its own rounding: it warns, naming the layer."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from lpcompile.passes.driver import CompileContext, Site
+
+    def scaled_matmul(x, w):
+        rounded = torch.ops.lowprec.quantize(x, "e4m3", "nearest", "saturate", None, 0, None, "rowwise")
+        return torch.mm(rounded * 2, w)
+
+    gm = make_fx(scaled_matmul, tracing_mode="fake")(torch.randn(4, 8), torch.randn(8, 4))
+    ctx = CompileContext(LowPrecConfig.from_options(ROWS), graph_id=0, stream=0)
+    ctx.sites[0] = Site(0, "activation", "proj", "e4m3", "nearest", "saturate", "rowwise", "quantize")
+    with pytest.warns(UserWarning, match=r"'proj' \(through aten.mul.Tensor\)"):
+        rowwise.round_operands_per_matmul(gm, ctx)

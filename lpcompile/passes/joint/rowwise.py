@@ -22,6 +22,7 @@ tensorwise counterpart. Other readers (a bias gradient's sum) read the site's no
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -99,18 +100,24 @@ def has_rowwise_sites(gm: torch.fx.GraphModule, ctx: CompileContext, kind: str) 
 
 def round_operands_per_matmul(gm: torch.fx.GraphModule, ctx: CompileContext) -> None:
     """Round each matmul operand that reads a rowwise site along the dimension the matmul
-    sums over, and each operand of another product per tensor (see the module's doc)."""
+    sums over, and each operand of another product per tensor (see the module's doc).
+    Warns, naming the layer, where a matmul reads a site through an op that is no copy."""
     graph = gm.graph
     roundings = _Roundings(gm, ctx)
     replaced: list[torch.fx.Node] = []  # the site nodes and copies read before
+    unfollowed: dict[str, str] = {}  # layer -> the op between its site and a matmul
     for node in list(graph.nodes):
         if node.op != "call_function":
             continue
         if node.target in MATMULS:
             for index, dim in MATMULS[node.target]:
-                if index < len(node.args) and (found := _rowwise_source(node.args[index], ctx)):
+                if index >= len(node.args):
+                    continue
+                if found := _rowwise_source(node.args[index], ctx):
                     replaced += [found[0], *found[1]]
                     node.update_arg(index, roundings.along(node, *found, dim))
+                elif found := _read_through(node.args[index], ctx):
+                    unfollowed[ctx.sites[found[0].args[5]].layer] = str(found[1].target)
         elif node.target in WHOLE_TENSOR_PRODUCTS:
             for index, operand in enumerate(node.args):
                 if isinstance(operand, torch.fx.Node) and (found := _rowwise_source(operand, ctx)):
@@ -119,6 +126,33 @@ def round_operands_per_matmul(gm: torch.fx.GraphModule, ctx: CompileContext) -> 
     for node in sorted(set(replaced), key=list(graph.nodes).index, reverse=True):
         if not node.users:
             graph.erase_node(node)
+    if unfollowed:
+        found = ", ".join(f"{layer!r} (through {op})" for layer, op in unfollowed.items())
+        warnings.warn(
+            f"lowprec: rowwise scaling: matmuls read the rounding of {found} through an op that"
+            " is no view or copy of it: they read its rows along its last dimension, not along"
+            " the dimension they sum over",
+            stacklevel=1,
+        )
+
+
+def _read_through(operand: Any, ctx: CompileContext) -> tuple[torch.fx.Node, torch.fx.Node] | None:
+    """The rowwise site node a matmul operand reads through ops of one tensor input each,
+    one of them no copy (:data:`COPIES`), and the first such op from the site; ``None`` if
+    it reads none within a few ops."""
+    node, blocker = operand, None
+    for _ in range(8):
+        if not isinstance(node, torch.fx.Node) or node.op != "call_function":
+            return None
+        if node.target is QUANTIZE:
+            found = is_rowwise(scale_arguments(node.args, node.kwargs)[1]) and node.args[5] in ctx.sites
+            return (node, blocker) if found and blocker is not None else None
+        if node.target not in COPIES:
+            if len(node.all_input_nodes) != 1:
+                return None
+            blocker = node
+        node = node.args[0]
+    return None
 
 
 def _rowwise_source(operand: Any, ctx: CompileContext) -> tuple[torch.fx.Node, list[torch.fx.Node]] | None:
