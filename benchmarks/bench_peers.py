@@ -19,7 +19,8 @@ numerics differ:
   the same outputs and weight gradients, bit for bit; lowprec rounds the MLP's last
   layer too); ``fp8-hybrid`` is its unscaled form. torchao's rowwise recipe (E4M3
   everywhere, a power-of-two factor per row of each GEMM operand) and lowprec's
-  ``fp8-rowwise`` are another such pair.
+  ``fp8-rowwise`` are another such pair. lowprec's ``mxfp8`` has no torchao row here:
+  torchao's MXFP8 casts need every summed dimension a multiple of 32 (the MLP's is 784).
 
 Run with the ``bench`` extra installed (``pip install -e ".[bench]"``); a peer
 that is not installed gets a row saying so.
@@ -46,6 +47,7 @@ LOWPREC = {
     "lowprec fp8-hybrid, Inductor": {"recipe": "fp8-hybrid", "executor": "inductor"},
     "lowprec fp8-tensorwise, Inductor": {"recipe": "fp8-tensorwise", "executor": "inductor"},
     "lowprec fp8-rowwise, Inductor": {"recipe": "fp8-rowwise", "executor": "inductor"},
+    "lowprec mxfp8, Inductor": {"recipe": "mxfp8", "executor": "inductor"},
     "lowprec fp8-e5m2-sr, eager executor": {"recipe": "fp8-e5m2-sr", "executor": "eager"},
 }
 
