@@ -15,8 +15,8 @@ errors scaled per tensor instead; ``mxfp8`` (the same, a factor per block of 32)
 lowprec compiles with Inductor; torchao runs eagerly. Per row: bits per character
 over seeds, its difference from FP32's run of the same seed, and the share of the linear
 layers' weights below E4M3's smallest normal value at the end. lowprec's compiled runs are
-not bit-reproducible from process to process here (three 60-step runs of one row differed
-by 2e-4 bits/char), so rows closer than a few thousandths are not told apart.
+not bit-reproducible from process to process here, so rows closer than a few thousandths
+are not told apart.
 
 ``python -m benchmarks.bench_scaling`` writes ``results/scaling.md``; ``--quick`` runs one
 seed of 60 steps and prints the page.
