@@ -12,8 +12,9 @@ Inductor itself is imported (a plain ``torch.compile`` of code that calls
   re-traced once per read: an E5M2 rounding cost Inductor hundreds of op calls
   per kernel body, a stochastic one's key thousands, and compile time grew with
   them. A scaled quantize decomposes into an unscaled one between the multiply
-  and the divide; a tensorwise one computes its scale first (a reduction). A rowwise one
-  is lowered, its factors a reduction per row: it stays one node in the joint graph,
+  and the divide; a tensorwise one computes its scale first (a reduction). A rowwise or
+  MX one is lowered, its factors a reduction per row or per block of 32 (the tensor viewed
+  as blocks, padded): it stays one node in the joint graph,
   where the backend reads which tensor each matmul's operand rounds
   (:mod:`lpcompile.passes.joint.rowwise`).
 * ``predict_weight``: its reference implementation, traced into Inductor's kernels.
