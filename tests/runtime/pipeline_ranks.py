@@ -47,6 +47,8 @@ CASES: dict[str, dict[str, Any]] = {
         "compile": {"recipe": "fp8-e5m2-sr", "executor": "eager"},
         "loss_scale": LossScaleConfig("dynamic", init_scale=2.0**20, growth_interval=3),
     },
+    # dropout after every tanh: each stage draws from a random stream of its own
+    "fp8-sr-dropout": {"dropout": 0.25, "compile": {"recipe": "fp8-e5m2-sr", "executor": "eager"}},
     # slow tier
     "lwpw-stash": {"prediction": "lwp_w", "weight_stash": True},
     "fp8-sr-inductor": {
@@ -59,6 +61,7 @@ CASES: dict[str, dict[str, Any]] = {
     # each matmul's operands scaled per row of the dimension it sums over
     "fp8-rowwise": {"prediction": "lwp_v", "compile": {"recipe": "fp8-rowwise"}},
     "mxfp8": {"prediction": "lwp_v", "compile": {"recipe": "mxfp8"}},
+    "fp8-sr-inductor-dropout": {"dropout": 0.25, "compile": {"recipe": "fp8-e5m2-sr"}},
     "fp8-als": {
         "spike_compensation": True,
         "prediction": "lwp_v",
@@ -67,17 +70,12 @@ CASES: dict[str, dict[str, Any]] = {
 }
 
 
-def model_and_data() -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
+def model_and_data(dropout: float = 0.0) -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
     torch.manual_seed(0)
-    model = nn.Sequential(
-        nn.Linear(8, 16),
-        nn.Tanh(),
-        nn.Linear(16, 16),
-        nn.Tanh(),
-        nn.Linear(16, 16),
-        nn.Tanh(),
-        nn.Linear(16, 4),
-    )
+    layers: list[nn.Module] = []
+    for width in (8, 16, 16):
+        layers += [nn.Linear(width, 16), nn.Tanh(), *([nn.Dropout(dropout)] if dropout else [])]
+    model = nn.Sequential(*layers, nn.Linear(16, 4))
     g = torch.Generator().manual_seed(1)
     return model, torch.randn(SAMPLES, 8, generator=g), torch.randint(0, 4, (SAMPLES,), generator=g)
 
@@ -85,8 +83,8 @@ def model_and_data() -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
 def trainer(case: str, distributed: bool, **kwargs: Any):
     from lpcompile.runtime.pipeline import PipelinedTrainer
 
-    model, x, y = model_and_data()
     settings = {"stages": "layer", "lr": 0.05, "momentum": 0.9, **CASES[case], **kwargs}
+    model, x, y = model_and_data(settings.pop("dropout", 0.0))
     return PipelinedTrainer(model, x[:1], distributed=distributed, **settings), x, y
 
 
@@ -120,7 +118,8 @@ def rank_train(rank: int, folder: Path, cases: list[str]) -> None:
 def resumable(case: str, phase: str, distributed: bool, folder: Path, rank: int = 0) -> dict | None:
     """``full``: A samples, drain, B samples, drain. ``first``: A samples, drain, save each
     rank's state; ``rest``: fresh processes load it and run B samples, drain. ``rest-old``:
-    the same from the state without the stream call counts (the SR streams restart).
+    the same from the state without the stream call counts (the SR streams restart);
+    ``rest-unseeded``: with the stages' random streams at their start (dropout repeats).
     Returns the final full state dict."""
     pipeline, x, y = trainer(case, distributed=distributed)
     half = SAMPLES // 2
@@ -133,6 +132,8 @@ def resumable(case: str, phase: str, distributed: bool, folder: Path, rank: int 
         state = torch.load(folder / f"ckpt-rank{rank}.pt")
         if phase == "rest-old":
             state["streams"] = []
+        if phase == "rest-unseeded":
+            state["random"] = pipeline.state_dict()["random"]
         pipeline.load_state_dict(state)
     pipeline.fit(x[half:], y[half:], seed=4)
     return pipeline.full_state_dict()

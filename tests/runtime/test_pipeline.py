@@ -525,6 +525,42 @@ def test_a_mode_change_after_tracing_is_refused():
     assert len(trainer.losses) == 2
 
 
+def _dropout_losses(seed: int | None, global_seed: int) -> tuple[list[float], PipelinedTrainer]:
+    """A run of a three-stage MLP with dropout in two stages, torch's global generator
+    seeded with ``global_seed`` after the model is built."""
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Linear(4, 8),
+        nn.Dropout(0.5),
+        nn.ReLU(),
+        nn.Linear(8, 8),
+        nn.Dropout(0.5),
+        nn.ReLU(),
+        nn.Linear(8, 3),
+    )
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(8, 4, generator=g), torch.randint(0, 3, (8,), generator=g)
+    torch.manual_seed(global_seed)
+    trainer = PipelinedTrainer(model, x[:1], stages="layer", lr=0.1, seed=seed)
+    return trainer.fit(x, y), trainer
+
+
+def test_stages_draw_dropout_from_streams_of_their_own():
+    """Each stage draws its dropout masks from its own stream (seeded from ``seed`` and the
+    stage), not from torch's global generator, which the trainer leaves as it found it: so
+    ranks, each with its own global generator, draw what the simulator draws."""
+    first, trainer = _dropout_losses(seed=5, global_seed=5)
+    x, y = torch.randn(2, 4), torch.tensor([0, 2])
+    before = torch.get_rng_state()
+    trainer.fit(x, y)
+    assert torch.equal(torch.get_rng_state(), before)
+    assert _dropout_losses(seed=5, global_seed=6)[0] == first
+    assert _dropout_losses(seed=None, global_seed=5)[0] == first  # the default: torch.initial_seed()
+    assert _dropout_losses(seed=6, global_seed=5)[0] != first
+    with pytest.raises(ValueError, match="seed must be an int >= 0"):
+        _dropout_losses(seed=-1, global_seed=5)
+
+
 def test_stage_count_errors():
     with pytest.raises(ValueError, match="stages must be"):
         PipelinedTrainer(MLP(64, 16, 16, 10), torch.rand(1, 64), stages=True, lr=0.1)

@@ -23,7 +23,7 @@ from lpcompile.runtime.pipeline.schedule import TensorMeta, conform, message_met
 
 pytestmark = pytest.mark.usefixtures("single_thread")  # as each rank: the same bits
 
-FAST = ["pb", "sc-lwpv", "fp8-sr", "fp8-sr-dynamic"]
+FAST = ["pb", "sc-lwpv", "fp8-sr", "fp8-sr-dynamic", "fp8-sr-dropout"]
 SLOW = [case for case in CASES if case not in FAST]
 
 
@@ -70,16 +70,17 @@ def _run_cases(tmp_path, world: int, cases: list[str]) -> None:
 
 
 def test_two_ranks_equal_the_simulator_bit_for_bit(tmp_path):
-    """Plain PB, PB+SC+LWP^v, PB+SC+LWP^v with FP8 (E5M2, stochastic rounding) stages, and
-    FP8 stages with dynamic loss scales: four stages on two ranks (two contiguous stages each)."""
+    """Plain PB, PB+SC+LWP^v, PB+SC+LWP^v with FP8 (E5M2, stochastic rounding) stages,
+    FP8 stages with dynamic loss scales, and with dropout in every stage: four stages on two
+    ranks (two contiguous stages each)."""
     _run_cases(tmp_path, 2, FAST)
 
 
 @pytest.mark.slow
 def test_four_ranks_equal_the_simulator_bit_for_bit(tmp_path):
     """One stage per rank; also LWP^w with weight stashing, Inductor-compiled FP8 stages
-    with stochastic rounding, with tensorwise, rowwise and MX scaling, and FP8 with per-layer adaptive
-    loss scaling."""
+    with stochastic rounding (and with dropout), with tensorwise, rowwise and MX scaling, and
+    FP8 with per-layer adaptive loss scaling."""
     _run_cases(tmp_path, 4, FAST + SLOW)
 
 
@@ -154,8 +155,8 @@ def test_a_world_size_that_does_not_fit_is_refused_before_any_work(monkeypatch):
 def test_drain_save_and_resume_in_fresh_processes_equals_the_uninterrupted_run(tmp_path, world):
     """The uninterrupted run (drained at the same point) is the simulator's, which the
     ranks equal bit for bit (tested above)."""
-    case = "fp8-sr"  # stochastic rounding: the call counts must resume too
-    for phase in ("first", "rest", "rest-old"):
+    case = "fp8-sr-dropout"  # stochastic rounding and dropout: call counts and streams resume
+    for phase in ("first", "rest", "rest-old", "rest-unseeded"):
         assert launch("rank_resume", world, tmp_path, case, phase, deadline=300) == [0] * world, phase
         _check_ranks_ran(tmp_path, world)
     full = resumable(case, "full", False, tmp_path)
@@ -163,9 +164,11 @@ def test_drain_save_and_resume_in_fresh_processes_equals_the_uninterrupted_run(t
         rest = torch.load(tmp_path / f"rest-rank{rank}.pt")
         differ = [k for k, v in full.items() if not torch.equal(v, rest[k])]
         assert not differ, f"rank {rank}: {differ}"
-    # resumed without the call counts, stochastic rounding draws other bits: the check can fail
-    old = torch.load(tmp_path / f"rest-old-rank{world - 1}.pt")
-    assert not all(torch.equal(v, old[k]) for k, v in full.items())
+    # resumed without the call counts, stochastic rounding draws other bits, and with the
+    # random streams at their start, dropout: the check can fail
+    for phase in ("rest-old", "rest-unseeded"):
+        other = torch.load(tmp_path / f"{phase}-rank{world - 1}.pt")
+        assert not all(torch.equal(v, other[k]) for k, v in full.items()), phase
 
 
 # -- the example --------------------------------------------------------------------------------

@@ -194,4 +194,10 @@ def test_the_trainer_saves_and_loads_only_a_drained_pipeline():
     state = trainer.state_dict()
     with pytest.raises(ValueError, match=r"not a PipelinedTrainer state dict: it lacks \['samples'\]"):
         trainer.load_state_dict({k: v for k, v in state.items() if k != "samples"})
+    with pytest.raises(
+        ValueError, match=r"'random' must hold the random streams of stages \[0, 1\], it holds \[\]"
+    ):
+        trainer.load_state_dict({**state, "random": {}})
+    with pytest.raises(ValueError, match=r"stage 1's saved cpu random state is not a generator state"):
+        trainer.load_state_dict({**state, "random": {**state["random"], 1: {"cpu": torch.zeros(3)}}})
     assert state["steps"] == 3 and state["samples"] == 1

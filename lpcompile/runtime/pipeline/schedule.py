@@ -18,8 +18,8 @@ bits. At step ``t`` it
 What comes from and goes to outside is a :class:`Transport`'s business. Within a
 step the stages' computations are independent of each other (each reads only
 messages of step ``t - 1`` and its own weights), so their order does not change
-the bits, except for ops that draw from torch's global random generator
-(dropout), whose stream the stages of one process share.
+the bits. Ops that draw from torch's random generators (dropout) draw from the stage's
+own stream (:class:`StageRandom`), whichever process runs the stage.
 
 Messages between stages are conformed to the layout (strides) of the stage graph's
 example value before they are handed on, in both runners: a transport rebuilds
@@ -29,6 +29,7 @@ each tensor in that layout, and the simulator must hand on the same.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -136,6 +137,64 @@ def conform(value: Any, meta: TensorMeta | None) -> Any:
     return out.copy_(value)
 
 
+class StageRandom:
+    """A stage's own stream of torch's random numbers (dropout, ...).
+
+    The stage's forwards and backwards run with its state in the default generators
+    (the CPU's, and each CUDA device's the stage runs on) and hand the process's back
+    afterwards, so a stage draws the same numbers whichever process runs it and
+    whatever stages run beside it: in the simulator as on ranks. Stage ``index``
+    starts from a seed derived from ``seed`` and ``index``.
+    """
+
+    def __init__(self, seed: int, index: int, devices: Sequence[torch.device] = ()) -> None:
+        digest = hashlib.sha256(f"lowprec-stage:{seed}:{index}".encode()).digest()
+        start = int.from_bytes(digest[:8], "little") >> 1
+        self.devices = [torch.device("cpu"), *sorted({d for d in devices if d.type == "cuda"}, key=str)]
+        self.states = [torch.Generator(d).manual_seed(start).get_state() for d in self.devices]
+
+    @contextlib.contextmanager
+    def active(self):
+        """The stage's stream in place of the process's, for the duration."""
+        defaults = [_default_generator(d) for d in self.devices]
+        saved = [g.get_state() for g in defaults]
+        for g, state in zip(defaults, self.states, strict=True):
+            g.set_state(state)
+        try:
+            yield
+        finally:
+            self.states = [g.get_state() for g in defaults]
+            for g, state in zip(defaults, saved, strict=True):
+                g.set_state(state)
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {str(d): state.clone() for d, state in zip(self.devices, self.states, strict=True)}
+
+    def loader(self, saved: Any, index: int) -> Callable[[], None]:
+        """A check of ``saved`` (:meth:`state_dict`) now, and its load for later."""
+        names = [str(d) for d in self.devices]
+        if not isinstance(saved, dict) or sorted(saved) != sorted(names):
+            have = sorted(saved) if isinstance(saved, dict) else type(saved).__name__
+            raise ValueError(f"stage {index}'s random state must hold the generators of {names}, got {have}")
+        for name, state in zip(names, self.states, strict=True):
+            value = saved[name]
+            kind = (value.dtype, value.shape) if isinstance(value, torch.Tensor) else None
+            if kind != (state.dtype, state.shape):
+                raise ValueError(f"stage {index}'s saved {name} random state is not a generator state")
+
+        def load() -> None:
+            self.states = [saved[name].clone() for name in names]
+
+        return load
+
+
+def _default_generator(device: torch.device) -> torch.Generator:
+    if device.type == "cpu":
+        return torch.default_generator
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return torch.cuda.default_generators[index]
+
+
 @dataclass
 class InFlight:
     sample: int
@@ -155,6 +214,7 @@ class Stage:
     graph: StageGraph
     params: list[nn.Parameter]  # the model's trained parameters this stage owns
     runner: Callable  # runner(*state, *inputs) -> outputs
+    random: StageRandom
     ring: list[list[torch.Tensor]]  # D+1 state lists: Parameter slots (and buffers) per forward
     trained: list[bool]  # which state entries are slots of trained parameters
     inputs: list[TensorMeta | None] = field(default_factory=list)  # layouts of what it receives
@@ -167,6 +227,7 @@ def build_stage(
     state: Sequence[torch.Tensor],
     trained_ids: set[int],
     compile: dict[str, Any] | None,
+    random: StageRandom,
 ) -> Stage:
     """A :class:`Stage` for ``graph``: ``state`` are its parameters and buffers (in the
     graph's order), those in ``trained_ids`` get a ring of ``delay + 1`` weight slots."""
@@ -180,7 +241,7 @@ def build_stage(
     trained = [id(v) in trained_ids for v in state]
     ring = [[_slot(v) if t else v for v, t in zip(state, trained, strict=True)] for _ in range(delay + 1)]
     metas = stage_input_metas(graph) if graph.index > 0 else []
-    return Stage(graph.index, delay, graph, params, runner, ring, trained, metas)
+    return Stage(graph.index, delay, graph, params, runner, random, ring, trained, metas)
 
 
 def _slot(param: torch.Tensor) -> nn.Parameter:
@@ -311,7 +372,7 @@ class StageRunner:
                 slot.data.copy_(self.optimizer.predicted_weight(p))
                 slot.grad = None
         inputs = values if stage.index == 0 else grad_inputs(values)
-        with torch.enable_grad():
+        with torch.enable_grad(), stage.random.active():
             outputs = stage.runner(*state, *inputs)
         if self.record:
             self.history.append(Event(t, stage.index, "forward", sample, t))
@@ -332,7 +393,8 @@ class StageRunner:
         if grads is None:  # last stage: the loss
             outputs = item.outputs
             output = outputs[0] if isinstance(outputs, tuple) and len(outputs) == 1 else outputs
-            loss = self.loss_fn(output, item.label)
+            with stage.random.active():
+                loss = self.loss_fn(output, item.label)
             self.losses.append(loss.item())
             tensors = [loss * used if used != 1.0 else loss]
             grad_tensors: list[Any] = [None]
@@ -347,7 +409,8 @@ class StageRunner:
             tensors = [o for o, _ in pairs]
             grad_tensors = [g for _, g in pairs]
         if tensors:
-            torch.autograd.backward(tensors, grad_tensors)
+            with stage.random.active():
+                torch.autograd.backward(tensors, grad_tensors)
         inputs = [v for v in item.inputs if isinstance(v, torch.Tensor) and v.requires_grad]
         skipped = bool(tensors) and scale is not None and scale.unscale(item.slots, inputs)
         for slot, p in zip(item.slots, stage.params, strict=True):

@@ -52,9 +52,12 @@ Loss scaling is per stage (:mod:`lpcompile.runtime.pipeline.scaling`): each stag
 keeps its own static, dynamic or enhanced scale and skips its update for a sample whose
 gradients overflowed in it.
 
-Not done: BatchNorm (refused); ops drawing from torch's global random generator
-(dropout) draw from one stream shared by the stages of a process, so ranks and
-simulator differ there.
+Random numbers (dropout, ...): each stage draws from a stream of its own
+(:class:`~lpcompile.runtime.pipeline.schedule.StageRandom`), seeded from ``seed`` and
+the stage's index, so ranks and simulator draw the same; the streams travel in
+:meth:`PipelinedTrainer.state_dict`.
+
+Not done: BatchNorm (refused).
 """
 
 from __future__ import annotations
@@ -86,6 +89,7 @@ from lpcompile.runtime.pipeline.schedule import (
     Event,
     ForwardMessage,
     Stage,
+    StageRandom,
     StageRunner,
     build_stage,
     stage_input_metas,
@@ -156,6 +160,10 @@ class PipelinedTrainer:
             ``cuda:LOCAL_RANK``). R must divide S; rank r runs the S/R contiguous stages
             from ``r*S/R``. Every rank builds the trainer with the same model (same seed),
             example input and arguments, and calls :meth:`step` with the same arguments.
+        seed: the seed of the stages' random streams (dropout, ...; each stage draws from
+            its own, derived from ``seed`` and its index). ``None``: torch's
+            ``initial_seed()``, the seed of the last ``torch.manual_seed``. Distributed,
+            every rank must use the same (checked at start-up).
         timeout: seconds a rank waits for a neighbour's message before it stops with
             :class:`~lpcompile.runtime.pipeline.distributed.LostRankError` naming the
             rank lost (distributed only).
@@ -180,6 +188,7 @@ class PipelinedTrainer:
         loss_scale: float | str | LossScaleConfig = 1.0,
         record: bool = False,
         distributed: bool = False,
+        seed: int | None = None,
         timeout: float = 300.0,
         setup_timeout: float = 1800.0,
     ) -> None:
@@ -196,6 +205,9 @@ class PipelinedTrainer:
         for name, value in (("weight_stash", weight_stash), ("distributed", distributed)):
             if not isinstance(value, bool):
                 raise ValueError(f"{name} must be a bool, got {value!r}")
+        if seed is None:
+            seed = torch.initial_seed()
+        check_count("seed", seed)
         check_positive("timeout", timeout)
         check_positive("setup_timeout", setup_timeout)
         example = example_input if isinstance(example_input, tuple) else (example_input,)
@@ -239,7 +251,8 @@ class PipelinedTrainer:
         self.rank, self.world_size = (0, 1) if ranks is None else (ranks.rank, ranks.world_size)
         if ranks is not None:
             _check_messages(graphs, local)
-            ranks.join(setup_timeout, {**_summary(self.partition, graphs), "loss_scale": repr(scaling)})
+            agreed = {"loss_scale": repr(scaling), "seed": seed}
+            ranks.join(setup_timeout, {**_summary(self.partition, graphs), **agreed})
         trained = {id(p): p for p in model.parameters() if p.requires_grad}
         placeholders = {n.name: n for n in gm.graph.find_nodes(op="placeholder")}
         #: the stages this process runs (all of them in the simulator)
@@ -247,7 +260,9 @@ class PipelinedTrainer:
         for index in local:
             graph = graphs[index]
             state = [placeholders[name].meta[KEPT_GRAPHARG].example for name in graph.state]
-            self.stages.append(build_stage(graph, self.delays[index], state, set(trained), compile))
+            devices = [v.device for v in (*state, *example) if isinstance(v, torch.Tensor)]
+            random = StageRandom(seed, index, devices)
+            self.stages.append(build_stage(graph, self.delays[index], state, set(trained), compile, random))
         groups = [{"params": stage.params, "delay": stage.delay} for stage in self.stages if stage.params]
         self.optimizer = PipelineSGD(
             groups,
@@ -391,8 +406,8 @@ class PipelinedTrainer:
 
     def state_dict(self) -> dict[str, Any]:
         """What resumes this trainer bit for bit, with the model's own ``state_dict()``: the
-        optimizer's state, the step and sample counts, the stages' loss scales, the stream
-        call counts and adaptive scales of the stage graphs. Only a drained pipeline
+        optimizer's state, the step and sample counts, the stages' loss scales and random
+        streams, the stream call counts and adaptive scales of the stage graphs. Only a drained pipeline
         (:meth:`drain`) has one.
 
         Distributed, each rank's holds its own stages and also their weights (``"params"``,
@@ -408,6 +423,7 @@ class PipelinedTrainer:
             "loss_scales": {
                 index: scale.state_dict() for index, scale in self._scales().items() if scale is not None
             },
+            "random": {stage.index: stage.random.state_dict() for stage in self.stages},
         }
         if self._ranks is not None:
             state["params"] = {name: p.detach().clone() for name, p in self._owned_parameters()}
@@ -419,7 +435,7 @@ class PipelinedTrainer:
         the rank's weights come with it). Checked whole: a bad one raises ``ValueError``
         and changes nothing."""
         self._check_drained("load")
-        keys = ("optimizer", "steps", "samples", "streams", "adaptive")
+        keys = ("optimizer", "steps", "samples", "streams", "adaptive", "random")
         missing = [key for key in keys if key not in state_dict]
         if self._ranks is not None:
             missing += [key for key in ("params", "placement") if key not in state_dict]
@@ -440,6 +456,7 @@ class PipelinedTrainer:
                 )
             load_params = self._params_loader(state_dict["params"])
         load_scales = self._scales_loader(state_dict.get("loss_scales", {}))
+        load_random = self._random_loader(state_dict["random"])
         if load_params is not None:
             load_params()  # first: the saved stream counts find their model by its weights
         load_adaptive = REGISTRY.adaptive_loader(state_dict["adaptive"], self._adaptive_model())
@@ -448,8 +465,17 @@ class PipelinedTrainer:
         self._last_fed = None
         REGISTRY.load_streams_state(state_dict["streams"])
         load_adaptive()
-        for load in load_scales:
+        for load in (*load_scales, *load_random):
             load()
+
+    def _random_loader(self, saved: Any) -> list[Callable[[], None]]:
+        indices = [stage.index for stage in self.stages]
+        if not isinstance(saved, dict) or sorted(saved) != indices:
+            have = sorted(saved) if isinstance(saved, dict) else type(saved).__name__
+            raise ValueError(
+                f"the state dict's 'random' must hold the random streams of stages {indices}, it holds {have}"
+            )
+        return [stage.random.loader(saved[stage.index], stage.index) for stage in self.stages]
 
     def _scales_loader(self, saved: Any) -> list[Callable[[], None]]:
         scaled = {index: scale for index, scale in self._scales().items() if scale is not None}
