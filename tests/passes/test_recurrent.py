@@ -1,6 +1,7 @@
-"""nn.LSTM / GRU / RNN under the lowprec backend: the recurrent call is written out as
-its cells, so the gate products are rounded. The cells are checked against torch's own
-layers with every layer excluded (no rounding), and the rounding with tests/grid.py."""
+"""nn.LSTM / GRU / RNN and their cells under the lowprec backend: the recurrent call is
+written out as its cells, and a cell call as its gate products, so the gate products are
+rounded. The written-out math is checked against torch's own layers with every layer
+excluded (no rounding), and the rounding with tests/grid.py."""
 
 from __future__ import annotations
 
@@ -16,16 +17,25 @@ EAGER = {"recipe": "fp8-e5m2-sr", "executor": "eager"}
 
 
 class LanguageModel(nn.Module):
+    """A recurrent layer, or a cell stepped over the sequence by a Python loop (as
+    sequence-to-sequence decoders write it), between an embedding and a head."""
+
     def __init__(self, cell: type[nn.Module], **kwargs) -> None:
         super().__init__()
         torch.manual_seed(0)
         directions = 2 if kwargs.get("bidirectional") else 1
         self.embed = nn.Embedding(20, 8)
         self.rnn = cell(8, 12, **kwargs)
-        self.head = nn.Linear(12 * directions, 20)
+        self.head = nn.Linear((kwargs.get("proj_size") or 12) * directions, 20)
         self.batch_first = kwargs.get("batch_first", False)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if isinstance(self.rnn, nn.RNNCellBase):
+            x, state, outputs = self.embed(ids), None, []
+            for t in range(ids.shape[1]):
+                state = self.rnn(x[:, t], state)
+                outputs.append(state[0] if isinstance(state, tuple) else state)
+            return self.head(torch.stack(outputs, 1))
         x = self.embed(ids if self.batch_first else ids.t())
         return self.head(self.rnn(x)[0])
 
@@ -37,7 +47,20 @@ CASES = [
     (nn.GRU, dict(bias=False)),
     (nn.RNN, dict(batch_first=True)),
     (nn.RNN, dict(nonlinearity="relu", num_layers=2)),
+    (nn.LSTM, dict(proj_size=5, num_layers=2, bidirectional=True)),
+    (nn.LSTM, dict(proj_size=4, bias=False, batch_first=True)),
+    (nn.LSTMCell, {}),
+    (nn.GRUCell, dict(bias=False)),
+    (nn.RNNCell, dict(nonlinearity="relu")),
 ]
+# the layers each case names, beside the head
+LAYERS = {
+    0: {"rnn.weight_ih_l0", "rnn.weight_hh_l0#0", "rnn.weight_hh_l0#4", "rnn.weight_ih_l1"},
+    2: {"rnn.weight_ih_l1_reverse", "rnn.weight_hh_l1_reverse#0"},
+    6: {"rnn.weight_hr_l0#0", "rnn.weight_hr_l1_reverse#4", "rnn.weight_ih_l1_reverse"},
+    8: {"rnn.weight_ih#0", "rnn.weight_hh#0", "rnn.weight_ih#4", "rnn.weight_hh#4"},
+    9: {"rnn.weight_ih#0", "rnn.weight_hh#4"},
+}
 
 
 @pytest.mark.parametrize(("cell", "kwargs"), CASES, ids=lambda c: getattr(c, "__name__", str(c)))
@@ -64,13 +87,14 @@ def test_cells_match_torch_forward_and_backward(cell, kwargs):
         torch.testing.assert_close(p.grad, expected[name], rtol=1e-4, atol=1e-4 * scale, msg=name)
 
 
-@pytest.mark.parametrize(("cell", "kwargs"), CASES[:3], ids=lambda c: getattr(c, "__name__", str(c)))
-def test_gate_products_run_on_the_grid(cell, kwargs):
+@pytest.mark.parametrize("case", sorted(LAYERS))
+def test_gate_products_run_on_the_grid(case):
+    cell, kwargs = CASES[case]
     records = Records()
     check = grid_step(LanguageModel(cell, **kwargs), {"ids": torch.randint(0, 20, (3, 5))}, EAGER)
     assert check.off_grid == {} and check.count > 10, check.products
     layers = {s.layer for s in records.only().sites.values()}
-    assert {"rnn.weight_ih_l0", "rnn.weight_hh_l0#0", "rnn.weight_hh_l0#4", "head"} <= layers
+    assert LAYERS[case] | {"head"} <= layers, sorted(layers)
 
 
 def test_a_symbolic_sequence_length_warns_by_name():

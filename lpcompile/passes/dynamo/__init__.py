@@ -16,7 +16,7 @@ from lpcompile.passes.dynamo.quantize import (
     has_bodies,
     insert_quantize,
 )
-from lpcompile.passes.dynamo.recurrent import RECURRENT, decompose_recurrent_layers
+from lpcompile.passes.dynamo.recurrent import CELLS, RECURRENT, decompose_recurrent_layers
 from lpcompile.passes.dynamo.regions import has_regions, inline_nested_regions
 from lpcompile.passes.dynamo.saturation import counts_saturation, insert_saturation_counts
 from lpcompile.passes.graph import find_calls
@@ -37,7 +37,7 @@ def has_multihead_attention(gm: torch.fx.GraphModule, ctx: CompileContext, kind:
 
 
 def has_recurrent_layers(gm: torch.fx.GraphModule, ctx: CompileContext, kind: str) -> bool:
-    return rewrites(gm, ctx, kind) and bool(find_calls(gm, RECURRENT))
+    return rewrites(gm, ctx, kind) and bool(find_calls(gm, RECURRENT.keys() | CELLS.keys()))
 
 
 def has_einsum(gm: torch.fx.GraphModule, ctx: CompileContext, kind: str) -> bool:

@@ -1,5 +1,6 @@
 """Recurrent layers in the Dynamo graph: ``torch.lstm`` / ``gru`` / ``rnn_tanh`` /
-``rnn_relu`` become their cells, unrolled over the sequence, so that every gate product
+``rnn_relu`` become their cells, unrolled over the sequence, and the cells
+(``nn.LSTMCell``/``GRUCell``/``RNNCell``) their gate products, so that every gate product
 is a layer the quantize pass rounds.
 
 Dynamo skips a frame that runs ``nn.LSTM``/``GRU``/``RNN`` unless
@@ -8,9 +9,12 @@ with it, the recurrent layer is one opaque ATen call. ``decompose_recurrent_laye
 writes that call out with the math of torch's cells: per layer and direction, one
 ``F.linear`` of the whole sequence with ``weight_ih`` (named ``<module>.weight_ih_l<k>``,
 ``_reverse`` for the backward direction) and, per time step, one with ``weight_hh``
-(``<module>.weight_hh_l<k>#<t>``); dropout between layers as torch applies it.
-A sequence length Dynamo made symbolic, or ``proj_size``, leaves the call whole with a
-warning naming the module.
+(``<module>.weight_hh_l<k>#<t>``) and, with ``proj_size``, one with ``weight_hr``
+(``<module>.weight_hr_l<k>#<t>``); dropout between layers as torch applies it. A cell
+call becomes its two products, ``<module>.weight_ih`` and ``<module>.weight_hh``,
+numbered ``#<i>`` in graph order where the module is called several times (once per time
+step of a loop). A sequence length Dynamo made symbolic leaves a layer's call whole with
+a warning naming the module.
 """
 
 from __future__ import annotations
@@ -27,6 +31,13 @@ from lpcompile.passes.graph import LAYER_NAME, find_calls, inline, layer_name, r
 
 # ATen recurrent call -> its cell
 RECURRENT = {torch.lstm: "lstm", torch.gru: "gru", torch.rnn_tanh: "tanh", torch.rnn_relu: "relu"}
+# ATen cell call -> the cell
+CELLS = {
+    torch.lstm_cell: "lstm",
+    torch.gru_cell: "gru",
+    torch.rnn_tanh_cell: "tanh",
+    torch.rnn_relu_cell: "relu",
+}
 PARAMS = (
     "input", "hx", "params", "has_biases", "num_layers", "dropout", "train", "bidirectional", "batch_first",
 )  # fmt: skip
@@ -52,12 +63,21 @@ def _cell(cell: str, gi, gh, h, c):
     return (torch.tanh if cell == "tanh" else torch.relu)(gi + gh), None
 
 
+def _cell_call(cell, input, hx, w_ih, w_hh, b_ih, b_hh, names):
+    h, c = (hx[0], hx[1]) if cell == "lstm" else (hx, None)
+    gi = _named(F.linear(input, w_ih, b_ih), names[0])
+    gh = _named(F.linear(h, w_hh, b_hh), names[1])
+    h, c = _cell(cell, gi, gh, h, c)
+    return (h, c) if cell == "lstm" else h
+
+
 def _recurrent(
     cell, input, hx, params, has_biases, num_layers, dropout, train, bidirectional, batch_first, steps, path
 ):
     x = input.transpose(0, 1) if batch_first else input  # (T, N, features)
     directions = 2 if bidirectional else 1
-    per = 4 if has_biases else 2
+    per = len(params) // (num_layers * directions)
+    projected = per == (5 if has_biases else 3)  # LSTM's proj_size: weight_hr after the others
     h0, c0 = (hx[0], hx[1]) if cell == "lstm" else (hx, None)
     last_h, last_c = [], []
     for layer in range(num_layers):
@@ -66,6 +86,7 @@ def _recurrent(
             k = layer * directions + d
             w_ih, w_hh = params[k * per], params[k * per + 1]
             b_ih, b_hh = (params[k * per + 2], params[k * per + 3]) if has_biases else (None, None)
+            w_hr = params[k * per + per - 1] if projected else None
             suffix = f"_l{layer}" + ("_reverse" if d else "")
             gates_in = _named(F.linear(x, w_ih, b_ih), f"{path}.weight_ih{suffix}")
             h, c = h0[k], (c0[k] if c0 is not None else None)
@@ -73,6 +94,8 @@ def _recurrent(
             for t in reversed(range(steps)) if d else range(steps):
                 gh = _named(F.linear(h, w_hh, b_hh), f"{path}.weight_hh{suffix}#{t}")
                 h, c = _cell(cell, gates_in[t], gh, h, c)
+                if w_hr is not None:
+                    h = _named(F.linear(h, w_hr), f"{path}.weight_hr{suffix}#{t}")
                 ys[t] = h
             outputs.append(torch.stack(ys, 0))
             last_h.append(h)
@@ -88,24 +111,33 @@ def _recurrent(
 
 def decompose_recurrent_layers(gm: torch.fx.GraphModule, ctx: CompileContext) -> None:
     """Each LSTM/GRU/RNN call (in checkpoint bodies too) becomes its cells, unrolled over a
-    static sequence length."""
+    static sequence length, and each cell call its gate products."""
     for graph, node in find_calls(gm, RECURRENT):
         cell = RECURRENT[node.target]
         args = dict(zip(PARAMS, node.args, strict=False))
         path = layer_name(node)
         example = args["input"].meta["example_value"]
         steps = example.shape[1 if args["batch_first"] else 0]
-        directions = 2 if args["bidirectional"] else 1
-        per = len(args["params"]) // (args["num_layers"] * directions)
-        if not isinstance(steps, int) or per != (4 if args["has_biases"] else 2):
-            why = "a symbolic sequence length" if not isinstance(steps, int) else "proj_size"
-            ctx.kept.append(KeptProduct(path, op_name(node), why))
+        if not isinstance(steps, int):
+            ctx.kept.append(KeptProduct(path, op_name(node), "a symbolic sequence length"))
             warnings.warn(
-                f"lowprec: recurrent layer {path!r} has {why}: its gate products stay in higher precision"
+                f"lowprec: recurrent layer {path!r} has a symbolic sequence length: its gate products "
+                "stay in higher precision"
                 " (give the model a fixed sequence length, compile with dynamic=False)",
                 stacklevel=1,
             )
             continue
         out = inline(graph, node, _recurrent, {"cell": cell, **args, "steps": steps, "path": path})
         replace_with(node, out)
+    calls: dict[tuple[int, str], list[tuple[torch.fx.GraphModule, torch.fx.Node]]] = {}
+    for graph, node in find_calls(gm, CELLS):
+        calls.setdefault((id(graph), layer_name(node)), []).append((graph, node))
+    for (_, path), made in calls.items():
+        for i, (graph, node) in enumerate(made):
+            suffix = f"#{i}" if len(made) > 1 else ""
+            names = (f"{path}.weight_ih{suffix}", f"{path}.weight_hh{suffix}")
+            args = dict(zip(("input", "hx", "w_ih", "w_hh", "b_ih", "b_hh"), node.args, strict=False))
+            args = {"b_ih": None, "b_hh": None, **args, **node.kwargs}
+            out = inline(graph, node, _cell_call, {"cell": CELLS[node.target], **args, "names": names})
+            replace_with(node, out)
     recompile_bodies(gm)
