@@ -35,6 +35,7 @@ PRODUCT_OPERANDS: dict[object, tuple[int, ...]] = {
     **{target: (0, 1) for target in WEIGHTED_TARGETS | MATMUL_TARGETS | GROUPED_MM_TARGETS},
     **{target: (1, 2) for target in (torch.addmm, torch.baddbmm, torch.addbmm, torch.addmv)},
     **{target: (0, 1) for target in (torch.mv, torch.dot, torch.vdot, torch.inner, torch.outer)},
+    torch.addr: (1, 2),
     torch.tensordot: (0, 1),
     F.bilinear: (0, 1, 2),
     F.scaled_dot_product_attention: (0, 1, 2),  # option `attention`
@@ -46,7 +47,7 @@ PRODUCT_OPERANDS: dict[object, tuple[int, ...]] = {
 LIBRARY_PRODUCTS: dict[str, tuple[int, ...]] = {"transformers::grouped_mm_fallback": (0, 1)}
 PRODUCT_METHODS: dict[str, tuple[int, ...]] = {
     **{name: (0, 1) for name in ("matmul", "mm", "bmm", "__matmul__", "mv", "dot", "vdot", "inner", "outer")},
-    **{name: (1, 2) for name in ("addmm", "baddbmm", "addbmm", "addmv")},
+    **{name: (1, 2) for name in ("addmm", "baddbmm", "addbmm", "addmv", "addr")},
 }
 # The parameter names of a product's leading positions, to move keyword operands there.
 OPERAND_NAMES: dict[object, tuple[str, ...]] = {
@@ -60,6 +61,7 @@ OPERAND_NAMES: dict[object, tuple[str, ...]] = {
     **{target: ("input", "vec") for target in (torch.mv, "mv")},
     **{target: ("input", "tensor") for target in (torch.dot, torch.vdot, "dot", "vdot")},
     **{target: ("input", "vec2") for target in (torch.outer, "outer")},
+    **{target: ("input", "vec1", "vec2") for target in (torch.addr, "addr")},
     torch.tensordot: ("a", "b", "dims"),
     torch._grouped_mm: ("self", "mat2"),
     F.grouped_mm: ("mat_a", "mat_b"),

@@ -1,5 +1,5 @@
 """Every product, not only linear/conv/matmul: addmm, baddbmm, addbmm, einsum, bilinear,
-mv, dot, the method forms and grouped matmuls, with roles from the graph (a parameter
+mv, dot, addr, the method forms and grouped matmuls, with roles from the graph (a parameter
 operand is a weight)."""
 
 from __future__ import annotations
@@ -20,7 +20,8 @@ OPTIONS = {"recipe": "fp8-e5m2-sr", "executor": "eager"}
 
 class Products(nn.Module):
     """HF GPT-2's Conv1D (addmm with the weight as mat2), a slice of a stacked weight, einsum
-    with a weight, baddbmm and addbmm of activations, bilinear, mv and dot, and method calls."""
+    with a weight, baddbmm and addbmm of activations, bilinear, mv, dot and addr (an outer
+    product whose backward multiplies the error), and method calls."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -38,7 +39,8 @@ class Products(nn.Module):
         h = torch.baddbmm(a, a, a.transpose(1, 2) @ a).flatten(1)
         h = h + torch.addbmm(self.b, a.transpose(1, 2), a).sum(0)
         h = self.bilinear(h, x).addmm(x, self.w)
-        return h.sum() + torch.mv(h, self.v).sum() + torch.dot(self.v, self.v) + h.mv(self.v).sum()
+        outer = torch.addr(self.w, h[0], self.v).sum()
+        return h.sum() + torch.mv(h, self.v).sum() + torch.dot(self.v, self.v) + h.mv(self.v).sum() + outer
 
 
 def test_every_product_runs_on_the_grid_forward_and_backward():
