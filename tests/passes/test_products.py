@@ -4,6 +4,8 @@ operand is a weight)."""
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 from grid import GridCheck, grid_step, on_e5m2_grid, watched_backend
@@ -13,7 +15,7 @@ from torch.nn import functional as F
 from torch.nn.utils import prune
 
 import lpcompile
-from lpcompile.passes.dynamo.quantize import OPAQUE
+from lpcompile.passes.dynamo.quantize import CDIST, OPAQUE
 
 OPTIONS = {"recipe": "fp8-e5m2-sr", "executor": "eager"}
 
@@ -336,3 +338,46 @@ def test_custom_operators_that_may_multiply_warn_and_are_listed():
     assert not [w for w in caught if "lowprec_test::double" in str(w.message)]
     kept = [(row.op, row.kept) for row in lpcompile.coverage(model) if row.kept]
     assert kept == [("lowprec_test::fused_mm", OPAQUE)]
+
+
+class Distances(nn.Module):
+    """Distances of each input row to a learned codebook (vector-quantised models)."""
+
+    def __init__(self, form: str, **kwargs) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.codes = nn.Parameter(torch.randn(40, 8))
+        self.form, self.kwargs = form, kwargs
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.form == "cdist":
+            return torch.cdist(x, self.codes, **self.kwargs)
+        c = self.codes
+        squared = x.square().sum(-1, keepdim=True) - 2 * x @ c.mT + c.square().sum(-1)
+        return squared.clamp_min(0).sqrt()
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "multiplies"),
+    [({}, True), ({"compute_mode": "donot_use_mm_for_euclid_dist"}, False), ({"p": 1.0}, False)],
+)
+def test_cdist_that_multiplies_inside_warns_and_is_listed(kwargs, multiplies):
+    """torch.cdist's p=2 distances between more than 25 rows go through a matrix product
+    inside the call, unrounded (the check sees it off the grid): a warning and coverage say
+    so. Other modes do not multiply."""
+    model = Distances("cdist", **kwargs)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        check = grid_step(model, {"x": torch.randn(30, 8)}, OPTIONS)
+    said = [str(w.message) for w in caught if "torch.cdist in 'cdist'" in str(w.message)]
+    kept = [(row.op, row.kept) for row in lpcompile.coverage(model) if row.kept]
+    if multiplies:
+        assert check.off_grid and len(said) == 1 and "matrix product" in said[0]
+        assert kept == [("cdist", CDIST)]
+    else:
+        assert check.count == 0 and not said and not kept
+
+
+def test_distances_written_out_as_the_warning_says_run_on_the_grid():
+    check = grid_step(Distances("written"), {"x": torch.randn(30, 8)}, OPTIONS)
+    assert check.count == 2 and check.off_grid == {}, check.products  # forward, weight gradient

@@ -428,6 +428,7 @@ def insert_quantize(gm: torch.fx.GraphModule, ctx: CompileContext) -> None:
         body.recompile()
     warn_unentered_subgraphs(gm, ctx)
     warn_opaque_operators(gm, ctx)
+    warn_matmul_distances(gm, ctx)
 
 
 # Operator namespaces of torch's own ops, lowprec's, and the collectives DDP and FSDP2 add
@@ -470,6 +471,42 @@ def warn_opaque_operators(gm: torch.fx.GraphModule, ctx: CompileContext) -> None
             " (written with torch ops, in a module or a torch.autograd.Function, it would be)",
             stacklevel=1,
         )
+
+
+CDIST = (
+    "its Euclidean distances go through a matrix product, which runs unrounded (written out, "
+    "(x1.square().sum(-1, keepdim=True) - 2 * x1 @ x2.mT + x2.square().sum(-1)).clamp_min(0).sqrt(), "
+    "the product is rounded)"
+)
+# torch.cdist's compute modes: the default multiplies where either input has more rows
+MM_IF_NECESSARY = "use_mm_for_euclid_dist_if_necessary"
+MM_ALWAYS = "use_mm_for_euclid_dist"
+MM_NEVER = "donot_use_mm_for_euclid_dist"
+CDIST_ROWS = 25
+
+
+def _cdist_multiplies(node: torch.fx.Node) -> bool:
+    """Whether a ``torch.cdist`` call may compute its distances with a matrix product."""
+    args = dict(zip(("x1", "x2", "p", "compute_mode"), node.args, strict=False)) | node.kwargs
+    mode = args.get("compute_mode") or MM_IF_NECESSARY
+    if args.get("p", 2.0) != 2.0 or mode == MM_NEVER:
+        return False
+    inputs = [n for n in (args["x1"], args["x2"]) if isinstance(n, torch.fx.Node)]
+    rows = [n.meta["example_value"].shape[-2] for n in inputs]
+    return mode == MM_ALWAYS or any(not isinstance(r, int) or r > CDIST_ROWS for r in rows)
+
+
+def warn_matmul_distances(gm: torch.fx.GraphModule, ctx: CompileContext) -> None:
+    """Warn about ``torch.cdist`` calls that multiply inside (p=2, more than 25 rows or
+    ``compute_mode="use_mm_for_euclid_dist"``): that product runs unrounded."""
+    if not ctx.config.quantizes:
+        return
+    found = [n for n in gm.graph.find_nodes(op="call_function", target=torch.cdist) if _cdist_multiplies(n)]
+    for node in found:
+        ctx.kept.append(KeptProduct(layer_name(node), "cdist", CDIST))
+    if found:
+        layers = ", ".join(repr(layer_name(node)) for node in found)
+        warnings.warn(f"lowprec: torch.cdist in {layers}: {CDIST}", stacklevel=1)
 
 
 def warn_unentered_subgraphs(gm: torch.fx.GraphModule, ctx: CompileContext, entered=BODIES) -> None:
