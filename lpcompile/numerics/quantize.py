@@ -339,6 +339,59 @@ def _quantize_incoming(ctx, grad):
 quantize_grad_op.register_autograd(_quantize_incoming, setup_context=_save_grad_spec)
 
 
+def _batched(value: torch.Tensor | None, dim: int | None, size: int) -> torch.Tensor | None:
+    """``value`` with its vmapped dimension ``dim`` first (expanded to ``size`` if unbatched)."""
+    if value is None:
+        return None
+    return value.movedim(dim, 0) if dim is not None else value.expand(size, *value.shape)
+
+
+def _slice_seed(seed: torch.Tensor | None, index: int) -> torch.Tensor | None:
+    """A stream of its own for slice ``index`` of a vmapped tensor rounded per slice."""
+    return None if seed is None else seed ^ ((index + 1) << 40)
+
+
+def _quantize_vmap(info, in_dims, x, fmt, rounding, overflow, seed, offset, scale, scaling="none"):
+    """``lowprec::quantize`` under ``torch.vmap``: the slices as one tensor, whose element
+    indices give each slice random bits of its own, and whose rows and blocks are the
+    slices' (scaling ``"none"``, per row, MX); per tensor, each slice with its own scale
+    and stream. (Torch's fallback would round each slice alone, all with the same bits.)"""
+    x_dim, _, _, _, seed_dim, _, scale_dim, *_ = in_dims
+    if seed_dim is not None:
+        raise ValueError("lowprec::quantize under vmap: the seed must not be vmapped")
+    x = _batched(x, x_dim, info.batch_size)
+    if scale is not None and scale_dim is not None:  # [B, *S] against [B, *X]: S aligned right
+        scale = scale.movedim(scale_dim, 0)
+        scale = scale.reshape(scale.shape[0], *[1] * (x.dim() - scale.dim()), *scale.shape[1:])
+    if scaling in ("tensorwise", "tensorwise_pow2"):
+        slices = [
+            quantize_op(x[i], fmt, rounding, overflow, _slice_seed(seed, i), offset, None, scaling)
+            for i in range(x.shape[0])
+        ]
+        return torch.stack(slices), 0
+    return quantize_op(x, fmt, rounding, overflow, seed, offset, scale, *scaling_argument(scaling)), 0
+
+
+def _quantize_grad_vmap(info, in_dims, x, fmt, rounding, overflow, seed, offset, scaling="none"):
+    """``lowprec::quantize_grad`` under ``torch.vmap``: the error rounded as
+    :func:`_quantize_vmap` rounds a tensor."""
+    x_dim, _, _, _, seed_dim, *_ = in_dims
+    if seed_dim is not None:
+        raise ValueError("lowprec::quantize_grad under vmap: the seed must not be vmapped")
+    x = _batched(x, x_dim, info.batch_size)
+    if scaling in ("tensorwise", "tensorwise_pow2"):
+        slices = [
+            quantize_grad_op(x[i], fmt, rounding, overflow, _slice_seed(seed, i), offset, scaling)
+            for i in range(x.shape[0])
+        ]
+        return torch.stack(slices), 0
+    return quantize_grad_op(x, fmt, rounding, overflow, seed, offset, *scaling_argument(scaling)), 0
+
+
+quantize_op.register_vmap(_quantize_vmap)
+quantize_grad_op.register_vmap(_quantize_grad_vmap)
+
+
 @torch.library.custom_op("lowprec::realize", mutates_args=())
 def realize_op(x: torch.Tensor) -> torch.Tensor:
     """The identity; under Inductor ``x`` is computed once into a buffer."""

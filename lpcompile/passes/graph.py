@@ -70,7 +70,9 @@ OPERAND_NAMES: dict[object, tuple[str, ...]] = {
 }
 # Ops through which a parameter is still "the weight" (x @ self.w.t()).
 VIEW_METHODS = {"t", "transpose", "permute", "view", "reshape", "contiguous", "T", "mT", "narrow"}
-VIEW_FUNCTIONS = {torch.t, torch.transpose, torch.permute, torch.reshape, torch.narrow}
+# ``torch.vmap`` over stacked parameters (torch.func ensembles): each member's slice
+VMAP_SLICE = torch._functorch.predispatch._add_batch_dim
+VIEW_FUNCTIONS = {torch.t, torch.transpose, torch.permute, torch.reshape, torch.narrow, VMAP_SLICE}
 
 # ATen ops that reshape a tensor, or cast an index tensor, without changing its values' order.
 RESHAPES = {torch.ops.aten.view.default, torch.ops.aten.reshape.default, torch.ops.aten._unsafe_view.default}
@@ -162,6 +164,7 @@ def needs_grad(value: object) -> bool:
     frozen weight, an input batch and anything under ``no_grad`` do not)."""
     if not isinstance(value, torch.fx.Node):
         return False
+    value = base_of(value)  # a view's (a vmapped slice's example may not say)
     if value.op == "get_attr":  # a parameter, or a subgraph or constant of the graph's own
         return (parameter := parameter_of(value)) is not None and parameter.requires_grad
     example = value.meta.get("example_value")
@@ -174,8 +177,11 @@ def _fqn(source: str) -> str:
     The root module is the frame's ``self``, or, where a decorator wraps ``forward``
     (``def wrapper(*args, **kwargs)``, as transformers does), ``args[0]``. A module
     reached through a ``__getattr__`` of its own (PEFT's wrappers) is read from
-    ``__dict__['_modules']``.
+    ``__dict__['_modules']``; one whose name is no identifier (``torch.func.functional_call``
+    of a ``Sequential``) as ``getattr(L['self'].base, '0')``.
     """
+    while (unwrapped := re.sub(r"getattr\(([^()]*), '([^']*)'\)", r"\1.\2", source)) != source:
+        source = unwrapped  # the innermost first
     path = re.sub(r"^L\['(?:args|kwargs)'\]\[(?:\d+|'[^']*')\]|^L\['[^']*'\]", "", source)
     path = re.sub(r"\.(?:__dict__\[')?_(?:modules|parameters)(?:'\])?\['([^']*)'\]", r".\1", path)
     return re.sub(r"\[(\d+)\]", r".\1", path).strip(".")
