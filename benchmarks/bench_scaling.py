@@ -14,9 +14,9 @@ errors scaled per tensor instead; ``mxfp8`` (the same, a factor per block of 32)
 ``convert_to_float8_training`` in its CPU emulation (its tensorwise and rowwise recipes).
 lowprec compiles with Inductor; torchao runs eagerly. Per row: bits per character
 over seeds, its difference from FP32's run of the same seed, and the share of the linear
-layers' weights below E4M3's smallest normal value at the end. lowprec's compiled runs are
-not bit-reproducible from process to process here, so rows closer than a few thousandths
-are not told apart.
+layers' weights below E4M3's smallest normal value at the end. Runs use torch's
+deterministic algorithms (Inductor's embedding backward otherwise adds rows in an order
+that follows thread timing), so each run repeats its bits.
 
 ``python -m benchmarks.bench_scaling`` writes ``results/scaling.md``; ``--quick`` runs one
 seed of 60 steps and prints the page.
@@ -124,6 +124,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="one seed of 60 steps; print the page")
     args = parser.parse_args()
     seeds, steps = (1, 60) if args.quick else (args.seeds, STEPS)
+    torch.use_deterministic_algorithms(True)
     text = load_stdlib_source()
     lines = [
         "| variant | validation bits/char | − FP32's, same seed | linear weights below 2^-6 | s/run |",
