@@ -407,8 +407,8 @@ class PipelinedTrainer:
     def state_dict(self) -> dict[str, Any]:
         """What resumes this trainer bit for bit, with the model's own ``state_dict()``: the
         optimizer's state, the step and sample counts, the stages' loss scales and random
-        streams, the stream call counts and adaptive scales of the stage graphs. Only a drained pipeline
-        (:meth:`drain`) has one.
+        streams, the stream call counts and adaptive scales of the stage graphs. Only a
+        drained pipeline (:meth:`drain`) has one.
 
         Distributed, each rank's holds its own stages and also their weights (``"params"``,
         by the model's parameter names) and where they sit (``"placement"``): save one per
