@@ -18,7 +18,8 @@ others have no hooks. :func:`trace_wrapped_forwards` adds one rule to Dynamo's s
 decision: the ``forward`` frame of a module that a running DDP or FSDP2 module contains
 (found on the Python stack, the wrapper's own call included) is traced. A second rule
 holds for lowprec's compiles only, with or without a wrapper: the ``forward`` frame of a
-module with products of its own (:func:`product_parameters`) is traced, as when a root
+module with products of its own (:func:`product_parameters`, or a fused forward that
+multiplies its children's weights: :data:`FUSED_FORWARDS`) is traced, as when a root
 ``forward`` Dynamo gave up on calls its ``nn.Linear`` layers. Nothing else changes
 (inlined calls, other frames, other backends' frames outside a wrapper).
 
@@ -101,13 +102,16 @@ def wrapped_forward(frame: Any) -> str | None:
         return None
     if (kind := running_wrapper(module)) is not None:
         return f"lowprec: the forward of a module {kind} runs"
-    if product_parameters(module) and compiling_for_lowprec():
+    if (product_parameters(module) or isinstance(module, FUSED_FORWARDS)) and compiling_for_lowprec():
         return "lowprec: the forward of a module with products, called from a frame run uncompiled"
     return None
 
 
 # Modules whose parameters are read by lookups, not products.
 LOOKUPS = (torch.nn.Embedding, torch.nn.EmbeddingBag)
+# Modules whose forward multiplies their children's weights itself, in one fused call that
+# never calls the children (nn.TransformerEncoderLayer in eval() without gradients).
+FUSED_FORWARDS = (torch.nn.TransformerEncoderLayer,)
 
 
 def product_parameters(module: torch.nn.Module) -> list[str]:

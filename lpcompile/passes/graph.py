@@ -197,7 +197,7 @@ def layer_name(node: torch.fx.Node) -> str:
     """
     if (name := node.meta.get(LAYER_NAME)) is not None:
         return name
-    path = _module_path(node)
+    path = module_path(node)
     if path and is_named_call(node):
         _name_module_layers(node.graph)
         return node.meta[LAYER_NAME]
@@ -206,7 +206,7 @@ def layer_name(node: torch.fx.Node) -> str:
     return path or node.name
 
 
-def _module_path(node: torch.fx.Node) -> str:
+def module_path(node: torch.fx.Node) -> str:
     stack = node.meta.get("nn_module_stack") or {}
     return _in_model(node.graph, _fqn(list(stack.values())[-1][0])) if stack else ""
 
@@ -230,7 +230,7 @@ def _name_module_layers(graph: torch.fx.Graph) -> None:
     where one makes several)."""
     calls: dict[str, list[torch.fx.Node]] = {}
     for node in filter(is_named_call, graph.nodes):
-        if path := _module_path(node):
+        if path := module_path(node):
             calls.setdefault(path, []).append(node)
     for path, nodes in calls.items():
         nodes = [n for n in nodes if LAYER_NAME not in n.meta]  # named by the pass that made them

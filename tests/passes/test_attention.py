@@ -12,9 +12,12 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
-from grid import grid_step
+from grid import GridCheck, grid_step, watched_backend
 from models import Records
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import lpcompile
 
 EAGER = {"recipe": "fp8-e5m2-sr", "executor": "eager"}
 UNROUNDED = {**EAGER, "exclude": ["*"]}  # the rewrites run, no layer is rounded
@@ -161,3 +164,100 @@ def test_attention_option_is_validated():
 
     with pytest.raises(ValueError, match="attention must be one of"):
         LowPrecConfig.from_options({"recipe": "fp8-e5m2", "attention": "flash"})
+
+
+# -- torch's fused inference paths (eval() without gradients) ------------------------------------
+
+
+class _Ops(TorchDispatchMode):
+    """The names of the ATen ops that ran."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.names: set[str] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.add(func.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+def _encoder(norm_first: bool, activation: str) -> nn.TransformerEncoder:
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(
+        8, 2, 16, activation=activation, norm_first=norm_first, batch_first=True
+    )
+    return nn.TransformerEncoder(layer, 2, enable_nested_tensor=False).eval()
+
+
+PADDING = torch.tensor([[False] * 4 + [True], [False] * 5])
+
+
+@pytest.mark.parametrize(
+    ("norm_first", "activation", "masks"),
+    [
+        (False, "relu", {}),
+        (True, "gelu", {"mask": MASK}),
+        (False, "gelu", {"src_key_padding_mask": PADDING}),
+        (True, "relu", {"mask": MASK, "src_key_padding_mask": PADDING}),
+    ],
+)
+def test_encoder_layers_fast_path_is_written_out_as_torch_runs_it(norm_first, activation, masks):
+    """In eval() without gradients torch runs each nn.TransformerEncoderLayer as one fused
+    op, whose products nothing rounded; it becomes the layer's own path. Checked against
+    that fused op, unrounded."""
+    model = _encoder(norm_first, activation)
+    x = torch.randn(2, 5, 8)
+    with torch.no_grad(), _Ops() as ops:
+        want = model(x, **masks)
+    assert "_transformer_encoder_layer_fwd.default" in ops.names  # the reference is the fused op
+    torch._dynamo.reset()
+    records = Records()
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        got = torch.compile(model, backend="lowprec", options=UNROUNDED)(x, **masks)
+    # a mask makes TransformerEncoder's forward break its graph (Tensor.item): then each
+    # layer compiles as a frame of its own
+    rewrites = [r for g in records.new for r in g.records if r.name == "decompose_multihead_attention"]
+    assert sum(r.nodes_removed for r in rewrites) >= 1  # (identical layers: one graph)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        dict(need_weights=False),
+        dict(need_weights=True, average_attn_weights=False, key_padding_mask=PADDING),
+        dict(need_weights=False, attn_mask=MASK, key_padding_mask=PADDING),
+    ],
+    ids=lambda case: "-".join(case),
+)
+def test_multihead_attentions_fast_path_is_written_out_as_torch_runs_it(case):
+    mha = _mha().eval()
+    x = torch.randn(2, 5, 8)
+    with torch.no_grad(), _Ops() as ops:
+        want = mha(x, x, x, **case)
+    assert "_native_multi_head_attention.default" in ops.names
+    torch._dynamo.reset()
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        got = torch.compile(lambda x: mha(x, x, x, **case), backend="lowprec", options=UNROUNDED)(x)
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("masks", [{}, {"mask": MASK}], ids=["unmasked", "masked"])
+def test_an_evaluated_encoder_runs_its_products_on_the_grid_named_as_in_training(masks):
+    """Masked, TransformerEncoder's forward breaks its graph before the layers, whose
+    forward (torch.nn code, with no parameters of its own) Dynamo would skip: lowprec has
+    it traced, as a module whose fused path multiplies its children's weights."""
+    model = _encoder(norm_first=False, activation="relu")
+    check = GridCheck()
+    records = Records()
+    torch._dynamo.reset()
+    with torch.no_grad():
+        torch.compile(model, backend=watched_backend(EAGER, check))(torch.randn(2, 5, 8), **masks)
+    assert check.count >= 12 and check.off_grid == {}, check.products
+    assert len(records.new) >= 1
+    named = {"self_attn.in_proj_q", "self_attn.out_proj", "linear1", "linear2"}
+    layers = {row.layer for row in lpcompile.coverage(model)}
+    assert {f"layers.{i}.{name}" for i in (0, 1) for name in named} <= layers, sorted(layers)

@@ -5,7 +5,14 @@ from __future__ import annotations
 import torch.fx
 
 from lpcompile.passes.driver import CompileContext, Pass
-from lpcompile.passes.dynamo.attention import MHA, SDPA, decompose_attention, decompose_multihead_attention
+from lpcompile.passes.dynamo.attention import (
+    ENCODER_LAYER,
+    MHA,
+    NATIVE_MHA,
+    SDPA,
+    decompose_attention,
+    decompose_multihead_attention,
+)
 from lpcompile.passes.dynamo.chains import MATRIX_CHAINS, write_matrix_chains
 from lpcompile.passes.dynamo.conv import im2col_applies, use_im2col_convs
 from lpcompile.passes.dynamo.loss_scale import insert_loss_scale, loss_scale_applies
@@ -33,7 +40,7 @@ def has_nested_regions(gm: torch.fx.GraphModule, ctx: CompileContext, kind: str)
 
 
 def has_multihead_attention(gm: torch.fx.GraphModule, ctx: CompileContext, kind: str) -> bool:
-    return rewrites(gm, ctx, kind) and bool(find_calls(gm, {MHA}))
+    return rewrites(gm, ctx, kind) and bool(find_calls(gm, {MHA, ENCODER_LAYER, NATIVE_MHA}))
 
 
 def has_recurrent_layers(gm: torch.fx.GraphModule, ctx: CompileContext, kind: str) -> bool:

@@ -6,7 +6,11 @@
   attention (``scaled_dot_product_attention``, or with ``need_weights`` the explicit
   ``bmm`` → softmax → ``bmm`` torch runs) and ``<module>.out_proj``, so each product is a
   layer the quantize pass rounds. Unsupported arguments (``bias_k``/``bias_v``,
-  ``add_zero_attn``, static keys) leave the call whole, with a warning.
+  ``add_zero_attn``, static keys) leave the call whole, with a warning. Torch's fused
+  inference paths (``eval()`` without gradients: ``nn.TransformerEncoderLayer``'s
+  ``_transformer_encoder_layer_fwd``, ``nn.MultiheadAttention``'s
+  ``_native_multi_head_attention``) first become the module's own path, whose products are
+  named as in training (``<layer>.self_attn.in_proj_q``, ``<layer>.linear1``, ...).
 * ``decompose_attention`` (``attention="full"``): every ``scaled_dot_product_attention``
   becomes ``matmul`` → mask → softmax (FP32) → dropout → ``matmul``, so the
   probabilities and their gradient are quantized too. Under ``"operands"`` (the default)
@@ -34,12 +38,26 @@ from lpcompile.passes.graph import (
     find_calls,
     inline,
     layer_name,
+    module_path,
     recompile_bodies,
     replace_with,
 )
 
 SDPA = F.scaled_dot_product_attention
 MHA = F.multi_head_attention_forward
+# torch's fused inference paths of nn.TransformerEncoderLayer and nn.MultiheadAttention
+ENCODER_LAYER = torch._transformer_encoder_layer_fwd
+NATIVE_MHA = torch._native_multi_head_attention
+ENCODER_LAYER_PARAMS = (
+    "src", "embed_dim", "num_heads", "in_proj_weight", "in_proj_bias", "out_proj_weight", "out_proj_bias",
+    "use_gelu", "norm_first", "eps", "norm1_weight", "norm1_bias", "norm2_weight", "norm2_bias",
+    "linear1_weight", "linear1_bias", "linear2_weight", "linear2_bias", "mask", "mask_type",
+)  # fmt: skip
+NATIVE_MHA_PARAMS = (
+    "query", "key", "value", "embed_dim", "num_heads", "in_proj_weight", "in_proj_bias", "out_proj_weight",
+    "out_proj_bias", "mask", "need_weights", "average_attn_weights", "mask_type",
+)  # fmt: skip
+NATIVE_MHA_DEFAULTS = {"mask": None, "need_weights": True, "average_attn_weights": True, "mask_type": None}
 # F.multi_head_attention_forward's parameters, in order, and their defaults
 _MHA_SIGNATURE = inspect.signature(MHA).parameters
 MHA_PARAMS = tuple(_MHA_SIGNATURE)
@@ -154,12 +172,79 @@ def _additive(mask, dtype: torch.dtype):
     return torch.zeros_like(mask, dtype=dtype).masked_fill(mask, float("-inf"))
 
 
+def _batch_first_attention(
+    query, key, value, embed_dim, num_heads, in_proj_weight, in_proj_bias, out_proj_weight, out_proj_bias,
+    mask, need_weights, average_attn_weights, mask_type, name,
+):  # fmt: skip
+    """``torch._native_multi_head_attention`` (batch-first inputs; a mask merged by
+    ``nn.MultiheadAttention.merge_masks``) as the ``F.multi_head_attention_forward`` call
+    ``nn.MultiheadAttention`` makes outside its fast path."""
+    attn_mask, key_padding_mask = None, None
+    if mask_type == 1:
+        key_padding_mask = mask
+    elif mask is not None:  # (N, H, L, S) -> (N * H, L, S)
+        attn_mask = mask.flatten(0, 1) if mask_type == 2 else mask
+    result = MHA(
+        query.transpose(0, 1), key.transpose(0, 1), value.transpose(0, 1), embed_dim, num_heads,
+        in_proj_weight, in_proj_bias, None, None, False, 0.0, out_proj_weight, out_proj_bias,
+        training=False, key_padding_mask=key_padding_mask, need_weights=need_weights,
+        attn_mask=attn_mask, average_attn_weights=average_attn_weights,
+    )  # fmt: skip
+    if name is not None:  # else named as the module's own F.multi_head_attention_forward call
+        result.node.meta[LAYER_NAME] = name
+    return result[0].transpose(0, 1), result[1] if need_weights else None
+
+
+def _encoder_layer(
+    src, embed_dim, num_heads, in_proj_weight, in_proj_bias, out_proj_weight, out_proj_bias, use_gelu,
+    norm_first, eps, norm1_weight, norm1_bias, norm2_weight, norm2_bias, linear1_weight, linear1_bias,
+    linear2_weight, linear2_bias, mask, mask_type, path,
+):  # fmt: skip
+    """``torch._transformer_encoder_layer_fwd`` as ``nn.TransformerEncoderLayer`` computes it
+    outside its fast path (no dropout: the fast path runs in ``eval()`` only)."""
+
+    def attention(x):
+        projections = (in_proj_weight, in_proj_bias, out_proj_weight, out_proj_bias)
+        args = (x, x, x, embed_dim, num_heads, *projections, mask, False, True, mask_type)
+        return _batch_first_attention(*args, _under(path, "self_attn"))[0]
+
+    def feed_forward(x):
+        h = _named(F.linear(x, linear1_weight, linear1_bias), _under(path, "linear1"))
+        h = F.gelu(h) if use_gelu else F.relu(h)
+        return _named(F.linear(h, linear2_weight, linear2_bias), _under(path, "linear2"))
+
+    shape = (embed_dim,)
+    x = src
+    if norm_first:
+        x = x + attention(F.layer_norm(x, shape, norm1_weight, norm1_bias, eps))
+        return x + feed_forward(F.layer_norm(x, shape, norm2_weight, norm2_bias, eps))
+    x = F.layer_norm(x + attention(x), shape, norm1_weight, norm1_bias, eps)
+    return F.layer_norm(x + feed_forward(x), shape, norm2_weight, norm2_bias, eps)
+
+
+def _under(path: str, name: str) -> str:
+    """The FQN of submodule ``name`` of the module at ``path`` ("": the graph's root)."""
+    return f"{path}.{name}" if path else name
+
+
+def restore_module_paths(gm: torch.fx.GraphModule) -> None:
+    """Torch's fused inference paths of encoder layers and multi-head attention (in
+    checkpoint bodies too) become the modules' own paths."""
+    for graph, node in find_calls(gm, {ENCODER_LAYER}):
+        args = _arguments(node, ENCODER_LAYER_PARAMS, {})
+        replace_with(node, inline(graph, node, _encoder_layer, {**args, "path": module_path(node)}))
+    for graph, node in find_calls(gm, {NATIVE_MHA}):
+        args = _arguments(node, NATIVE_MHA_PARAMS, NATIVE_MHA_DEFAULTS)
+        replace_with(node, inline(graph, node, _batch_first_attention, {**args, "name": None}))
+
+
 UNSUPPORTED_MHA = ("bias_k", "bias_v", "static_k", "static_v")
 
 
 def decompose_multihead_attention(gm: torch.fx.GraphModule, ctx: CompileContext) -> None:
     """Each ``F.multi_head_attention_forward`` call (in checkpoint bodies too) becomes its
-    projections and attention."""
+    projections and attention; torch's fused inference paths first become such calls."""
+    restore_module_paths(gm)
     for graph, node in find_calls(gm, {MHA}):
         args = _arguments(node, MHA_PARAMS, MHA_DEFAULTS)
         path = layer_name(node)
