@@ -1,7 +1,8 @@
 """Products under ``torch.vmap`` (ensembles of models stacked with ``torch.func``): each
 member is rounded as the model it stands for, and draws stochastic-rounding bits of its
 own. Torch's fallback for an operator without a vmap rule rounds slice by slice, every
-slice with the same random bits, so identical members stayed identical."""
+slice with the same random bits, so identical members stayed identical. Differentiating
+with ``torch.func`` is refused by name."""
 
 from __future__ import annotations
 
@@ -113,3 +114,23 @@ def test_vmapped_products_run_on_the_grid():
     roles = {(s.layer, s.role) for s in records.only().sites.values()}
     assert {(layer, role) for layer in ("base.0", "base.2") for role in ("weight", "weight_grad")} <= roles
     assert {layer for layer, _ in roles} <= dict(model.named_modules()).keys()
+
+
+def test_differentiating_with_torch_func_is_refused_by_name():
+    """torch.func.grad cannot run lowprec's rounding operators' autograd formulas (a torch
+    bug, pytorch/pytorch#170834): the compile stops with an error that says so and what to
+    use instead, rather than torch's about autograd.Function's setup_context."""
+    model = _member()
+    params = {name: p.detach() for name, p in model.named_parameters()}
+
+    def per_sample_grads(params, x):
+        def loss(params, sample):
+            return functional_call(model, params, (sample[None],)).square().sum()
+
+        return torch.vmap(torch.func.grad(loss), in_dims=(None, 0))(params, x)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(per_sample_grads, backend="lowprec", options=SR_EVERYWHERE)
+    refused = r"torch.func.grad.*pytorch/pytorch#170834"
+    with pytest.raises(torch._dynamo.exc.BackendCompilerFailed, match=refused):
+        compiled(params, torch.randn(4, 8))

@@ -412,6 +412,7 @@ def insert_quantize(gm: torch.fx.GraphModule, ctx: CompileContext) -> None:
     """Quantize the operands, weight gradients and errors of every product (linear, conv,
     conv_transpose, matmul, mm, bmm, addmm, baddbmm, einsum, bilinear, attention, ...),
     in the graph and in the activation-checkpoint bodies it calls."""
+    refuse_differentiating_transforms(gm, ctx)
     calls = kept_layers(gm, ctx)  # (first: it moves keyword operands, which name some layers)
     warn_settings_without_effect(gm, ctx)
     warn_float64_tables(gm, ctx)
@@ -429,6 +430,32 @@ def insert_quantize(gm: torch.fx.GraphModule, ctx: CompileContext) -> None:
     warn_unentered_subgraphs(gm, ctx)
     warn_opaque_operators(gm, ctx)
     warn_matmul_distances(gm, ctx)
+
+
+# torch.func's differentiating transforms (grad, vjp, jacrev; jvp, jacfwd) in a Dynamo graph
+DIFFERENTIATING_TRANSFORMS = {
+    torch._C._functorch._grad_increment_nesting: "torch.func.grad, vjp or jacrev",
+    torch._functorch.predispatch._jvp_increment_nesting: "torch.func.jvp or jacfwd",
+    torch._C._functorch._jvp_increment_nesting: "torch.func.jvp or jacfwd",
+}
+
+
+def refuse_differentiating_transforms(gm: torch.fx.GraphModule, ctx: CompileContext) -> None:
+    """Refuse a graph that differentiates with torch.func: torch (2.13) runs no custom
+    operator's autograd formula under those transforms (the Function it generates for one
+    has no ``setup_context``: pytorch/pytorch#170834), and jvp has no forward formula for
+    the rounding, so the compile would fail deep in AOT autograd."""
+    if not ctx.config.quantizes:
+        return
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and (transform := DIFFERENTIATING_TRANSFORMS.get(node.target)):
+            raise NotImplementedError(
+                f"lowprec: this graph differentiates with {transform}, which torch cannot run "
+                "through lowprec's rounding operators (their autograd formulas are not callable "
+                "under torch.func's transforms: pytorch/pytorch#170834). Differentiate with "
+                "torch.autograd (loss.backward(), torch.autograd.grad) instead, or compile the "
+                "transformed function with another backend"
+            )
 
 
 # Operator namespaces of torch's own ops, lowprec's, and the collectives DDP and FSDP2 add
