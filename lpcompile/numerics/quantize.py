@@ -25,6 +25,7 @@ from __future__ import annotations
 import functools
 import math
 import numbers
+from collections.abc import Callable
 
 import torch
 import torch.fx
@@ -346,9 +347,15 @@ def _batched(value: torch.Tensor | None, dim: int | None, size: int) -> torch.Te
     return value.movedim(dim, 0) if dim is not None else value.expand(size, *value.shape)
 
 
-def _slice_seed(seed: torch.Tensor | None, index: int) -> torch.Tensor | None:
-    """A stream of its own for slice ``index`` of a vmapped tensor rounded per slice."""
-    return None if seed is None else seed ^ ((index + 1) << 40)
+def _round_slices(
+    x: torch.Tensor,
+    seed: torch.Tensor | None,
+    round_slice: Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor],
+) -> torch.Tensor:
+    """Each slice of vmapped ``x`` (batch dimension first) rounded alone by
+    ``round_slice(slice, seed)``, with a random stream of its own."""
+    streams = [None if seed is None else seed ^ ((i + 1) << 40) for i in range(x.shape[0])]
+    return torch.stack([round_slice(x[i], stream) for i, stream in enumerate(streams)])
 
 
 def _quantize_vmap(info, in_dims, x, fmt, rounding, overflow, seed, offset, scale, scaling="none"):
@@ -364,11 +371,11 @@ def _quantize_vmap(info, in_dims, x, fmt, rounding, overflow, seed, offset, scal
         scale = scale.movedim(scale_dim, 0)
         scale = scale.reshape(scale.shape[0], *[1] * (x.dim() - scale.dim()), *scale.shape[1:])
     if scaling in ("tensorwise", "tensorwise_pow2"):
-        slices = [
-            quantize_op(x[i], fmt, rounding, overflow, _slice_seed(seed, i), offset, None, scaling)
-            for i in range(x.shape[0])
-        ]
-        return torch.stack(slices), 0
+        return _round_slices(
+            x,
+            seed,
+            lambda part, stream: quantize_op(part, fmt, rounding, overflow, stream, offset, None, scaling),
+        ), 0
     return quantize_op(x, fmt, rounding, overflow, seed, offset, scale, *scaling_argument(scaling)), 0
 
 
@@ -380,11 +387,11 @@ def _quantize_grad_vmap(info, in_dims, x, fmt, rounding, overflow, seed, offset,
         raise ValueError("lowprec::quantize_grad under vmap: the seed must not be vmapped")
     x = _batched(x, x_dim, info.batch_size)
     if scaling in ("tensorwise", "tensorwise_pow2"):
-        slices = [
-            quantize_grad_op(x[i], fmt, rounding, overflow, _slice_seed(seed, i), offset, scaling)
-            for i in range(x.shape[0])
-        ]
-        return torch.stack(slices), 0
+        return _round_slices(
+            x,
+            seed,
+            lambda part, stream: quantize_grad_op(part, fmt, rounding, overflow, stream, offset, scaling),
+        ), 0
     return quantize_grad_op(x, fmt, rounding, overflow, seed, offset, *scaling_argument(scaling)), 0
 
 
