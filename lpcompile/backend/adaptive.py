@@ -32,6 +32,7 @@ one graph (:func:`refresh_chain`).
 from __future__ import annotations
 
 import weakref
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -264,18 +265,26 @@ class AdaptiveScaleState:
         keys = {_weight_key(w) for w in self.owners} - {None}
         return not keys or not keys.isdisjoint(params)
 
-    def overflowed(self, found_inf: bool = False) -> list[int]:
+    def overflowed(
+        self, found_inf: bool = False, grads: Mapping[int, torch.Tensor] | None = None
+    ) -> list[int]:
         """Indices of layers whose gradients held inf/NaN since the last back-off.
 
         The in-graph probe counts them in layers without a trained weight. The
         others show an overflow in their weight gradient (a product of the layer's
         error, or a sum over the batch that overflowed by itself): when
-        ``found_inf`` (the step found inf/NaN in some gradient) those are checked.
+        ``found_inf`` (the step found inf/NaN in some gradient) those are checked:
+        the ``.grad`` of the weights the graph read, or ``grads``, the weight
+        gradients by the ``id`` of the model's parameter they belong to (a
+        pipeline's weight slots hold one in-flight sample's each).
         """
         counts = torch.zeros(len(self.layers)) if self.flags.grad is None else self.flags.grad.detach().cpu()
         if found_inf:
-            grads = [None if w is None or w() is None else w().grad for w in self.weights]
-            for i, g in enumerate(grads):
+            if grads is None:
+                found = [None if w is None or w() is None else w().grad for w in self.weights]
+            else:
+                found = [None if w is None or w() is None else grads.get(id(w())) for w in self.owners]
+            for i, g in enumerate(found):
                 if g is not None and not bool(torch.isfinite(g).all()):
                     counts[i] += 1
         counts = self._agreed(counts.to(self.flags.device), torch.distributed.ReduceOp.MAX)
@@ -289,16 +298,25 @@ class AdaptiveScaleState:
         torch.distributed.all_reduce(tensor, op=op, group=self.ranks)
         return tensor
 
-    def back_off(self, found_inf: bool = False, everywhere: bool = False) -> list[str]:
+    def back_off(
+        self,
+        found_inf: bool = False,
+        everywhere: bool = False,
+        grads: Mapping[int, torch.Tensor] | None = None,
+        read: torch.Tensor | None = None,
+    ) -> list[str]:
         """Halve the scale of every layer that overflowed (see :meth:`overflowed`), or of
-        every layer (``everywhere``); not under the "fixed" rule. Returns their names."""
-        hit = list(range(len(self.layers))) if everywhere else self.overflowed(found_inf)
+        every layer (``everywhere``); not under the "fixed" rule. Returns their names.
+        ``read``: the scales the overflowing call read, if another call has changed them
+        since (pipelining): a layer's scale becomes at most half of what that call read."""
+        hit = list(range(len(self.layers))) if everywhere else self.overflowed(found_inf, grads)
         for i in hit:
             self.telemetry[i].overflow += 1
         if hit and self.config.rule != "fixed":
             scales = self.scales.tolist()
+            halved = scales if read is None else read.tolist()
             for i in hit:
-                scales[i] /= 2
+                scales[i] = min(scales[i], halved[i] / 2)
             self.set_scales(scales)
         self.flags.grad = None
         return [self.layers[i] for i in hit]
@@ -366,6 +384,22 @@ def refresh_chain(chain: list[AdaptiveScaleState]) -> None:
     if not raised or max(state.calls for state in chain) > len(scales):
         for state in chain:
             state.calibrating = False
+
+
+def back_off_states(
+    states: list[AdaptiveScaleState],
+    found_inf: bool,
+    grads: Mapping[int, torch.Tensor] | None = None,
+    read: list[torch.Tensor] | None = None,
+) -> None:
+    """Back off the layers of ``states`` that overflowed (:meth:`AdaptiveScaleState.back_off`,
+    with ``grads`` and each state's scales ``read``); where ``found_inf`` but no layer's
+    gradients show it, every layer of them."""
+    reads = read or [None] * len(states)
+    hit = [state.back_off(found_inf, grads=grads, read=r) for state, r in zip(states, reads, strict=True)]
+    if found_inf and not any(hit):
+        for state, r in zip(states, reads, strict=True):
+            state.back_off(everywhere=True, read=r)
 
 
 def _weight_key(ref: weakref.ref | None) -> int | None:

@@ -66,7 +66,7 @@ from typing import Any
 
 import torch
 
-from lpcompile.backend.adaptive import AdaptiveScaleState
+from lpcompile.backend.adaptive import AdaptiveScaleState, back_off_states
 from lpcompile.backend.state import REGISTRY, check_streams_state
 from lpcompile.numerics.checks import check_count, check_fp32_scale, is_real
 
@@ -456,10 +456,7 @@ class LossScaler:
                     states = [s for s in mine if found_inf or s.flags.grad is not None]
                 else:
                     states = []
-                hit = [state.back_off(found_inf) for state in states]
-                if found_inf and not any(hit):  # no layer's gradients show it: back off them all
-                    for state in states:
-                        state.back_off(everywhere=True)
+                back_off_states(states, found_inf)
             elif self.mode != "static":
                 flags = [self._found_inf(state, scale.device) for state in optimizers]
                 torch._amp_update_scale_(

@@ -520,6 +520,21 @@ def test_overflow_skips_the_step_and_backs_off_the_layer(bias):
         assert state.scales[i] == expected
 
 
+def test_a_back_off_for_an_older_call_halves_what_that_call_read():
+    """Pipelining: the backward that overflowed belongs to a forward that read older scales.
+    A layer ends at half of what that forward read, or at its present scale if lower."""
+    model = _mlp()
+    run = _adaptive(model)
+    run(torch.randn(8, 12)).square().mean().backward()
+    (state,) = REGISTRY.adaptive_states(model)
+    state.set_scales([8.0, 8.0, 8.0])
+    state.back_off(everywhere=True, read=torch.tensor([32.0, 8.0, 4.0]))
+    assert state.scales.tolist() == [8.0, 4.0, 2.0]
+    state.back_off(everywhere=True)  # the call that overflowed read the present scales
+    assert state.scales.tolist() == [4.0, 2.0, 1.0]
+    assert [t.overflow for t in stats(model)] == [2, 2, 2]
+
+
 def test_each_scaler_backs_off_only_the_model_its_optimizer_trains():
     """Two models, each with its own optimizer and scaler, in one process: one model's
     overflow is read, and its scales backed off, by its own scaler alone."""

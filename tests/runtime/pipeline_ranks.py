@@ -47,6 +47,11 @@ CASES: dict[str, dict[str, Any]] = {
         "compile": {"recipe": "fp8-e5m2-sr", "executor": "eager"},
         "loss_scale": LossScaleConfig("dynamic", init_scale=2.0**20, growth_interval=3),
     },
+    # per-layer adaptive scales from a start whose errors overflow E5M2: checked, skipped,
+    # backed off per stage
+    "fp8-als-overflow": {
+        "compile": {"recipe": "fp8-e5m2-als", "executor": "eager", "loss_scale_init": 2**20}
+    },
     # dropout after every tanh: each stage draws from a random stream of its own
     "fp8-sr-dropout": {"dropout": 0.25, "compile": {"recipe": "fp8-e5m2-sr", "executor": "eager"}},
     # slow tier
@@ -90,6 +95,7 @@ def trainer(case: str, distributed: bool, **kwargs: Any):
 
 def train(case: str, distributed: bool, epochs: int = 2) -> dict[str, Any]:
     """A run of ``case``: its full state dict, losses, and its stages' call counts at the end."""
+    from lpcompile.backend import stats
     from lpcompile.backend.state import REGISTRY, fingerprint
 
     pipeline, x, y = trainer(case, distributed)
@@ -104,6 +110,8 @@ def train(case: str, distributed: bool, epochs: int = 2) -> dict[str, Any]:
         "timings": pipeline.timings,
         "loss_scales": pipeline.loss_scales,
         "skipped": pipeline.skipped_samples,
+        # the layers' adaptive scales, overflows and recording calls (of this rank's stages)
+        "adaptive": {t.layer: (t.cumulative, t.overflow, t.history) for t in stats(pipeline.model)},
     }
 
 

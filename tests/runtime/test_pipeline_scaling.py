@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 from test_pipeline import Chain, chain_trainer, output_loss
 
 from examples.models import MLP
+from lpcompile.backend import stats
 from lpcompile.runtime.pipeline import PipelinedTrainer
 from lpcompile.runtime.scaler import LossScaleConfig
 
@@ -120,6 +122,60 @@ def test_a_static_scale_that_overflows_skips_instead_of_breaking_the_weights():
     assert finite and all(moved)
     assert all(scale < 2.0**24 for scale in dynamic.loss_scales.values())
     assert 0 < sum(dynamic.skipped_samples.values()) < 3 * 32
+
+
+def _finite(model: torch.nn.Module) -> bool:
+    return all(bool(torch.isfinite(p).all()) for p in model.parameters())
+
+
+def test_adaptive_stages_start_where_errors_overflow_and_skip_instead_of_breaking_the_weights():
+    """Per-layer adaptive scales compiled into the stages, starting at 2**24 (FP8 errors
+    overflow E5M2 to inf), with no per-stage scaling asked for: the stages check their
+    gradients anyway and skip what overflowed (stepping on it made every weight NaN)."""
+    torch.manual_seed(0)
+    xs, ys = torch.randn(16, 16), torch.randint(0, 4, (16,))
+    torch.manual_seed(1)
+    model = MLP(16, 32, 32, 4)
+    options = {"recipe": "fp8-e5m2-als", "executor": "eager", "loss_scale_init": 2**24}
+    trainer = PipelinedTrainer(model, xs[:1], stages="layer", lr=0.05, compile=options)
+    trainer.fit(xs, ys, epochs=2)
+    assert _finite(model) and all(torch.isfinite(torch.tensor(trainer.losses)))
+    assert all(trainer.skipped_samples.values()), trainer.skipped_samples
+    assert trainer.loss_scales == {0: 1.0, 1: 1.0, 2: 1.0}  # checked, not scaled per stage
+    assert all(t.cumulative < 2**24 for t in stats(model))
+
+
+def test_an_adaptive_stage_backs_off_the_layer_that_overflowed():
+    """Once the layers' scales are set (small errors raise them above 1), a sample whose
+    error overflows near the loss: the stage where it overflows skips it (and the stages
+    before it, which receive no error; the stages after it step), the layer of that stage
+    halves its scale, the others keep theirs; the next samples train on."""
+    torch.manual_seed(0)
+    xs, ys = torch.randn(8, 16), torch.randn(8, 4)
+    torch.manual_seed(1)
+    model = MLP(16, 32, 32, 4)  # one layer (weight, bias) per stage
+    options = {"recipe": "fp8-e5m2-als", "executor": "eager", "loss_scale_interval": 1000}
+
+    def small_loss(output, target):  # errors small enough for scales above 1
+        return F.mse_loss(output, target) * 2**-12
+
+    trainer = PipelinedTrainer(model, xs[:1], stages="layer", lr=0.05, compile=options, loss_fn=small_loss)
+    trainer.fit(xs, ys, epochs=2)
+    scales = [t.cumulative for t in stats(model)]
+    assert trainer.skipped_samples == {0: 0, 1: 0, 2: 0} and scales[0] > 1
+    before = [p.detach().clone() for p in model.parameters()]
+    trainer.step(xs[:1], ys[:1] * 1e8)  # the error overflows E5M2
+    trainer.drain()
+    (hit,) = [stage for stage, count in trainer.skipped_samples.items() if count]
+    assert trainer.skipped_samples[hit] == 1
+    kept = [torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True)]
+    assert kept == [stage <= hit for stage in range(3) for _ in range(2)]
+    assert [t.cumulative for t in stats(model)] == [s / 2 if i == hit else s for i, s in enumerate(scales)]
+    assert [t.overflow for t in stats(model)] == [int(i == hit) for i in range(3)]
+    trainer.fit(xs[:4], ys[:4])
+    assert _finite(model) and not any(
+        torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True)
+    )
 
 
 def test_the_scales_resume_with_the_trainer_state():

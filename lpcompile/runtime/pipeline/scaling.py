@@ -17,6 +17,12 @@ mode (``"static"``, ``"dynamic"``, ``"enhanced"``) applied per sample:
   or above its floor after as many samples as the stage has backpropagated,
   ``"static"`` keeps it.
 
+Stages compiled with per-layer adaptive loss scaling (``loss_scale="adaptive"`` in the
+stages' ``compile`` options) always check their gradients (at a static scale of 1 if no
+other is asked for), and after each backward back off the layers of the stage whose
+gradients overflowed (:func:`back_off_layers`), as ``LossScaler("adaptive")`` does after
+a step.
+
 A stage's decisions read only its own gradients and the errors it receives, so ranks
 compute the simulator's bits and exchange nothing more than ``σ``. A skipped update is
 per stage: an overflow in one stage's backward neither backs off nor skips the stages
@@ -29,11 +35,30 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+from torch import nn
 
+from lpcompile.backend.adaptive import AdaptiveScaleState, back_off_states
 from lpcompile.numerics.checks import check_count, check_fp32_scale
 from lpcompile.runtime.scaler import LossScaleConfig, unscale_grads
 
 STATE_KEYS = ("scale", "growth_tracker", "samples", "skipped")
+
+
+def back_off_layers(
+    scales_read: Sequence[tuple[AdaptiveScaleState, torch.Tensor]],
+    slots: Sequence[torch.Tensor],
+    params: Sequence[nn.Parameter],
+    found_inf: bool,
+) -> None:
+    """After one backward of a stage compiled with per-layer adaptive loss scaling, back
+    off each of its layers whose gradients overflowed (as ``LossScaler("adaptive")`` does
+    after a step), to half the scale its forward read at most: ``scales_read`` pairs the
+    states of the stage's graphs with the scales that forward read, ``slots`` are the
+    weight slots the backward wrote the gradients of ``params`` to, ``found_inf`` whether
+    the stage's check found inf/NaN (module doc)."""
+    grads = {id(p): slot.grad for slot, p in zip(slots, params, strict=True) if slot.grad is not None}
+    pairs = [(state, read) for state, read in scales_read if found_inf or state.flags.grad is not None]
+    back_off_states([state for state, _ in pairs], found_inf, grads, [read for _, read in pairs])
 
 
 def loss_scale_config(loss_scale: float | str | LossScaleConfig) -> LossScaleConfig | None:

@@ -29,6 +29,7 @@ each tensor in that layout, and the simulator must hand on the same.
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import time
 from collections import deque
@@ -39,10 +40,11 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
+from lpcompile.backend.adaptive import AdaptiveScaleState
 from lpcompile.backend.state import REGISTRY
 from lpcompile.passes.stages import StageGraph
 from lpcompile.runtime.pipeline.optim import PipelineSGD
-from lpcompile.runtime.pipeline.scaling import StageScale
+from lpcompile.runtime.pipeline.scaling import StageScale, back_off_layers
 from lpcompile.runtime.scaler import LossScaleConfig
 
 
@@ -203,6 +205,8 @@ class InFlight:
     outputs: Any
     slots: list[nn.Parameter]
     label: Any = None
+    # per adaptive-scaling state of the stage's graphs: the layer scales this forward read
+    scales_read: list[tuple[AdaptiveScaleState, torch.Tensor]] = field(default_factory=list)
 
 
 @dataclass
@@ -219,6 +223,18 @@ class Stage:
     trained: list[bool]  # which state entries are slots of trained parameters
     inputs: list[TensorMeta | None] = field(default_factory=list)  # layouts of what it receives
     queue: deque = field(default_factory=deque)
+
+    @functools.cached_property
+    def holder(self) -> nn.Module:
+        """A module holding :attr:`params`: what finds the per-model state of the stage's graphs."""
+        return params_holder(self.params)
+
+
+def params_holder(params: Sequence[nn.Parameter]) -> nn.Module:
+    """A module holding ``params``, for what looks up per-model state by a module's tensors."""
+    holder = nn.Module()
+    holder.params = nn.ParameterList(params)
+    return holder
 
 
 def build_stage(
@@ -322,6 +338,7 @@ class StageRunner:
         *,
         loss_fn: Callable[[Any, Any], torch.Tensor],
         loss_scale: LossScaleConfig | None,
+        adaptive: bool,
         weight_stash: bool,
         record: bool,
         history: list[Event],
@@ -336,6 +353,9 @@ class StageRunner:
         self.loss_fn = loss_fn
         #: per stage: its loss scale (``None``: not scaled, gradients not checked)
         self.scales = [None if loss_scale is None else StageScale(loss_scale) for _ in stages]
+        #: whether the stages are compiled with per-layer adaptive loss scaling: their layers
+        #: back off after an overflow that ``loss_scale``'s checks find
+        self.adaptive = adaptive
         self.weight_stash = weight_stash
         self.record = record
         self.history = history
@@ -376,7 +396,9 @@ class StageRunner:
             outputs = stage.runner(*state, *inputs)
         if self.record:
             self.history.append(Event(t, stage.index, "forward", sample, t))
-        return InFlight(sample, t, inputs, outputs, slots, label)
+        # a state's scales are replaced, never changed in place: the tensor is what the call read
+        read = [(s, s.scales) for s in REGISTRY.adaptive_states(stage.holder)] if self.adaptive else []
+        return InFlight(sample, t, inputs, outputs, slots, label, read)
 
     def _backward(
         self, i: int, item: InFlight, grads: Sequence[Any] | None, sent_at: float, t: int
@@ -413,6 +435,8 @@ class StageRunner:
                 torch.autograd.backward(tensors, grad_tensors)
         inputs = [v for v in item.inputs if isinstance(v, torch.Tensor) and v.requires_grad]
         skipped = bool(tensors) and scale is not None and scale.unscale(item.slots, inputs)
+        if tensors and self.adaptive:
+            back_off_layers(item.scales_read, item.slots, stage.params, skipped)
         for slot, p in zip(item.slots, stage.params, strict=True):
             p.grad = None if skipped else slot.grad
             slot.grad = None

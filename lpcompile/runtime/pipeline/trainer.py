@@ -50,7 +50,8 @@ stages' weights and is loaded by the same rank of a run with the same world size
 
 Loss scaling is per stage (:mod:`lpcompile.runtime.pipeline.scaling`): each stage
 keeps its own static, dynamic or enhanced scale and skips its update for a sample whose
-gradients overflowed in it.
+gradients overflowed in it; stages compiled with per-layer adaptive scaling also back
+off the layers that overflowed.
 
 Random numbers (dropout, ...): each stage draws from a stream of its own
 (:class:`~lpcompile.runtime.pipeline.schedule.StageRandom`), seeded from ``seed`` and
@@ -92,6 +93,7 @@ from lpcompile.runtime.pipeline.schedule import (
     StageRandom,
     StageRunner,
     build_stage,
+    params_holder,
     stage_input_metas,
 )
 from lpcompile.runtime.scaler import LossScaleConfig
@@ -152,7 +154,9 @@ class PipelinedTrainer:
             ``"enhanced"``, ``"static"``) by its name (its defaults) or as a config, or a
             number, a static scale. Every stage starts at the config's ``init_scale``,
             unscales its gradients and skips its update for a sample whose gradients
-            overflowed in it. The default 1.0 scales nothing and checks nothing.
+            overflowed in it. The default 1.0 scales nothing and checks nothing, except
+            in stages compiled with per-layer adaptive scaling (``compile`` with
+            ``loss_scale="adaptive"``), which always check and back off their layers.
         record: keep :attr:`history` (one :class:`Event` per forward and backward).
         distributed: run the stages on the ranks of a ``torch.distributed`` process group
             (``torchrun --nproc_per_node=R``; the group is initialised from torchrun's
@@ -200,7 +204,10 @@ class PipelinedTrainer:
                 raise ValueError(
                     "compile options for the stages must not set 'pipeline': the trainer is the pipeline"
                 )
-            LowPrecConfig.from_options(compile)  # bad options fail here, not at the first step
+            # bad options fail here, not at the first step
+            adaptive = LowPrecConfig.from_options(compile).loss_scale == "adaptive"
+        else:
+            adaptive = False
         scaling = loss_scale_config(loss_scale)
         for name, value in (("weight_stash", weight_stash), ("distributed", distributed)):
             if not isinstance(value, bool):
@@ -283,7 +290,9 @@ class PipelinedTrainer:
             num_stages,
             self.optimizer,
             loss_fn=loss_fn,
-            loss_scale=scaling,
+            # adaptive stages check their gradients unscaled when not scaled per stage
+            loss_scale=LossScaleConfig("static", init_scale=1.0) if adaptive and scaling is None else scaling,
+            adaptive=adaptive,
             weight_stash=weight_stash,
             record=record,
             history=self.history,
@@ -523,9 +532,7 @@ class PipelinedTrainer:
         """What owns this process's adaptive states: the model, or (distributed) its stages."""
         if self._ranks is None:
             return self.model
-        holder = nn.Module()
-        holder.params = nn.ParameterList([p for stage in self.stages for p in stage.params])
-        return holder
+        return params_holder([p for stage in self.stages for p in stage.params])
 
     def _adaptive_states(self) -> list[Any]:
         return REGISTRY.adaptive_states(self._adaptive_model())
