@@ -31,6 +31,7 @@ PRODUCTS = {
     aten.addmm.default: (1, 2),
     aten.baddbmm.default: (1, 2),
     aten.addbmm.default: (1, 2),
+    aten._sparse_addmm.default: (1, 2),  # torch.sparse.mm and addmm, also on dense tensors
     aten.dot.default: (0, 1),
     aten.mv.default: (0, 1),
     aten.convolution.default: (0, 1),

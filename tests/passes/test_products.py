@@ -1,6 +1,6 @@
 """Every product, not only linear/conv/matmul: addmm, baddbmm, addbmm, einsum, bilinear,
-mv, dot, addr, the method forms and grouped matmuls, with roles from the graph (a parameter
-operand is a weight)."""
+mv, dot, addr, torch.sparse's mm and addmm on dense tensors, the method forms and grouped
+matmuls, with roles from the graph (a parameter operand is a weight)."""
 
 from __future__ import annotations
 
@@ -55,6 +55,30 @@ def test_every_product_runs_on_the_grid_forward_and_backward():
     # the parameter operands are weights (their gradients rounded too), the rest activations
     weights = {("w", "weight"), ("w", "weight_grad"), ("bilinear", "weight"), ("v", "weight")}
     assert weights | {("stacked", "weight"), ("stacked", "weight_grad")} <= roles  # through w[1, :, :8] too
+
+
+class DenseSparseCalls(nn.Module):
+    """``torch.sparse.mm`` and ``torch.sparse.addmm`` of dense tensors (a graph network's
+    adjacency kept dense), one with the weight passed by keyword."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.w = nn.Parameter(torch.randn(8, 8) / 3)
+        self.b = nn.Parameter(torch.zeros(6, 8))
+
+    def forward(self, adj: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        h = torch.sparse.mm(adj, x @ self.w)
+        return torch.sparse.addmm(self.b, adj, torch.sparse.mm(sparse=h, dense=self.w))
+
+
+def test_sparse_namespace_products_of_dense_tensors_run_on_the_grid():
+    records = Records()
+    check = grid_step(DenseSparseCalls(), {"adj": torch.rand(6, 6), "x": torch.randn(6, 8)}, OPTIONS)
+    assert check.products[("_sparse_addmm.default", True)] == 3, check.products  # the forward's
+    assert check.off_grid == {} and not check.unknown, check.products
+    roles = {(s.layer, s.role) for s in records.only().sites.values()}
+    assert {("w", "weight"), ("w", "weight_grad")} <= roles
 
 
 def test_without_the_quantize_pass_the_products_are_off_grid():
