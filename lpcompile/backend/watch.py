@@ -10,7 +10,9 @@ or its DDP or FSDP2 wrapper) and starts one :class:`CoverageWatch` for it. Every
 graph called while a watch is active records the parameters it reads into it (Dynamo runs
 one compiled graph for identical blocks, and for identical models). At the end of that
 module's forward (the first whose call starts with the watch's hook in place), one
-warning names every module with parameters none of those calls read.
+warning names every module with parameters none of those calls read, and another the
+sparse tensors the forward was called with or its modules hold: Dynamo does not trace
+them, so their products run uncompiled.
 """
 
 from __future__ import annotations
@@ -151,6 +153,30 @@ def unread_modules(root: torch.nn.Module, read: set[int]) -> list[tuple[str, tor
     return found
 
 
+def sparse_tensors(root: torch.nn.Module, args: Any, kwargs: dict[str, Any]) -> list[str]:
+    """Where ``root``'s forward met a sparse tensor: among its arguments (by position or
+    keyword), and the tensors its modules hold (parameters, buffers, plain attributes)."""
+    found = [
+        f"argument {key} ({value.layout})"
+        for key, arg in [*enumerate(args), *kwargs.items()]
+        for value in torch.utils._pytree.tree_leaves(arg)
+        if isinstance(value, torch.Tensor) and value.layout != torch.strided
+    ]
+    for name, module in unwrapped(root)[0].named_modules():
+        prefix = f"{module_name(name)}." if name else ""
+        for kind, held in (
+            ("parameter", module._parameters),
+            ("buffer", module._buffers),
+            ("attribute", vars(module)),
+        ):
+            found += [
+                f"{kind} {prefix}{attr} ({value.layout})"
+                for attr, value in held.items()
+                if isinstance(value, torch.Tensor) and value.layout != torch.strided
+            ]
+    return found
+
+
 def caller_level() -> int:
     """The ``stacklevel`` that makes the caller's warning point at the first frame outside
     torch and lpcompile (the user's ``model(x)``)."""
@@ -178,21 +204,22 @@ class CoverageWatch:
         check = torch._dynamo.disable(self.check)
         self._handle: RemovableHandle | None = None
         if (compiled := root._compiled_call_impl) is None:
-            self._handle = root.register_forward_hook(check)
+            self._handle = root.register_forward_hook(check, with_kwargs=True)
             return
 
         def call(*args: Any, **kwargs: Any) -> Any:
             output = compiled(*args, **kwargs)
             if root._compiled_call_impl is call:
                 root._compiled_call_impl = compiled
-            check(root, args, output)
+            check(root, args, kwargs, output)
             return output
 
         root._compiled_call_impl = call
 
-    def check(self, root: torch.nn.Module, args: Any, output: Any) -> None:
-        """End the watch (at the end of ``root``'s forward): warn about the modules of
-        ``root`` no graph read."""
+    def check(self, root: torch.nn.Module, args: Any, kwargs: dict[str, Any], output: Any) -> None:
+        """End the watch (at the end of ``root``'s forward, called with ``args`` and
+        ``kwargs``): warn about the modules of ``root`` no graph read, and about the sparse
+        tensors it ran with."""
         if self not in self._active:
             return
         if self._handle is not None:
@@ -201,6 +228,15 @@ class CoverageWatch:
         self._active.discard(self)
         missed = unread_modules(root, self.read)
         self.read.clear()  # the ids of parameters freed later may be reused
+        if sparse := sparse_tensors(root, args, kwargs):
+            model, _ = unwrapped(root)
+            warnings.warn(
+                f"lowprec: {type(model).__name__} ran with sparse tensors ({', '.join(sparse)}): Dynamo "
+                "does not trace sparse tensors, so the code that uses them ran uncompiled, its "
+                "products with them (torch.sparse.mm, @) in FP32. Pass or keep a dense tensor "
+                "(.to_dense()) for lowprec to round those products",
+                stacklevel=caller_level(),
+            )
         if not missed:
             return
         listed = ", ".join(

@@ -254,3 +254,46 @@ def test_a_function_run_uncompiled_is_named_once():
         warnings.simplefilter("default")
         torch.compile(Nested(blocks=1), backend="lowprec", options=EAGER_SR)(torch.randn(4, 8))
     assert not [w for w in caught if "torch.autograd.Function" in str(w.message)]
+
+
+class GraphConvolution(nn.Module):
+    """Two graph convolutions, ``adj @ (x W)``, the adjacency an argument or a buffer."""
+
+    def __init__(self, adj: torch.Tensor | None = None) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin1, self.lin2 = nn.Linear(8, 16), nn.Linear(16, 4)
+        if adj is not None:
+            self.register_buffer("adj", adj)
+
+    def forward(self, x: torch.Tensor, adj: torch.Tensor | None = None) -> torch.Tensor:
+        adj = self.adj if adj is None else adj
+        return torch.sparse.mm(adj, self.lin2(torch.relu(torch.sparse.mm(adj, self.lin1(x)))))
+
+
+def _sparse_warnings(model: nn.Module, **kwargs: torch.Tensor) -> list[str]:
+    torch._dynamo.reset()
+    run = torch.compile(model, backend="lowprec", options=EAGER_SR)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            run(torch.randn(10, 8), **kwargs).sum().backward()
+    return [str(w.message) for w in caught if "sparse tensors" in str(w.message)]
+
+
+def test_sparse_tensors_a_model_runs_with_are_named_once():
+    """Dynamo does not trace a sparse tensor: the forward that multiplies by the sparse
+    adjacency runs uncompiled (its layers compile as frames of their own), those products
+    in FP32. One warning names the tensor, passed or held; a dense adjacency is quiet."""
+    g = torch.Generator().manual_seed(0)
+    adj = torch.sparse_coo_tensor(
+        torch.randint(0, 10, (2, 30), generator=g), torch.rand(30, generator=g), (10, 10)
+    )
+    passed = _sparse_warnings(GraphConvolution(), adj=adj)
+    assert (
+        len(passed) == 1
+        and "GraphConvolution ran with sparse tensors (argument adj (torch.sparse_coo))" in passed[0]
+    )
+    held = _sparse_warnings(GraphConvolution(adj.to_sparse_csr()))
+    assert len(held) == 1 and "(buffer adj (torch.sparse_csr))" in held[0]
+    assert _sparse_warnings(GraphConvolution(), adj=adj.to_dense()) == []
