@@ -43,6 +43,7 @@ from lpcompile.passes.dynamo import DYNAMO_PASSES
 from lpcompile.passes.dynamo.regions import has_regions, write_out_regions
 from lpcompile.passes.graph import (
     ROOT_PATH,
+    SUBMODULE_FRAME,
     is_layer_call,
     layer_name,
     name_canonically,
@@ -109,7 +110,8 @@ def set_root_path(gm: torch.fx.GraphModule, model: torch.nn.Module | None) -> No
     """Name a graph's layers from the compiled ``model``'s root where its frame starts lower
     (Dynamo compiled it apart after a graph break): its parameters, found in ``model``, give
     the FQN of the frame's module. Not where that module's class occurs more than once in
-    ``model``: Dynamo may run the one graph for each of them."""
+    ``model``: Dynamo may run the one graph for each of them. Either way, mark the graph as
+    a submodule's frame, whose own calls are named after the submodule."""
     if model is None:
         return
     names: dict[int, list[str]] = {}
@@ -128,9 +130,10 @@ def set_root_path(gm: torch.fx.GraphModule, model: torch.nn.Module | None) -> No
     if not roots or len(roots) > 1 or "" in roots:
         return
     (root,) = roots
-    kind = type(model.get_submodule(root))
-    if sum(type(module) is kind for module in model.modules()) == 1:
-        for graph in with_bodies(gm):
+    unique = sum(type(module) is type(model.get_submodule(root)) for module in model.modules()) == 1
+    for graph in with_bodies(gm):
+        graph.meta[SUBMODULE_FRAME] = True
+        if unique:
             graph.meta[ROOT_PATH] = root
 
 

@@ -38,6 +38,7 @@ from lpcompile.backend.watch import CoverageWatches, instance_of, module_name, u
 from lpcompile.numerics.scale_grad import count_probe
 from lpcompile.passes.driver import PredictionInput, Site
 from lpcompile.passes.dynamo.loss_scale import AdaptiveLayout
+from lpcompile.passes.graph import qualified_name
 
 # Compiled-graph records kept (the newest): each holds graphs and pass records.
 MAX_RECORDS = 64
@@ -499,18 +500,14 @@ def coverage(model: torch.nn.Module) -> list[LayerCoverage]:
             roles.setdefault(site.layer, {})[site.role] = site.spec()
         for name in runs[record.graph_id]:
             rows += [
-                LayerCoverage(_under(name, layer), record.graph_id, quantized)
+                LayerCoverage(qualified_name(name, layer), record.graph_id, quantized)
                 for layer, quantized in roles.items()
             ]
             rows += [
-                LayerCoverage(_under(name, k.layer), record.graph_id, {}, k.reason, k.op) for k in record.kept
+                LayerCoverage(qualified_name(name, k.layer), record.graph_id, {}, k.reason, k.op)
+                for k in record.kept
             ]
     return rows
-
-
-def _under(module: str, layer: str) -> str:
-    """The name of ``layer`` (named in its graph) of the module named ``module`` in a model."""
-    return f"{module}.{layer}" if module else layer
 
 
 @dataclass(frozen=True)
@@ -556,7 +553,7 @@ def saturation(model: torch.nn.Module) -> list[SaturationCount]:
                     for site, (*row, passes) in zip(sites, totals.tolist(), strict=True)
                 ]
             rows += [
-                SaturationCount(_under(name, site.layer), site.role, site.fmt, graph_id, *counts)
+                SaturationCount(qualified_name(name, site.layer), site.role, site.fmt, graph_id, *counts)
                 for site, *counts in found
             ]
     return rows
@@ -571,7 +568,7 @@ def stats(model: torch.nn.Module) -> list[LayerTelemetry]:
         for graph_id, s in entry.adaptive.items()
     ]
     return [
-        dataclasses.replace(t, layer=_under(name, t.layer)) if name else t
+        dataclasses.replace(t, layer=qualified_name(name, t.layer)) if name else t
         for _, name, state in sorted(found, key=lambda item: item[0])
         for t in state.telemetry
     ]

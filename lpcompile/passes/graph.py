@@ -92,6 +92,10 @@ LAYER_NAME = "lowprec_layer_name"  # node.meta key: a layer call's name, once it
 # GraphModule.meta key: the FQN, in the compiled model, of the module a graph's frame calls
 # ``self``, where that is not the model itself (a frame compiled apart after a graph break)
 ROOT_PATH = "lowprec_root_path"
+# GraphModule.meta key, true where the module a graph's frame calls ``self`` is a submodule
+# of the compiled model (with or without ROOT_PATH): the calls its own ``forward`` makes
+# are named after it, as a submodule's calls are in the model's graph
+SUBMODULE_FRAME = "lowprec_submodule_frame"
 ATTENTION = "lowprec_attention"  # node.meta key: a product inside attention (option `attention`)
 SCALE_GRAD = torch.ops.lowprec.scale_grad.default
 LOWPREC_OPS = {
@@ -196,13 +200,15 @@ def layer_name(node: torch.fx.Node) -> str:
 
     A module that makes several layer calls in a graph (an attention block's ``q @ k.T``
     and ``p @ v``, a module called twice) numbers them in graph order: ``attn#0``,
-    ``attn#1``. A call in the root module's own ``forward`` is named after its weight's
-    FQN (``F.linear(x, self.w)``: ``w``), or, without a parameter, after the node.
+    ``attn#1``. A call in the compiled model's own ``forward`` is named after its weight's
+    FQN (``F.linear(x, self.w)``: ``w``), or, without a parameter, after the node. A call in
+    the ``forward`` of a submodule whose frame Dynamo compiled apart (:data:`SUBMODULE_FRAME`)
+    is that submodule's: named after it (``""`` in a graph named relative to it).
     """
     if (name := node.meta.get(LAYER_NAME)) is not None:
         return name
     path = module_path(node)
-    if path and is_named_call(node):
+    if (path or _submodule_frame(node.graph)) and is_named_call(node):
         _name_module_layers(node.graph)
         return node.meta[LAYER_NAME]
     if not path and is_named_call(node) and (weight := weight_operand(node)) is not None:
@@ -219,7 +225,7 @@ def _in_model(graph: torch.fx.Graph, path: str) -> str:
     """``path``, from the module the graph's frame calls ``self``, from the compiled model:
     a frame Dynamo compiled apart (after a graph break) starts lower (:data:`ROOT_PATH`)."""
     root = graph.owning_module.meta.get(ROOT_PATH) if graph.owning_module is not None else None
-    return f"{root}.{path}" if root and path else path
+    return qualified_name(root or "", path)
 
 
 def relative_state_name(node: torch.fx.Node) -> str | None:
@@ -229,17 +235,30 @@ def relative_state_name(node: torch.fx.Node) -> str | None:
     return _fqn(source.name) if source is not None else None
 
 
+def _submodule_frame(graph: torch.fx.Graph) -> bool:
+    return graph.owning_module is not None and bool(graph.owning_module.meta.get(SUBMODULE_FRAME))
+
+
 def _name_module_layers(graph: torch.fx.Graph) -> None:
     """Name every layer call (and Function call) of ``graph`` made by a submodule (numbered
-    where one makes several)."""
+    where one makes several): the frame's own calls too where its module is a submodule."""
+    own = _in_model(graph, "") if _submodule_frame(graph) else None
     calls: dict[str, list[torch.fx.Node]] = {}
     for node in filter(is_named_call, graph.nodes):
-        if path := module_path(node):
+        if (path := module_path(node) or own) is not None:
             calls.setdefault(path, []).append(node)
     for path, nodes in calls.items():
         nodes = [n for n in nodes if LAYER_NAME not in n.meta]  # named by the pass that made them
         for i, node in enumerate(nodes):
-            node.meta[LAYER_NAME] = path if len(nodes) == 1 else f"{path}#{i}"
+            node.meta[LAYER_NAME] = path if len(nodes) == 1 else qualified_name(path, f"#{i}")
+
+
+def qualified_name(path: str, name: str) -> str:
+    """The name of ``name`` (a submodule, a layer; ``#i``: the module's i-th call; ``""``:
+    the module itself) of the module at ``path`` (``""``: the root)."""
+    if not path or not name:
+        return path or name
+    return path + name if name.startswith("#") else f"{path}.{name}"
 
 
 def with_bodies(gm: torch.fx.GraphModule) -> list[torch.fx.GraphModule]:

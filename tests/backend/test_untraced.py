@@ -15,6 +15,8 @@ from grid import GridCheck, watched_backend
 from models import Records
 from torch import nn
 
+import lpcompile
+
 EAGER_SR = {"recipe": "fp8-e5m2-sr", "executor": "eager"}
 
 
@@ -91,6 +93,50 @@ def test_layers_a_skipped_root_calls_run_on_the_grid_and_its_own_product_is_name
     # input gradient on the grid, the root's two gradient products off it
     assert first == {("addmm.default", True): 3, ("mm.default", True): 5, ("mm.default", False): 2}
     assert len(found) == 1 and "the parameters of (the root) (LoopBreak: w) while LoopBreak ran:" in found[0]
+
+
+class Unsqueeze(nn.Module):
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.dim = dim
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.unsqueeze(self.dim) if self.dim >= 0 else x.squeeze(-self.dim)
+
+
+class MixedLoopBreak(nn.Module):
+    """A graph break in its loop over layers of different classes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.layers = nn.ModuleList(
+            [nn.Linear(8, 8), Unsqueeze(1), nn.Conv1d(1, 2, 3, padding=1), nn.Flatten()]
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+            torch._dynamo.graph_break()
+        return x
+
+
+def _coverage_names(model: nn.Module) -> list[str]:
+    torch._dynamo.reset()
+    _steps(torch.compile(model, backend="lowprec", options=EAGER_SR))
+    return [row.layer for row in lpcompile.coverage(model)]
+
+
+def test_layers_compiled_as_frames_of_their_own_are_named_as_modules():
+    """Where Dynamo gives up on the root's forward, each layer compiles as a frame of its
+    own, its product its own: named as in ``named_modules()``, whether identical layers
+    share one graph (named relative to each) or each class occurs once."""
+    shared = LoopBreak()
+    assert _coverage_names(shared) == ["layers.0", "layers.1", "layers.2"]
+    mixed = MixedLoopBreak()
+    assert _coverage_names(mixed) == ["layers.0", "layers.2"]
+    modules = {name for name, _ in (*shared.named_modules(), *mixed.named_modules())}
+    assert {"layers.0", "layers.1", "layers.2"} <= modules
 
 
 def test_other_backends_still_skip_those_layers():

@@ -39,6 +39,7 @@ from lpcompile.passes.graph import (
     inline,
     layer_name,
     module_path,
+    qualified_name,
     recompile_bodies,
     replace_with,
 )
@@ -206,12 +207,12 @@ def _encoder_layer(
     def attention(x):
         projections = (in_proj_weight, in_proj_bias, out_proj_weight, out_proj_bias)
         args = (x, x, x, embed_dim, num_heads, *projections, mask, False, True, mask_type)
-        return _batch_first_attention(*args, _under(path, "self_attn"))[0]
+        return _batch_first_attention(*args, qualified_name(path, "self_attn"))[0]
 
     def feed_forward(x):
-        h = _named(F.linear(x, linear1_weight, linear1_bias), _under(path, "linear1"))
+        h = _named(F.linear(x, linear1_weight, linear1_bias), qualified_name(path, "linear1"))
         h = F.gelu(h) if use_gelu else F.relu(h)
-        return _named(F.linear(h, linear2_weight, linear2_bias), _under(path, "linear2"))
+        return _named(F.linear(h, linear2_weight, linear2_bias), qualified_name(path, "linear2"))
 
     shape = (embed_dim,)
     x = src
@@ -220,11 +221,6 @@ def _encoder_layer(
         return x + feed_forward(F.layer_norm(x, shape, norm2_weight, norm2_bias, eps))
     x = F.layer_norm(x + attention(x), shape, norm1_weight, norm1_bias, eps)
     return F.layer_norm(x + feed_forward(x), shape, norm2_weight, norm2_bias, eps)
-
-
-def _under(path: str, name: str) -> str:
-    """The FQN of submodule ``name`` of the module at ``path`` ("": the graph's root)."""
-    return f"{path}.{name}" if path else name
 
 
 def restore_module_paths(gm: torch.fx.GraphModule) -> None:

@@ -339,7 +339,8 @@ def warn_settings_without_effect(gm: torch.fx.GraphModule, ctx: CompileContext) 
         " graph per options"
     )
     if unused := [p for p in ctx.config.exclude if not any(fnmatch.fnmatchcase(n, p) for n in names)]:
-        message = f"lowprec: exclude patterns {unused} match no layer of a graph with layers {names}"
+        shown = [name or "(the submodule itself)" for name in names]
+        message = f"lowprec: exclude patterns {unused} match no layer of a graph with layers {shown}"
         if ctx.piece:
             message += f" (this graph is {ctx.piece}: its layer names start there)"
         if ctx.piece.startswith("submodule"):
