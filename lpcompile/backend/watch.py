@@ -37,6 +37,8 @@ from lpcompile.backend.distributed import (
 
 # Modules a warning names (the others are counted).
 LISTED = 12
+# Layouts Dynamo does not trace (a nested tensor's ``torch.jagged`` it does).
+SPARSE_LAYOUTS = (torch.sparse_coo, torch.sparse_csr, torch.sparse_csc, torch.sparse_bsr, torch.sparse_bsc)
 # Where torch's and lpcompile's own frames come from.
 INTERNAL = tuple(os.path.dirname(path) + os.sep for path in (torch.__file__, os.path.dirname(__file__)))
 # The code of ``torch.autograd.Function.apply``: a frame of it on the stack runs a Function uncompiled.
@@ -160,7 +162,7 @@ def sparse_tensors(root: torch.nn.Module, args: Any, kwargs: dict[str, Any]) -> 
         f"argument {key} ({value.layout})"
         for key, arg in [*enumerate(args), *kwargs.items()]
         for value in torch.utils._pytree.tree_leaves(arg)
-        if isinstance(value, torch.Tensor) and value.layout != torch.strided
+        if isinstance(value, torch.Tensor) and value.layout in SPARSE_LAYOUTS
     ]
     for name, module in unwrapped(root)[0].named_modules():
         prefix = f"{module_name(name)}." if name else ""
@@ -172,7 +174,7 @@ def sparse_tensors(root: torch.nn.Module, args: Any, kwargs: dict[str, Any]) -> 
             found += [
                 f"{kind} {prefix}{attr} ({value.layout})"
                 for attr, value in held.items()
-                if isinstance(value, torch.Tensor) and value.layout != torch.strided
+                if isinstance(value, torch.Tensor) and value.layout in SPARSE_LAYOUTS
             ]
     return found
 

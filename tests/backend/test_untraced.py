@@ -16,6 +16,7 @@ from models import Records
 from torch import nn
 
 import lpcompile
+from lpcompile.backend.watch import sparse_tensors
 
 EAGER_SR = {"recipe": "fp8-e5m2-sr", "executor": "eager"}
 
@@ -343,3 +344,5 @@ def test_sparse_tensors_a_model_runs_with_are_named_once():
     held = _sparse_warnings(GraphConvolution(adj.to_sparse_csr()))
     assert len(held) == 1 and "(buffer adj (torch.sparse_csr))" in held[0]
     assert _sparse_warnings(GraphConvolution(), adj=adj.to_dense()) == []
+    jagged = torch.nested.nested_tensor([torch.randn(2, 8), torch.randn(3, 8)], layout=torch.jagged)
+    assert sparse_tensors(GraphConvolution(), (jagged,), {}) == []  # Dynamo traces nested tensors
