@@ -32,7 +32,7 @@ one graph (:func:`refresh_chain`).
 from __future__ import annotations
 
 import weakref
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -387,15 +387,15 @@ def refresh_chain(chain: list[AdaptiveScaleState]) -> None:
 
 
 def back_off_states(
-    states: list[AdaptiveScaleState],
+    states: Sequence[AdaptiveScaleState],
     found_inf: bool,
     grads: Mapping[int, torch.Tensor] | None = None,
-    read: list[torch.Tensor] | None = None,
+    reads: Sequence[torch.Tensor | None] | None = None,
 ) -> None:
     """Back off the layers of ``states`` that overflowed (:meth:`AdaptiveScaleState.back_off`,
-    with ``grads`` and each state's scales ``read``); where ``found_inf`` but no layer's
-    gradients show it, every layer of them."""
-    reads = read or [None] * len(states)
+    with ``grads`` and each state's scales read, ``reads``); where ``found_inf`` but no
+    layer's gradients show it, every layer of them."""
+    reads = reads or [None] * len(states)
     hit = [state.back_off(found_inf, grads=grads, read=r) for state, r in zip(states, reads, strict=True)]
     if found_inf and not any(hit):
         for state, r in zip(states, reads, strict=True):

@@ -28,7 +28,12 @@ from torch._functorch.partitioners import _is_tangent as is_tangent
 
 from lpcompile.backend import runtime
 from lpcompile.backend.cache import SourceStamp, package_hash
-from lpcompile.backend.distributed import LOWPREC_BACKEND, ddp_optimizer_split, trace_wrapped_forwards
+from lpcompile.backend.distributed import (
+    LOWPREC_BACKEND,
+    ddp_optimizer_split,
+    trace_wrapped_forwards,
+    unsharded_parameters,
+)
 from lpcompile.backend.records import CompiledGraph
 from lpcompile.backend.state import REGISTRY
 from lpcompile.backend.watch import compiled_module, instance_of, outermost_module, warn_in_eager_function
@@ -48,6 +53,7 @@ from lpcompile.passes.graph import (
     layer_name,
     name_canonically,
     parameter_of,
+    qualified_name,
     relative_state_name,
     with_bodies,
 )
@@ -117,6 +123,11 @@ def set_root_path(gm: torch.fx.GraphModule, model: torch.nn.Module | None) -> No
     names: dict[int, list[str]] = {}
     for name, parameter in model.named_parameters(remove_duplicate=False):
         names.setdefault(id(parameter), []).append(name)
+    unsharded = unsharded_parameters(model)  # what the graphs of an FSDP2 model read
+    for path, module in model.named_modules(remove_duplicate=False):
+        for name in dict(module.named_parameters(recurse=False)):
+            if (parameter := unsharded.get((id(module), name))) is not None:
+                names.setdefault(id(parameter), []).append(qualified_name(path, name))
     roots: set[str] | None = None
     for node in gm.graph.find_nodes(op="placeholder"):
         if (parameter := parameter_of(node)) is None or (path := relative_state_name(node)) is None:
@@ -130,7 +141,8 @@ def set_root_path(gm: torch.fx.GraphModule, model: torch.nn.Module | None) -> No
     if not roots or len(roots) > 1 or "" in roots:
         return
     (root,) = roots
-    unique = sum(type(module) is type(model.get_submodule(root)) for module in model.modules()) == 1
+    kind = type(model.get_submodule(root))
+    unique = sum(type(module) is kind for module in model.modules()) == 1
     for graph in with_bodies(gm):
         graph.meta[SUBMODULE_FRAME] = True
         if unique:

@@ -33,7 +33,7 @@ from lpcompile.passes.driver import CompileContext, Site
 from lpcompile.passes.dynamo.loss_scale import RECORD_IN_VARIANT
 from lpcompile.passes.dynamo.quantize import SEED_INPUT
 from lpcompile.passes.dynamo.saturation import SATURATION_INPUT
-from lpcompile.passes.graph import ROOT_PATH, parameter_of, relative_state_name
+from lpcompile.passes.graph import ROOT_PATH, parameter_of, relative_state_name, shown_name
 
 
 def step_seed(seed: int, step: int, rank: int = 0) -> torch.Tensor:
@@ -111,7 +111,7 @@ def wrap(
 def nonfinite_message(sites: Sequence[Site], counts: torch.Tensor) -> str:
     """What a call whose quantize inputs held inf or NaN says (``saturation="raise"``)."""
     found = [
-        f"{site.layer} ({site.role} to {site.fmt}: {n} value(s))"
+        f"{shown_name(site.layer)} ({site.role} to {site.fmt}: {n} value(s))"
         for site, n in zip(sites, counts[:, 1].tolist(), strict=True)
         if n
     ]

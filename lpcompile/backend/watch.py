@@ -234,7 +234,7 @@ class CoverageWatch:
             model, _ = unwrapped(root)
             warnings.warn(
                 f"lowprec: {type(model).__name__} ran with sparse tensors ({', '.join(sparse)}): Dynamo "
-                "does not trace sparse tensors, so the code that uses them ran uncompiled, its "
+                "does not trace sparse tensors, so code that uses them runs uncompiled, its "
                 "products with them (torch.sparse.mm, @) in FP32. Pass or keep a dense tensor "
                 "(.to_dense()) for lowprec to round those products",
                 stacklevel=caller_level(),

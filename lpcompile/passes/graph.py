@@ -21,8 +21,7 @@ import lpcompile.numerics.scale_grad  # noqa: F401  (defines lowprec::scale_grad
 LINEAR_TARGETS = {torch._C._nn.linear, F.linear}
 CONV_TARGETS = {torch.conv1d, torch.conv2d, torch.conv3d, F.conv1d, F.conv2d, F.conv3d}
 CONV_TRANSPOSE_TARGETS = {torch.conv_transpose1d, torch.conv_transpose2d, torch.conv_transpose3d}
-# ``torch.sparse.mm``: a graph holds it with dense operands only (Dynamo does not trace sparse tensors)
-MATMUL_TARGETS = {torch.matmul, torch.linalg.matmul, operator.matmul, torch.mm, torch.bmm, torch.sparse.mm}
+MATMUL_TARGETS = {torch.matmul, torch.linalg.matmul, operator.matmul, torch.mm, torch.bmm}
 # Mixture-of-experts products: rows of the input grouped by expert, each group times its expert's matrix.
 GROUPED_MM_TARGETS = {torch._grouped_mm, F.grouped_mm}
 # FlexAttention: one fused call of (query, key, value, score_mod, block mask, ...) that
@@ -34,10 +33,7 @@ WEIGHTED_TARGETS = LINEAR_TARGETS | CONV_TARGETS | CONV_TRANSPOSE_TARGETS  # (in
 # ``einsum``'s operands are all its arguments after the equation.
 PRODUCT_OPERANDS: dict[object, tuple[int, ...]] = {
     **{target: (0, 1) for target in WEIGHTED_TARGETS | MATMUL_TARGETS | GROUPED_MM_TARGETS},
-    **{
-        target: (1, 2)
-        for target in (torch.addmm, torch.baddbmm, torch.addbmm, torch.addmv, torch.sparse.addmm)
-    },
+    **{target: (1, 2) for target in (torch.addmm, torch.baddbmm, torch.addbmm, torch.addmv)},
     **{target: (0, 1) for target in (torch.mv, torch.dot, torch.vdot, torch.inner, torch.outer)},
     torch.addr: (1, 2),
     torch.tensordot: (0, 1),
@@ -57,8 +53,8 @@ PRODUCT_METHODS: dict[str, tuple[int, ...]] = {
 OPERAND_NAMES: dict[object, tuple[str, ...]] = {
     **{target: ("input", "weight", "bias") for target in WEIGHTED_TARGETS},
     **{target: ("input", "mat2") for target in (torch.mm, torch.bmm, "mm", "bmm")},
-    **{target: ("input", "mat1", "mat2") for target in (torch.addmm, "addmm", torch.sparse.addmm)},
-    torch.sparse.mm: ("sparse", "dense"),
+    torch.addmm: ("input", "mat1", "mat2"),
+    "addmm": ("input", "mat1", "mat2"),
     **{target: ("input", "batch1", "batch2") for target in (torch.baddbmm, torch.addbmm)},
     **{target: ("input", "batch1", "batch2") for target in ("baddbmm", "addbmm")},
     **{target: ("input", "mat", "vec") for target in (torch.addmv, "addmv")},
@@ -236,6 +232,7 @@ def relative_state_name(node: torch.fx.Node) -> str | None:
 
 
 def _submodule_frame(graph: torch.fx.Graph) -> bool:
+    """Whether ``graph`` is (a body of) a submodule's frame: :data:`SUBMODULE_FRAME`."""
     return graph.owning_module is not None and bool(graph.owning_module.meta.get(SUBMODULE_FRAME))
 
 
@@ -251,6 +248,14 @@ def _name_module_layers(graph: torch.fx.Graph) -> None:
         nodes = [n for n in nodes if LAYER_NAME not in n.meta]  # named by the pass that made them
         for i, node in enumerate(nodes):
             node.meta[LAYER_NAME] = path if len(nodes) == 1 else qualified_name(path, f"#{i}")
+
+
+def shown_name(name: str) -> str:
+    """A layer name for a message: a submodule's own call in a graph named relative to the
+    submodule (``""``, ``"#i"``) spelled out."""
+    if name and not name.startswith("#"):
+        return name
+    return f"(the submodule itself{f', call {name}' if name else ''})"
 
 
 def qualified_name(path: str, name: str) -> str:

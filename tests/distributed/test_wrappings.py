@@ -177,7 +177,8 @@ def _train(make, wrap, options: dict, rank: int) -> dict:
         "linears": sum(isinstance(m, nn.Linear) for m in model.modules()),
         "covered": len([row for row in coverage(model) if row.quantized]),
         "names": {row.layer for row in coverage(model)},
-        # a product in a graph frame's own forward (a Linear compiled alone) is named by its weight
+        # a layer compiled on its own by the user (the head, compiled per block) is named by
+        # its weight, one Dynamo compiled apart (the root's loop broken) by the module
         "model_names": {module_name(n) for n, _ in [*model.named_modules(), *model.named_parameters()]},
     }
 

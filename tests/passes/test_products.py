@@ -8,7 +8,7 @@ import warnings
 
 import pytest
 import torch
-from grid import GridCheck, grid_step, on_e5m2_grid, watched_backend
+from grid import GridCheck, grid_step, on_e5m2_grid, on_scaled_fp8_rows, watched_backend
 from models import Records
 from torch import nn
 from torch.nn import functional as F
@@ -59,26 +59,42 @@ def test_every_product_runs_on_the_grid_forward_and_backward():
 
 class DenseSparseCalls(nn.Module):
     """``torch.sparse.mm`` and ``torch.sparse.addmm`` of dense tensors (a graph network's
-    adjacency kept dense), one with the weight passed by keyword."""
+    adjacency kept dense), the weight ``w`` passed by keyword."""
 
     def __init__(self) -> None:
         super().__init__()
         torch.manual_seed(0)
+        self.v = nn.Parameter(torch.randn(8, 8) / 3)
         self.w = nn.Parameter(torch.randn(8, 8) / 3)
         self.b = nn.Parameter(torch.zeros(6, 8))
 
     def forward(self, adj: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        h = torch.sparse.mm(adj, x @ self.w)
+        h = torch.sparse.mm(adj, x @ self.v)
         return torch.sparse.addmm(self.b, adj, torch.sparse.mm(sparse=h, dense=self.w))
 
 
-def test_sparse_namespace_products_of_dense_tensors_run_on_the_grid():
+# every role scaled per row (the rowwise recipe leaves weight gradients unrounded)
+ROWWISE = {
+    "recipe": "fp8-rowwise",
+    **{role: {"scaling": "rowwise"} for role in ("weight", "activation")},
+    "error": {"fmt": "e5m2", "scaling": "rowwise"},
+}
+
+
+@pytest.mark.parametrize(
+    ("options", "on_operand"),
+    [({"recipe": "fp8-e5m2-sr"}, None), (ROWWISE, on_scaled_fp8_rows)],
+    ids=["e5m2", "rowwise"],
+)
+def test_sparse_namespace_products_of_dense_tensors_run_on_the_grid(options, on_operand):
+    """As ``mm`` and ``addmm``, which they compute: rowwise along the summed dimension."""
     records = Records()
-    check = grid_step(DenseSparseCalls(), {"adj": torch.rand(6, 6), "x": torch.randn(6, 8)}, OPTIONS)
-    assert check.products[("_sparse_addmm.default", True)] == 3, check.products  # the forward's
-    assert check.off_grid == {} and not check.unknown, check.products
+    check = GridCheck(on_operand=on_operand) if on_operand else GridCheck()
+    inputs = {"adj": torch.rand(6, 6), "x": torch.randn(6, 8)}
+    grid_step(DenseSparseCalls(), inputs, {**options, "executor": "eager"}, check)
+    assert check.count >= 8 and check.off_grid == {} and not check.unknown, check.products
     roles = {(s.layer, s.role) for s in records.only().sites.values()}
-    assert {("w", "weight"), ("w", "weight_grad")} <= roles
+    assert ("w", "weight") in roles and (("w", "weight_grad") in roles) == (options is not ROWWISE)
 
 
 def test_without_the_quantize_pass_the_products_are_off_grid():

@@ -143,6 +143,10 @@ def test_adaptive_stages_start_where_errors_overflow_and_skip_instead_of_breakin
     assert all(trainer.skipped_samples.values()), trainer.skipped_samples
     assert trainer.loss_scales == {0: 1.0, 1: 1.0, 2: 1.0}  # checked, not scaled per stage
     assert all(t.cumulative < 2**24 for t in stats(model))
+    state = trainer.state_dict()
+    assert set(state["loss_scales"]) == {0, 1, 2}  # the checks' counts
+    state["loss_scales"] = {}  # a state without them loads too (the counts restart)
+    trainer.load_state_dict(state)
 
 
 def test_an_adaptive_stage_backs_off_the_layer_that_overflowed():

@@ -18,10 +18,12 @@ from lpcompile.passes.dynamo.conv import im2col_applies, use_im2col_convs
 from lpcompile.passes.dynamo.loss_scale import insert_loss_scale, loss_scale_applies
 from lpcompile.passes.dynamo.pipeline import insert_predict_weight, remove_pipe_splits, split_stages
 from lpcompile.passes.dynamo.quantize import (
+    SPARSE_PRODUCTS,
     flatten_einsum_operands,
     forget_body_parents,
     has_bodies,
     insert_quantize,
+    write_dense_sparse_products,
 )
 from lpcompile.passes.dynamo.recurrent import CELLS, RECURRENT, decompose_recurrent_layers
 from lpcompile.passes.dynamo.regions import has_regions, inline_nested_regions
@@ -51,6 +53,10 @@ def has_einsum(gm: torch.fx.GraphModule, ctx: CompileContext, kind: str) -> bool
     return rewrites(gm, ctx, kind) and bool(find_calls(gm, {torch.einsum}))
 
 
+def has_sparse_products(gm: torch.fx.GraphModule, ctx: CompileContext, kind: str) -> bool:
+    return ctx.config.quantizes and bool(find_calls(gm, SPARSE_PRODUCTS.keys()))
+
+
 def has_matrix_chains(gm: torch.fx.GraphModule, ctx: CompileContext, kind: str) -> bool:
     return ctx.config.quantizes and bool(find_calls(gm, MATRIX_CHAINS))
 
@@ -74,6 +80,7 @@ def has_stage_markers(gm: torch.fx.GraphModule, ctx: CompileContext, kind: str) 
 DYNAMO_PASSES = (
     Pass(inline_nested_regions, has_nested_regions),
     Pass(flatten_einsum_operands, has_einsum),
+    Pass(write_dense_sparse_products, has_sparse_products),
     Pass(write_matrix_chains, has_matrix_chains),
     Pass(decompose_multihead_attention, has_multihead_attention),
     Pass(decompose_attention, attention_full),

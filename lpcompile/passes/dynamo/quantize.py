@@ -66,6 +66,7 @@ from lpcompile.passes.graph import (
     product_operands,
     product_output,
     recompile_bodies,
+    shown_name,
 )
 
 SEED_INPUT = "lowprec_seed"
@@ -280,6 +281,25 @@ def flatten_einsum_operands(gm: torch.fx.GraphModule, ctx: CompileContext) -> No
     recompile_bodies(gm)
 
 
+# torch.sparse's products, which a graph holds with dense operands only (Dynamo does not
+# trace sparse tensors): the products they compute, and their keywords' names there
+SPARSE_PRODUCTS = {
+    torch.sparse.mm: (torch.mm, {"sparse": "input", "dense": "mat2"}),
+    torch.sparse.addmm: (torch.addmm, {}),
+}
+
+
+def write_dense_sparse_products(gm: torch.fx.GraphModule, ctx: CompileContext) -> None:
+    """Write ``torch.sparse.mm``/``addmm`` of dense tensors as ``torch.mm``/``addmm``, the
+    products they compute, which every pass knows (one with ``reduce`` stays as it is)."""
+    for _, call in find_calls(gm, SPARSE_PRODUCTS.keys()):
+        if "reduce" in call.kwargs or (call.target is torch.sparse.mm and len(call.args) > 2):
+            continue
+        call.target, names = SPARSE_PRODUCTS[call.target]
+        call.kwargs = {names.get(key, key): value for key, value in call.kwargs.items()}
+    recompile_bodies(gm)
+
+
 def _subscripts(sublist: list) -> str:
     """The equation letters of an einsum sublist, as torch spells them: 0-25 are A-Z, 26-51
     a-z (an implicit output orders its letters A-Z, then a-z)."""
@@ -339,7 +359,7 @@ def warn_settings_without_effect(gm: torch.fx.GraphModule, ctx: CompileContext) 
         " graph per options"
     )
     if unused := [p for p in ctx.config.exclude if not any(fnmatch.fnmatchcase(n, p) for n in names)]:
-        shown = [name or "(the submodule itself)" for name in names]
+        shown = [shown_name(name) for name in names]
         message = f"lowprec: exclude patterns {unused} match no layer of a graph with layers {shown}"
         if ctx.piece:
             message += f" (this graph is {ctx.piece}: its layer names start there)"
@@ -356,8 +376,8 @@ def warn_settings_without_effect(gm: torch.fx.GraphModule, ctx: CompileContext) 
     if ctx.config.keep_first_last and ctx.piece and names:
         message = (
             f"lowprec: keep_first_last keeps the first and last layer of each graph, and this graph is"
-            f" {ctx.piece}: its first and last layers ({names[0]}, {names[-1]}) stay in higher"
-            " precision, not the model's"
+            f" {ctx.piece}: its first and last layers ({shown_name(names[0])}, {shown_name(names[-1])})"
+            " stay in higher precision, not the model's"
         )
         if ctx.piece.startswith("submodule"):
             message += apart
@@ -365,7 +385,8 @@ def warn_settings_without_effect(gm: torch.fx.GraphModule, ctx: CompileContext) 
             message += "; name the model's first and last layers in exclude=[...] instead"
         warnings.warn(message, stacklevel=1)
     if ctx.config.keep_first_last and 0 < len(names) <= 2:
-        message = f"lowprec: keep_first_last leaves every layer of a graph unquantized (its layers: {names})"
+        shown = [shown_name(name) for name in names]
+        message = f"lowprec: keep_first_last leaves every layer of a graph unquantized (its layers: {shown})"
         warnings.warn(message, stacklevel=1)
 
 
@@ -582,17 +603,18 @@ def check_operand_dtypes(call: torch.fx.Node) -> None:
     they fail deep inside Inductor)."""
     values = [call.args[i].meta.get("example_value") for i in product_operands(call)]
     dtypes = [v.dtype for v in values if isinstance(v, torch.Tensor) and v.is_floating_point()]
+    layer = shown_name(layer_name(call))
     for dtype in dtypes:
         if dtype not in FLOAT_DTYPES:
             raise TypeError(
-                f"lowprec: layer {layer_name(call)!r} ({op_name(call)}) computes in {dtype}; lowprec"
+                f"lowprec: layer {layer!r} ({op_name(call)}) computes in {dtype}; lowprec"
                 " quantizes float32, float16 and bfloat16 models (convert it with model.float())"
             )
     devices = {v.device.type for v in values if isinstance(v, torch.Tensor)}
     if len(set(dtypes)) > 1 and not any(runs_under_autocast(call, device) for device in devices):
         mixed = " by ".join(map(str, dtypes))
         raise TypeError(
-            f"lowprec: layer {layer_name(call)!r} ({op_name(call)}) multiplies {mixed}: its operands"
+            f"lowprec: layer {layer!r} ({op_name(call)}) multiplies {mixed}: its operands"
             " must have one dtype, as in eager torch (cast the input to the model's dtype)"
         )
 

@@ -29,7 +29,6 @@ each tensor in that layout, and the simulator must hand on the same.
 from __future__ import annotations
 
 import contextlib
-import functools
 import hashlib
 import time
 from collections import deque
@@ -224,18 +223,6 @@ class Stage:
     inputs: list[TensorMeta | None] = field(default_factory=list)  # layouts of what it receives
     queue: deque = field(default_factory=deque)
 
-    @functools.cached_property
-    def holder(self) -> nn.Module:
-        """A module holding :attr:`params`: what finds the per-model state of the stage's graphs."""
-        return params_holder(self.params)
-
-
-def params_holder(params: Sequence[nn.Parameter]) -> nn.Module:
-    """A module holding ``params``, for what looks up per-model state by a module's tensors."""
-    holder = nn.Module()
-    holder.params = nn.ParameterList(params)
-    return holder
-
 
 def build_stage(
     graph: StageGraph,
@@ -392,12 +379,18 @@ class StageRunner:
                 slot.data.copy_(self.optimizer.predicted_weight(p))
                 slot.grad = None
         inputs = values if stage.index == 0 else grad_inputs(values)
+        calls = {id(s): s.calls for s in REGISTRY.adaptive_states()} if self.adaptive else {}
         with torch.enable_grad(), stage.random.active():
             outputs = stage.runner(*state, *inputs)
         if self.record:
             self.history.append(Event(t, stage.index, "forward", sample, t))
+        # the states of the graphs this forward ran (their call counts moved, or they are new);
         # a state's scales are replaced, never changed in place: the tensor is what the call read
-        read = [(s, s.scales) for s in REGISTRY.adaptive_states(stage.holder)] if self.adaptive else []
+        read = [
+            (s, s.scales)
+            for s in (REGISTRY.adaptive_states() if self.adaptive else [])
+            if calls.get(id(s)) != s.calls
+        ]
         return InFlight(sample, t, inputs, outputs, slots, label, read)
 
     def _backward(
