@@ -291,10 +291,8 @@ SPARSE_PRODUCTS = {
 
 def write_dense_sparse_products(gm: torch.fx.GraphModule, ctx: CompileContext) -> None:
     """Write ``torch.sparse.mm``/``addmm`` of dense tensors as ``torch.mm``/``addmm``, the
-    products they compute, which every pass knows (one with ``reduce`` stays as it is)."""
+    products they compute, which every pass knows (``reduce`` needs a sparse operand)."""
     for _, call in find_calls(gm, SPARSE_PRODUCTS.keys()):
-        if "reduce" in call.kwargs or (call.target is torch.sparse.mm and len(call.args) > 2):
-            continue
         call.target, names = SPARSE_PRODUCTS[call.target]
         call.kwargs = {names.get(key, key): value for key, value in call.kwargs.items()}
     recompile_bodies(gm)
