@@ -169,6 +169,12 @@ class AdaptiveScaleState:
         # Inductor's loops is redone per vector (the scale's pointer may alias the output)
         self.inverses = value.reciprocal()
 
+    @property
+    def refreshes(self) -> int:
+        """How many times statistics were turned into scales (a forward may run ahead of
+        the backwards that record them, as in a pipeline: its calls count more)."""
+        return len(self.telemetry[0].history)
+
     def next_inputs(self) -> tuple[dict[str, torch.Tensor], bool]:
         """The graph inputs for the next call, and whether it records statistics.
 
@@ -200,6 +206,16 @@ class AdaptiveScaleState:
         refresh_chain(self.chain)
         for state, calibrating in zip(pending, before, strict=True):
             state.unsettled |= calibrating and state.calibrating
+
+    def refresh_sample(self, read: torch.Tensor) -> bool:
+        """Turn the statistics of one backward, whose forward read the scales ``read``, into
+        scales: a pipeline stage's graph (not split), refreshed after each sample's backward,
+        since its forwards run ahead of their backwards. Whether they raised a scale more
+        than a binade above ``read`` (:func:`refresh_chain`); False without statistics."""
+        if self.hist.grad is None:
+            return False
+        self.recorded = read
+        return refresh_chain(self.chain)
 
     def take_statistics(self) -> tuple[list[float | None], list[float | None]] | None:
         """Record the pending statistics in the telemetry and drop them; return each layer's
@@ -356,13 +372,15 @@ class AdaptiveScaleState:
         self.telemetry = [LayerTelemetry(**t) for t in state["telemetry"]]
 
 
-def refresh_chain(chain: list[AdaptiveScaleState]) -> None:
+def refresh_chain(chain: list[AdaptiveScaleState]) -> bool:
     """Set new scales from the pending statistics of ``chain``'s states by the configured
-    rule, the bounds applied through all their layers in order, as through one graph's."""
+    rule, the bounds applied through all their layers in order, as through one graph's.
+    Returns whether a layer's new scale is more than a binade above the one its statistics
+    were recorded at (that call's errors underflowed where they should not have)."""
     taken = [state.take_statistics() for state in chain]
     config = chain[0].config
     if config.rule == "fixed" or all(t is None for t in taken):
-        return
+        return False
     needed, caps, current, used = [], [], [], []
     for state, t in zip(chain, taken, strict=True):
         count = len(state.layers)
@@ -381,9 +399,10 @@ def refresh_chain(chain: list[AdaptiveScaleState]) -> None:
     # refresh reaches further down. Bounded: a layer that overflows at the scale its
     # underflow asks for would raise forever.
     raised = any(new > 2 * old for new, old in zip(scales, used, strict=True))
-    if not raised or max(state.calls for state in chain) > len(scales):
+    if not raised or max(state.refreshes for state in chain) > len(scales):
         for state in chain:
             state.calibrating = False
+    return raised
 
 
 def back_off_states(

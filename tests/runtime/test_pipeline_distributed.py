@@ -23,7 +23,15 @@ from lpcompile.runtime.pipeline.schedule import TensorMeta, conform, message_met
 
 pytestmark = pytest.mark.usefixtures("single_thread")  # as each rank: the same bits
 
-FAST = ["pb", "sc-lwpv", "fp8-sr", "fp8-sr-dynamic", "fp8-als-overflow", "fp8-sr-dropout"]
+FAST = [
+    "pb",
+    "sc-lwpv",
+    "fp8-sr",
+    "fp8-sr-dynamic",
+    "fp8-als-overflow",
+    "fp8-als-calibrate",
+    "fp8-sr-dropout",
+]
 SLOW = [case for case in CASES if case not in FAST]
 
 
@@ -53,13 +61,16 @@ def _assert_same_run(case: str, world: int, folder, simulated: dict) -> None:
     assert sorted(s for run in runs for s in run["streams"]) == sorted(expected["streams"])
     # each rank holds its stages' loss scales: together, the simulator's
     # and its stages' layers' adaptive scales
-    for key in ("loss_scales", "skipped", "adaptive"):
+    for key in ("loss_scales", "skipped", "calibration", "adaptive"):
         assert {k: v for run in runs for k, v in run[key].items()} == expected[key]
     if case.endswith("dynamic"):  # the scales moved apart: each stage overflowed on its own
         assert len(set(expected["loss_scales"].values())) > 1 and all(expected["skipped"].values())
     if case.endswith("overflow"):  # checked and skipped without per-stage scales, scales lowered
         assert set(expected["loss_scales"].values()) == {1.0} and any(expected["skipped"].values())
         assert all(scale < 2**20 for scale, _, _ in expected["adaptive"].values())
+    if case.endswith("calibrate"):  # skipped while the scales rose, in more than one stage
+        assert sum(count > 0 for count in expected["calibration"].values()) > 1
+        assert expected["calibration"] == expected["skipped"]
     if "sr" in case:
         assert len(expected["streams"]) == 4  # one model per stage: each counts its own calls
 
@@ -76,7 +87,7 @@ def _run_cases(tmp_path, world: int, cases: list[str]) -> None:
 def test_two_ranks_equal_the_simulator_bit_for_bit(tmp_path):
     """Plain PB, PB+SC+LWP^v, PB+SC+LWP^v with FP8 (E5M2, stochastic rounding) stages,
     FP8 stages with dynamic loss scales, with per-layer adaptive scales that start where the
-    errors overflow, and with dropout in every stage: four stages on two ranks (two
+    errors overflow or underflow, and with dropout in every stage: four stages on two ranks (two
     contiguous stages each)."""
     _run_cases(tmp_path, 2, FAST)
 

@@ -10,6 +10,8 @@ weight gradient is ``S * 2**99`` (inf from ``2**29``).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -18,14 +20,16 @@ from test_pipeline import Chain, chain_trainer, output_loss
 from examples.models import MLP
 from lpcompile.backend import stats
 from lpcompile.runtime.pipeline import PipelinedTrainer
-from lpcompile.runtime.scaler import LossScaleConfig
+from lpcompile.runtime.scaler import LossScaleConfig, LossScaler
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
 
-def applied_gradients(trainer: PipelinedTrainer, xs: list[float]) -> dict[tuple[int, int], torch.Tensor]:
-    """Feed the samples ``xs`` and drain; returns the gradient each stage applied for each
-    sample, by (stage, sample), read at every optimizer step."""
+def applied_gradients(
+    trainer: PipelinedTrainer, xs: Sequence[torch.Tensor], ys: Sequence[torch.Tensor]
+) -> dict[tuple[int, int], torch.Tensor]:
+    """Feed the samples ``xs`` (targets ``ys``) and drain; returns the gradient each stage
+    applied for each sample, by (stage, sample), read at every optimizer step."""
     got: dict[tuple[int, int], torch.Tensor] = {}
     step = trainer.optimizer.step
 
@@ -38,8 +42,8 @@ def applied_gradients(trainer: PipelinedTrainer, xs: list[float]) -> dict[tuple[
         return step()
 
     trainer.optimizer.step = recording_step
-    for x in xs:
-        trainer.step(torch.tensor([x]), torch.zeros(1))
+    for x, y in zip(xs, ys, strict=True):
+        trainer.step(x, y)
     trainer.drain()
     return got
 
@@ -54,7 +58,8 @@ def test_each_stage_skips_what_overflowed_in_it_and_backs_off_alone():
     config = LossScaleConfig("dynamic", init_scale=2.0**30, growth_interval=1000)
     scaled = chain_trainer(weights, 0, lr=0.0, loss_scale=config)
     plain = chain_trainer(weights, 0, lr=0.0)
-    got, expected = applied_gradients(scaled, [1.0] * 12), applied_gradients(plain, [1.0] * 12)
+    xs, ys = [torch.ones(1)] * 12, [torch.zeros(1)] * 12
+    got, expected = applied_gradients(scaled, xs, ys), applied_gradients(plain, xs, ys)
     assert len(expected) == 3 * 12
     first_applied = {2: 3, 1: 6, 0: 8}
     assert sorted(got) == sorted(key for key in expected if key[1] >= first_applied[key[0]])
@@ -72,8 +77,8 @@ def test_scales_grow_after_clean_samples_with_gradscalers_rule():
     config = LossScaleConfig("dynamic", init_scale=2.0**4, growth_interval=3)
     scaled = chain_trainer(weights, 0, loss_scale=config)
     plain = chain_trainer(weights, 0)
-    xs = [float(n + 1) for n in range(10)]
-    got, expected = applied_gradients(scaled, xs), applied_gradients(plain, xs)
+    xs, ys = [torch.tensor([n + 1.0]) for n in range(10)], [torch.zeros(1)] * 10
+    got, expected = applied_gradients(scaled, xs, ys), applied_gradients(plain, xs, ys)
     assert got.keys() == expected.keys() and all(torch.equal(got[k], expected[k]) for k in got)
     assert [p.item() for p in scaled.model.parameters()] == [p.item() for p in plain.model.parameters()]
     assert scaled.loss_scales == {s: 2.0 ** (4 + 10 // 3) for s in range(3)}
@@ -153,7 +158,7 @@ def test_an_adaptive_stage_backs_off_the_layer_that_overflowed():
     """Once the layers' scales are set (small errors raise them above 1), a sample whose
     error overflows near the loss: the stage where it overflows skips it (and the stages
     before it, which receive no error; the stages after it step), the layer of that stage
-    halves its scale, the others keep theirs; the next samples train on."""
+    halves its scale, the others keep theirs."""
     torch.manual_seed(0)
     xs, ys = torch.randn(8, 16), torch.randn(8, 4)
     torch.manual_seed(1)
@@ -166,20 +171,86 @@ def test_an_adaptive_stage_backs_off_the_layer_that_overflowed():
     trainer = PipelinedTrainer(model, xs[:1], stages="layer", lr=0.05, compile=options, loss_fn=small_loss)
     trainer.fit(xs, ys, epochs=2)
     scales = [t.cumulative for t in stats(model)]
-    assert trainer.skipped_samples == {0: 0, 1: 0, 2: 0} and scales[0] > 1
+    calibration = trainer.calibration_samples
+    assert trainer.skipped_samples == calibration and scales[0] > 1  # no overflow yet
     before = [p.detach().clone() for p in model.parameters()]
     trainer.step(xs[:1], ys[:1] * 1e8)  # the error overflows E5M2
     trainer.drain()
-    (hit,) = [stage for stage, count in trainer.skipped_samples.items() if count]
-    assert trainer.skipped_samples[hit] == 1
+    assert trainer.calibration_samples == calibration
+    skipped = {stage: count - calibration[stage] for stage, count in trainer.skipped_samples.items()}
+    (hit,) = [stage for stage, count in skipped.items() if count]
+    assert skipped[hit] == 1
     kept = [torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True)]
     assert kept == [stage <= hit for stage in range(3) for _ in range(2)]
     assert [t.cumulative for t in stats(model)] == [s / 2 if i == hit else s for i, s in enumerate(scales)]
     assert [t.overflow for t in stats(model)] == [int(i == hit) for i in range(3)]
-    trainer.fit(xs[:4], ys[:4])
-    assert _finite(model) and not any(
-        torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True)
+    assert _finite(model)
+
+
+def _small_loss(output, target):  # errors small enough to underflow E5M2 at scale 1
+    return F.mse_loss(output, target) * 2**-12
+
+
+def test_a_one_stage_pipeline_skips_the_calibrating_steps_loss_scaler_skips():
+    """One stage (no delay) with per-layer adaptive scales from 1, where the errors
+    underflow: the pipeline skips the samples ``LossScaler("adaptive")`` skips while the
+    scales calibrate, and ends with the same weights and scales as that scaler's loop over
+    the same samples (applying every sample, the pipeline's weights differed)."""
+    torch.manual_seed(0)
+    xs, ys = torch.randn(12, 16), torch.randn(12, 4)
+    options = {"recipe": "fp8-e5m2-als", "executor": "eager", "loss_scale_interval": 1}
+    torch.manual_seed(1)
+    piped, plain = MLP(16, 32, 32, 4), MLP(16, 32, 32, 4)
+    plain.load_state_dict(piped.state_dict())
+    trainer = PipelinedTrainer(piped, xs[:1], stages=1, lr=0.05, compile=options, loss_fn=_small_loss)
+    for x, y in zip(xs, ys, strict=True):
+        trainer.step(x[None], y[None])
+    compiled = torch.compile(plain, backend="lowprec", options=options)
+    optimizer, scaler = torch.optim.SGD(plain.parameters(), lr=0.05), LossScaler("adaptive")
+    for x, y in zip(xs, ys, strict=True):
+        scaler.scale(_small_loss(compiled(x[None]), y[None])).backward()
+        scaler.step(optimizer)
+        scaler.update()
+        optimizer.zero_grad()
+    assert scaler.calibration_steps > 1
+    assert trainer.calibration_samples == trainer.skipped_samples == {0: scaler.calibration_steps}
+    assert all(torch.equal(a, b) for a, b in zip(piped.parameters(), plain.parameters(), strict=True))
+    # the same refreshes, at the same scales; the pipeline's last at once (the loop's waits
+    # for a next call)
+    assert [t.history[:-1] for t in stats(piped)] == [t.history for t in stats(plain)]
+
+
+def test_delayed_stages_skip_every_sample_quantized_at_uncalibrated_scales():
+    """Three stages, per-layer adaptive scales from 1 where the errors underflow. A stage's
+    forwards run ahead of its backwards, so several samples read the initial scales before
+    the first statistics come back: every one of them whose statistics raise a scale more
+    than a binade is skipped (not only those before calibration ends), and no update
+    quantized at the initial scale of a layer that had to rise is applied. Each refresh is
+    read against the scales that sample's forward read (the telemetry's history)."""
+    torch.manual_seed(0)
+    xs, ys = torch.randn(8, 16), torch.randn(8, 4)
+    torch.manual_seed(1)
+    model = MLP(16, 32, 32, 4)  # one layer per stage
+    options = {"recipe": "fp8-e5m2-als", "executor": "eager", "loss_scale_interval": 1}
+    trainer = PipelinedTrainer(
+        model, xs[:1], stages="layer", lr=0.05, compile=options, loss_fn=_small_loss, record=True
     )
+    applied = applied_gradients(trainer, xs[:, None], ys[:, None])
+    calibration = trainer.calibration_samples
+    assert calibration == trainer.skipped_samples  # nothing overflowed
+    rising = 0
+    for stage, telemetry in enumerate(stats(model)):  # one layer per stage
+        # one refresh per backward that reached the stage: the scale that sample's forward read
+        read = [scale for _, scale, _ in telemetry.history]
+        assert len(read) == len({key for key in applied if key[0] == stage}) + calibration[stage]
+        if telemetry.cumulative <= 2:  # a layer whose scale need not rise
+            assert calibration[stage] == 0
+            continue
+        rising += 1
+        # the samples in flight when the first statistics came back read scale 1, and
+        # none of those is applied
+        assert read.count(1.0) >= 2 and calibration[stage] >= read.count(1.0)
+    assert rising >= 2 and len(applied) > 8  # the stages do train
 
 
 def test_the_scales_resume_with_the_trainer_state():

@@ -19,9 +19,14 @@ mode (``"static"``, ``"dynamic"``, ``"enhanced"``) applied per sample:
 
 Stages compiled with per-layer adaptive loss scaling (``loss_scale="adaptive"`` in the
 stages' ``compile`` options) always check their gradients (at a static scale of 1 if no
-other is asked for), and after each backward back off the layers of the stage whose
+other is asked for). After each backward they back off the layers of the stage whose
 gradients overflowed (:func:`back_off_layers`), as ``LossScaler("adaptive")`` does after
-a step.
+a step, and turn the sample's statistics into scales (:func:`refresh_layers`). A sample
+whose forward read scales still calibrating is skipped like an overflow where its
+statistics raise a layer's scale more than a binade above what it read (its errors were
+quantized where they underflow), as ``LossScaler("adaptive")`` skips such a step. The
+samples in flight when calibration ends are judged by their own statistics too: a
+stage's forwards run ahead of its backwards, so several read the first, initial scales.
 
 A stage's decisions read only its own gradients and the errors it receives, so ranks
 compute the simulator's bits and exchange nothing more than ``σ``. A skipped update is
@@ -32,6 +37,7 @@ after it.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -41,24 +47,44 @@ from lpcompile.backend.adaptive import AdaptiveScaleState, back_off_states
 from lpcompile.numerics.checks import check_count, check_fp32_scale
 from lpcompile.runtime.scaler import LossScaleConfig, unscale_grads
 
-STATE_KEYS = ("scale", "growth_tracker", "samples", "skipped")
+STATE_KEYS = ("scale", "growth_tracker", "samples", "skipped", "calibration")
+# Keys a state saved by an earlier version may lack (their counts start at 0)
+OPTIONAL_KEYS = ("calibration",)
+
+
+@dataclass(frozen=True)
+class ScalesRead:
+    """What one forward of a stage read from an adaptive-scaling state of its graphs."""
+
+    state: AdaptiveScaleState
+    scales: torch.Tensor  # a state's scales are replaced, never changed in place
+    calibrating: bool  # whether the state was still calibrating them
 
 
 def back_off_layers(
-    scales_read: Sequence[tuple[AdaptiveScaleState, torch.Tensor]],
+    reads: Sequence[ScalesRead],
     slots: Sequence[torch.Tensor],
     params: Sequence[nn.Parameter],
     found_inf: bool,
 ) -> None:
     """After one backward of a stage compiled with per-layer adaptive loss scaling, back
     off each of its layers whose gradients overflowed (as ``LossScaler("adaptive")`` does
-    after a step), to half the scale its forward read at most: ``scales_read`` pairs the
-    states of the stage's graphs with the scales that forward read, ``slots`` are the
-    weight slots the backward wrote the gradients of ``params`` to, ``found_inf`` whether
-    the stage's check found inf/NaN (module doc)."""
+    after a step), to half the scale its forward read at most: ``reads`` are what that
+    forward read from the states of the stage's graphs, ``slots`` the weight slots the
+    backward wrote the gradients of ``params`` to, ``found_inf`` whether the stage's check
+    found inf/NaN (module doc)."""
     grads = {id(p): slot.grad for slot, p in zip(slots, params, strict=True) if slot.grad is not None}
-    pairs = [(state, read) for state, read in scales_read if found_inf or state.flags.grad is not None]
-    back_off_states([state for state, _ in pairs], found_inf, grads, [read for _, read in pairs])
+    hit = [r for r in reads if found_inf or r.state.flags.grad is not None]
+    back_off_states([r.state for r in hit], found_inf, grads, [r.scales for r in hit])
+
+
+def refresh_layers(reads: Sequence[ScalesRead]) -> bool:
+    """After one backward of a stage compiled with per-layer adaptive loss scaling, turn
+    the statistics it recorded into scales, each state's against the scales its forward
+    read (``reads``); whether the sample is to be skipped: scales it read while they
+    calibrated were raised more than a binade (module doc)."""
+    raised = [r.state.refresh_sample(r.scales) for r in reads]  # every state refreshes
+    return any(up and r.calibrating for up, r in zip(raised, reads, strict=True))
 
 
 def loss_scale_config(loss_scale: float | str | LossScaleConfig) -> LossScaleConfig | None:
@@ -87,7 +113,8 @@ class StageScale:
         self._scale = torch.full((), max(config.init_scale, config.min_scale_at(0) or 0.0))
         self._tracker = torch.zeros((), dtype=torch.int32)
         self.samples = 0  # backwards that reached the stage with an error
-        self.skipped = 0  # of those, updates skipped for inf/NaN in this stage's gradients
+        self.skipped = 0  # of those, updates skipped for inf/NaN in this stage's gradients, or to calibrate
+        self.calibration = 0  # of those, skipped while the stage's adaptive scales calibrated
 
     @property
     def value(self) -> float:
@@ -123,22 +150,30 @@ class StageScale:
             self._scale.clamp_(min=floor)
         return found
 
+    def skip_calibrating(self) -> None:
+        """Count a sample skipped while the stage's adaptive scales calibrated."""
+        self.skipped += 1
+        self.calibration += 1
+
     def state_dict(self) -> dict[str, Any]:
         return {
             "scale": self.value,
             "growth_tracker": int(self._tracker),
             "samples": self.samples,
             "skipped": self.skipped,
+            "calibration": self.calibration,
         }
 
     def loader(self, saved: Any, stage: int) -> Callable[[], None]:
         """A function that loads ``saved`` (:meth:`state_dict`'s) into the stage, once all
         of it is checked; a bad one raises ``ValueError`` naming ``stage``."""
-        if not isinstance(saved, dict) or set(saved) != set(STATE_KEYS):
+        required = set(STATE_KEYS) - set(OPTIONAL_KEYS)
+        if not isinstance(saved, dict) or not required <= set(saved) <= set(STATE_KEYS):
             have = sorted(saved) if isinstance(saved, dict) else type(saved).__name__
             raise ValueError(
                 f"stage {stage}'s loss scale state must have the keys {list(STATE_KEYS)}, got {have}"
             )
+        saved = {**dict.fromkeys(OPTIONAL_KEYS, 0), **saved}
         check_fp32_scale(f"stage {stage}'s saved scale", saved["scale"])
         for key in STATE_KEYS[1:]:
             check_count(f"stage {stage}'s saved {key!r}", saved[key])
@@ -147,5 +182,6 @@ class StageScale:
             self._scale.fill_(float(saved["scale"]))
             self._tracker.fill_(int(saved["growth_tracker"]))
             self.samples, self.skipped = int(saved["samples"]), int(saved["skipped"])
+            self.calibration = int(saved["calibration"])
 
         return load

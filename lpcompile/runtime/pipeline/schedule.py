@@ -39,11 +39,10 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from lpcompile.backend.adaptive import AdaptiveScaleState
 from lpcompile.backend.state import REGISTRY
 from lpcompile.passes.stages import StageGraph
 from lpcompile.runtime.pipeline.optim import PipelineSGD
-from lpcompile.runtime.pipeline.scaling import StageScale, back_off_layers
+from lpcompile.runtime.pipeline.scaling import ScalesRead, StageScale, back_off_layers, refresh_layers
 from lpcompile.runtime.scaler import LossScaleConfig
 
 
@@ -205,7 +204,7 @@ class InFlight:
     slots: list[nn.Parameter]
     label: Any = None
     # per adaptive-scaling state of the stage's graphs: the layer scales this forward read
-    scales_read: list[tuple[AdaptiveScaleState, torch.Tensor]] = field(default_factory=list)
+    scales_read: list[ScalesRead] = field(default_factory=list)
 
 
 @dataclass
@@ -384,10 +383,11 @@ class StageRunner:
             outputs = stage.runner(*state, *inputs)
         if self.record:
             self.history.append(Event(t, stage.index, "forward", sample, t))
-        # the states of the graphs this forward ran (their call counts moved, or they are new);
-        # a state's scales are replaced, never changed in place: the tensor is what the call read
+        # the states of the graphs this forward ran (their call counts moved, or they are new).
+        # The call refreshed nothing (_backward does, after each sample): the scales and the
+        # calibrating flag are what it read; a state's scales are replaced, never changed in place
         read = [
-            (s, s.scales)
+            ScalesRead(s, s.scales, s.calibrating)
             for s in (REGISTRY.adaptive_states() if self.adaptive else [])
             if calls.get(id(s)) != s.calls
         ]
@@ -430,6 +430,9 @@ class StageRunner:
         skipped = bool(tensors) and scale is not None and scale.unscale(item.slots, inputs)
         if tensors and self.adaptive:
             back_off_layers(item.scales_read, item.slots, stage.params, skipped)
+            if refresh_layers(item.scales_read) and not skipped:
+                scale.skip_calibrating()
+                skipped = True
         for slot, p in zip(item.slots, stage.params, strict=True):
             p.grad = None if skipped else slot.grad
             slot.grad = None

@@ -51,7 +51,7 @@ stages' weights and is loaded by the same rank of a run with the same world size
 Loss scaling is per stage (:mod:`lpcompile.runtime.pipeline.scaling`): each stage
 keeps its own static, dynamic or enhanced scale and skips its update for a sample whose
 gradients overflowed in it; stages compiled with per-layer adaptive scaling also back
-off the layers that overflowed.
+off the layers that overflowed, and skip the samples quantized at scales still calibrating.
 
 Random numbers (dropout, ...): each stage draws from a stream of its own
 (:class:`~lpcompile.runtime.pipeline.schedule.StageRandom`), seeded from ``seed`` and
@@ -155,7 +155,8 @@ class PipelinedTrainer:
             unscales its gradients and skips its update for a sample whose gradients
             overflowed in it. The default 1.0 scales nothing and checks nothing, except
             in stages compiled with per-layer adaptive scaling (``compile`` with
-            ``loss_scale="adaptive"``), which always check and back off their layers.
+            ``loss_scale="adaptive"``), which always check, back off their layers, and
+            skip the samples whose errors were quantized at scales still calibrating.
         record: keep :attr:`history` (one :class:`Event` per forward and backward).
         distributed: run the stages on the ranks of a ``torch.distributed`` process group
             (``torchrun --nproc_per_node=R``; the group is initialised from torchrun's
@@ -333,8 +334,15 @@ class PipelinedTrainer:
     @property
     def skipped_samples(self) -> dict[int, int]:
         """Per stage this process runs: the samples whose update it skipped because its
-        gradients overflowed (a stage before it skips those too, uncounted)."""
+        gradients overflowed, or its adaptive scales calibrated (:attr:`calibration_samples`);
+        a stage before it skips those too, uncounted."""
         return {index: 0 if scale is None else scale.skipped for index, scale in self._scales().items()}
+
+    @property
+    def calibration_samples(self) -> dict[int, int]:
+        """Per stage this process runs: of :attr:`skipped_samples`, those skipped because
+        the stage's per-layer adaptive scales they were quantized at were still calibrating."""
+        return {index: 0 if scale is None else scale.calibration for index, scale in self._scales().items()}
 
     def _scales(self) -> dict[int, StageScale | None]:
         """The loss scales of this process's stages, by stage index."""
