@@ -127,6 +127,65 @@ class Block(nn.Module):
         return F.scaled_dot_product_attention(q, q, q, is_causal=True)
 
 
+class DroppingAttention(nn.Module):
+    """SDPA of a projection with its dropout rate a float attribute, as HF's attention
+    modules keep it: under dynamic shapes Dynamo makes the rate a graph input."""
+
+    def __init__(self, rate: float) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.proj = nn.Linear(8, 8)
+        self.rate = rate
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q = self.proj(x).view(x.size(0), x.size(1), 2, 4).transpose(1, 2)
+        return F.scaled_dot_product_attention(q, q, q, dropout_p=self.rate, is_causal=True)
+
+
+class WeighingAttention(nn.Module):
+    """nn.MultiheadAttention with dropout, returning its weights (torch's explicit path)."""
+
+    def __init__(self, rate: float) -> None:
+        super().__init__()
+        self.attn = _mha(dropout=rate)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out, weights = self.attn(x, x, x, need_weights=True)
+        return out + weights.sum()
+
+
+@pytest.mark.parametrize("attention", [DroppingAttention, WeighingAttention], ids=["sdpa", "mha-weights"])
+def test_full_attention_with_dynamic_shapes_reads_the_dropout_rate_from_the_graph(attention):
+    """``dynamic=True`` (as automatic dynamic shapes do at a second sequence length) makes
+    the sequence length and the dropout rate symbolic: ``"full"`` writes the attention
+    out with both (it stopped at a Python branch on the rate). Every product is on the
+    grid at two lengths, the dropout draws (two calls differ), and at rate 0 the
+    unrounded rewrite equals torch's attention at both lengths."""
+    xs = [torch.randn(2, length, 8) for length in (5, 7)]
+    check = GridCheck()
+    torch._dynamo.reset()
+    model = attention(0.25)
+    compiled = torch.compile(
+        model, backend=watched_backend({**EAGER, "attention": "full"}, check), dynamic=True
+    )
+    for x in xs:
+        out = compiled(x)
+        assert not torch.equal(out, compiled(x))  # dropout: another draw
+        with check:
+            out.square().mean().backward()
+    assert check.off_grid == {} and check.count >= 2 * 8, check.products
+    assert not any("scaled_dot_product" in name for name, _ in check.products)
+    model = attention(0.0)
+    torch._dynamo.reset()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # exclude=["*"] says it leaves every layer alone
+        compiled = torch.compile(
+            model, backend="lowprec", options={**UNROUNDED, "attention": "full"}, dynamic=True
+        )
+        for x in xs:
+            torch.testing.assert_close(compiled(x), model(x), rtol=1e-5, atol=1e-6)
+
+
 def test_operands_rounds_q_k_v_and_the_error_and_keeps_the_fused_kernel():
     records = Records()
     check = grid_step(Block(), {"x": torch.randn(2, 5, 8)}, EAGER)

@@ -54,6 +54,23 @@ def test_hf_model_step_runs_every_product_on_the_grid(name):
     assert layers and layers <= modules, sorted(layers - modules)
 
 
+@pytest.mark.parametrize("name", ["gpt2", pytest.param("t5", marks=pytest.mark.slow)])
+def test_hf_model_with_dynamic_shapes_runs_every_product_on_the_grid(name):
+    """``dynamic=True``: the sequence length and HF's float dropout rates are symbolic;
+    at two sequence lengths every product is on the grid."""
+    torch.manual_seed(0)
+    model, inputs = hf_model(name)
+    check = GridCheck()
+    torch._dynamo.reset()
+    backend = watched_backend({**EAGER, "attention": "full"}, check)
+    compiled = torch.compile(model, backend=backend, dynamic=True)
+    for length in (8, 5):
+        out = compiled(**{key: ids[:, :length] for key, ids in inputs.items()})
+        with check:
+            out.logits.float().square().mean().backward()
+    assert check.count > 0 and check.off_grid == {}, check.products
+
+
 # What a diffusers model computes beyond FP32 on purpose: Flux's rotary angles, per position axis.
 FLOAT64_TABLES = {"unet2d": [], "flux": ["pos_embed#0", "pos_embed#1", "pos_embed#2"]}
 

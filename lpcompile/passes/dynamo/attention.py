@@ -130,9 +130,7 @@ def _mha(
             weights = _named(torch.baddbmm(attn_mask, q_scaled, k.transpose(-2, -1)), names[3] + "#0", True)
         else:
             weights = _named(torch.bmm(q_scaled, k.transpose(-2, -1)), names[3] + "#0", True)
-        weights = torch.softmax(weights, dim=-1)
-        if dropout_p > 0.0:
-            weights = F.dropout(weights, p=dropout_p)
+        weights = _dropout(torch.softmax(weights, dim=-1), dropout_p)
         out = _named(torch.bmm(weights, v), names[3] + "#1", True)
         out = out.transpose(0, 1).reshape(tgt_len * bsz, embed_dim)
     else:
@@ -164,6 +162,15 @@ def _named(proxy, name: str, attention: bool = False):
     if attention:
         proxy.node.meta[ATTENTION] = True
     return proxy
+
+
+def _dropout(probs, p):
+    """Dropout of attention probabilities at rate ``p``: a number, or a graph input (a
+    float Dynamo made symbolic, as ``dynamic=True`` does), which the graph reads at each
+    call (``torch.dropout`` draws nothing at rate 0)."""
+    if isinstance(p, torch.fx.Proxy):
+        return torch.dropout(probs, p, True)
+    return F.dropout(probs, p=p) if p > 0.0 else probs
 
 
 def _additive(mask, dtype: torch.dtype):
@@ -256,7 +263,7 @@ def decompose_multihead_attention(gm: torch.fx.GraphModule, ctx: CompileContext)
             continue
         query = node.args[0] if node.args else node.kwargs["query"]
         example = query.meta["example_value"]
-        for name in (*UNSUPPORTED_MHA, "add_zero_attn", "embed_dim_to_check"):
+        for name in (*UNSUPPORTED_MHA, "add_zero_attn"):
             args.pop(name, None)
         names = (
             f"{path}.in_proj_q",
@@ -271,7 +278,6 @@ def decompose_multihead_attention(gm: torch.fx.GraphModule, ctx: CompileContext)
             _mha,
             {
                 **args,
-                "embed_dim_to_check": example.shape[-1],
                 "batched": example.dim() == 3,
                 "dtype": example.dtype,
                 "mask_dims": None
@@ -300,9 +306,7 @@ def _explicit_attention(query, key, value, attn_mask, dropout_p, is_causal, scal
             scores = scores.masked_fill(attn_mask.logical_not(), float("-inf"))
         else:
             scores = scores + attn_mask
-    probs = torch.softmax(scores, dim=-1)
-    if dropout_p > 0.0:
-        probs = F.dropout(probs, p=dropout_p)
+    probs = _dropout(torch.softmax(scores, dim=-1), dropout_p)
     return _named(torch.matmul(probs, value), f"{name}#1", True)
 
 
