@@ -191,6 +191,28 @@ def _small_loss(output, target):  # errors small enough to underflow E5M2 at sca
     return F.mse_loss(output, target) * 2**-12
 
 
+def test_samples_in_flight_that_overflow_together_back_off_once():
+    """Two consecutive samples whose errors overflow in the first stage: its forwards run
+    ahead, so both read the same scale s; the first backward halves it, the second
+    keeps s/2 (half what it read), not s/4. lr = 0: the stages after it, which step on
+    the first spike, keep their weights, and the second overflows where the first did."""
+    torch.manual_seed(0)
+    xs, ys = torch.randn(8, 16), torch.randn(8, 4)
+    torch.manual_seed(1)
+    model = MLP(16, 32, 32, 4)  # one layer per stage
+    options = {"recipe": "fp8-e5m2-als", "executor": "eager", "loss_scale_interval": 1000}
+    trainer = PipelinedTrainer(model, xs[:1], stages="layer", lr=0.0, compile=options, loss_fn=_small_loss)
+    trainer.fit(xs, ys, epochs=2)
+    scales, skipped = [t.cumulative for t in stats(model)], trainer.skipped_samples
+    assert scales[0] > 1
+    for x, y in zip(xs[:2], ys[:2], strict=True):
+        trainer.step(x[None], y[None] * 3e7)  # overflows E5M2 in stage 0 only (at scale s)
+    trainer.drain()
+    assert trainer.skipped_samples == {0: skipped[0] + 2, 1: skipped[1], 2: skipped[2]}
+    assert [t.cumulative for t in stats(model)] == [scales[0] / 2, *scales[1:]]
+    assert [t.overflow for t in stats(model)] == [2, 0, 0]
+
+
 def test_a_one_stage_pipeline_skips_the_calibrating_steps_loss_scaler_skips():
     """One stage (no delay) with per-layer adaptive scales from 1, where the errors
     underflow: the pipeline skips the samples ``LossScaler("adaptive")`` skips while the
