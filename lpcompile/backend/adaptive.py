@@ -74,7 +74,8 @@ class LayerTelemetry:
     history: list[tuple[int, float, float]] = field(default_factory=list)
 
 
-# The keys every AdaptiveScaleState.state_dict() has ("recorded" and "pending" may be missing).
+# The keys every AdaptiveScaleState.state_dict() has ("recorded", "recorded_call" and
+# "pending" may be missing).
 STATE_KEYS = ("layers", "scales", "calls", "telemetry")
 
 
@@ -95,6 +96,8 @@ def check_saved_state(state: Any) -> None:
         if not isinstance(value, torch.Tensor) or not value.is_floating_point() or value.shape != shape:
             raise ValueError(f"a per-layer scaling state's {key!r} must be a float tensor of shape {shape}")
     check_count("a per-layer scaling state's 'calls'", state["calls"])
+    if "recorded_call" in state:
+        check_count("a per-layer scaling state's 'recorded_call'", state["recorded_call"])
     telemetry = state["telemetry"]
     if not (isinstance(telemetry, list) and len(telemetry) == count):
         raise ValueError(f"a per-layer scaling state's 'telemetry' must be a list of {count} entries")
@@ -144,6 +147,7 @@ class AdaptiveScaleState:
         self.flags = torch.zeros(count, device=device, requires_grad=True)
         self.calls = 0
         self.recorded = self.scales  # the scales the last recording call read
+        self.recorded_call = 0  # and that call's index
         # Until the scales come from statistics, every call records them and its
         # gradients (errors quantized at the initial scale) are not to be stepped on.
         self.calibrating = config.rule != "fixed"
@@ -185,7 +189,7 @@ class AdaptiveScaleState:
         self.hist_off.grad = None  # what the calls that did not record returned
         recording = self.calibrating or self.calls % self.config.interval == 0
         if recording:
-            self.recorded = self.scales
+            self.recorded, self.recorded_call = self.scales, self.calls
         self.calls += 1
         return self.example_inputs(recording), recording
 
@@ -207,14 +211,15 @@ class AdaptiveScaleState:
         for state, calibrating in zip(pending, before, strict=True):
             state.unsettled |= calibrating and state.calibrating
 
-    def refresh_sample(self, read: torch.Tensor) -> bool:
-        """Turn the statistics of one backward, whose forward read the scales ``read``, into
-        scales: a pipeline stage's graph (not split), refreshed after each sample's backward,
-        since its forwards run ahead of their backwards. Whether they raised a scale more
-        than a binade above ``read`` (:func:`refresh_chain`); False without statistics."""
+    def refresh_sample(self, read: torch.Tensor, call: int) -> bool:
+        """Turn the statistics of one backward, whose forward (call ``call``) read the scales
+        ``read``, into scales: a pipeline stage's graph (not split), refreshed after each
+        sample's backward, since its forwards run ahead of their backwards. Whether they
+        raised a scale more than a binade above ``read`` (:func:`refresh_chain`); False
+        without statistics."""
         if self.hist.grad is None:
             return False
-        self.recorded = read
+        self.recorded, self.recorded_call = read, call
         return refresh_chain(self.chain)
 
     def take_statistics(self) -> tuple[list[float | None], list[float | None]] | None:
@@ -228,7 +233,7 @@ class AdaptiveScaleState:
         used = self.recorded.tolist()  # a back-off since may have changed self.scales
         for i, t in enumerate(self.telemetry):
             t.underflow = underflow_fraction(stats[i], used[i], self.fmt)
-            t.history.append((self.calls - 1, used[i], t.underflow))
+            t.history.append((self.recorded_call, used[i], t.underflow))
             t.overflow = 0
         if self.config.rule == "fixed":
             return [None] * len(self.layers), [None] * len(self.layers)
@@ -345,6 +350,7 @@ class AdaptiveScaleState:
             "layers": list(self.layers),
             "scales": self.scales.detach().cpu().clone(),
             "recorded": self.recorded.detach().cpu().clone(),
+            "recorded_call": self.recorded_call,
             "pending": None if pending is None else pending.detach().cpu().clone(),
             "calls": self.calls,
             "calibrating": self.calibrating,
@@ -363,6 +369,7 @@ class AdaptiveScaleState:
         device = self.scales.device
         self.scales = state["scales"].to(torch.float32).to(device).clone()
         self.recorded = state.get("recorded", state["scales"]).to(torch.float32).to(device).clone()
+        self.recorded_call = state.get("recorded_call", max(state["calls"] - 1, 0))
         pending = state.get("pending")
         self.hist.grad = None if pending is None else pending.to(torch.float32).to(device).clone()
         self.flags.grad = None

@@ -262,9 +262,13 @@ def test_delayed_stages_skip_every_sample_quantized_at_uncalibrated_scales():
     assert calibration == trainer.skipped_samples  # nothing overflowed
     rising = 0
     for stage, telemetry in enumerate(stats(model)):  # one layer per stage
-        # one refresh per backward that reached the stage: the scale that sample's forward read
+        # one refresh per backward that reached the stage: the call and scale of that
+        # sample's forward (sample n is the stage's call n)
         read = [scale for _, scale, _ in telemetry.history]
-        assert len(read) == len({key for key in applied if key[0] == stage}) + calibration[stage]
+        calls = [call for call, _, _ in telemetry.history]
+        stepped = {sample for s, sample in applied if s == stage}
+        assert len(read) == len(stepped) + calibration[stage]
+        assert stepped <= set(calls) and calls == sorted(set(calls))
         if telemetry.cumulative <= 2:  # a layer whose scale need not rise
             assert calibration[stage] == 0
             continue

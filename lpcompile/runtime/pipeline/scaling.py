@@ -59,6 +59,7 @@ class ScalesRead:
     state: AdaptiveScaleState
     scales: torch.Tensor  # a state's scales are replaced, never changed in place
     calibrating: bool  # whether the state was still calibrating them
+    call: int  # the forward's call index in the state
 
 
 def back_off_layers(
@@ -83,7 +84,7 @@ def refresh_layers(reads: Sequence[ScalesRead]) -> bool:
     the statistics it recorded into scales, each state's against the scales its forward
     read (``reads``); whether the sample is to be skipped: scales it read while they
     calibrated were raised more than a binade (module doc)."""
-    raised = [r.state.refresh_sample(r.scales) for r in reads]  # every state refreshes
+    raised = [r.state.refresh_sample(r.scales, r.call) for r in reads]  # every state refreshes
     return any(up and r.calibrating for up, r in zip(raised, reads, strict=True))
 
 

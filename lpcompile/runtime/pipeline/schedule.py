@@ -385,9 +385,9 @@ class StageRunner:
             self.history.append(Event(t, stage.index, "forward", sample, t))
         # the states of the graphs this forward ran (their call counts moved, or they are new).
         # The call refreshed nothing (_backward does, after each sample): the scales and the
-        # calibrating flag are what it read; a state's scales are replaced, never changed in place
+        # calibrating flag are what it read, and it was the state's last call
         read = [
-            ScalesRead(s, s.scales, s.calibrating)
+            ScalesRead(s, s.scales, s.calibrating, s.calls - 1)
             for s in (REGISTRY.adaptive_states() if self.adaptive else [])
             if calls.get(id(s)) != s.calls
         ]
