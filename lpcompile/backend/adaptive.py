@@ -20,7 +20,8 @@ One :class:`AdaptiveScaleState` belongs to each compiled graph rewritten by
   accumulation) until :meth:`AdaptiveScaleState.back_off` reads it.
 
 Every ``interval`` calls (the first included) the backward records the
-histograms, and the next call turns them into new scales by the chosen rule.
+histograms, and the next call turns them into new scales by the chosen rule (a
+pipeline stage's backward does, :meth:`AdaptiveScaleState.refresh_sample`).
 With :attr:`AdaptiveScaleState.ranks` set (``LossScaler`` sets it under data
 parallelism), the statistics are summed over those ranks and an overflow on any
 of them backs a layer off, so every rank holds the same scales. The pieces of a
@@ -74,8 +75,8 @@ class LayerTelemetry:
     history: list[tuple[int, float, float]] = field(default_factory=list)
 
 
-# The keys every AdaptiveScaleState.state_dict() has ("recorded", "recorded_call" and
-# "pending" may be missing).
+# The keys every AdaptiveScaleState.state_dict() has ("recorded", "recorded_call",
+# "recorded_round", "rounds" and "pending" may be missing).
 STATE_KEYS = ("layers", "scales", "calls", "telemetry")
 
 
@@ -96,8 +97,9 @@ def check_saved_state(state: Any) -> None:
         if not isinstance(value, torch.Tensor) or not value.is_floating_point() or value.shape != shape:
             raise ValueError(f"a per-layer scaling state's {key!r} must be a float tensor of shape {shape}")
     check_count("a per-layer scaling state's 'calls'", state["calls"])
-    if "recorded_call" in state:
-        check_count("a per-layer scaling state's 'recorded_call'", state["recorded_call"])
+    for key in ("recorded_call", "recorded_round", "rounds"):
+        if key in state:
+            check_count(f"a per-layer scaling state's {key!r}", state[key])
     telemetry = state["telemetry"]
     if not (isinstance(telemetry, list) and len(telemetry) == count):
         raise ValueError(f"a per-layer scaling state's 'telemetry' must be a list of {count} entries")
@@ -148,6 +150,10 @@ class AdaptiveScaleState:
         self.calls = 0
         self.recorded = self.scales  # the scales the last recording call read
         self.recorded_call = 0  # and that call's index
+        self.recorded_round = 0  # and the rounds of refreshes before it
+        # Refreshes from statistics recorded at the scales the latest such refresh set (a
+        # pipeline stage's samples in flight read older ones): calibration's cascade
+        self.rounds = 0
         # Until the scales come from statistics, every call records them and its
         # gradients (errors quantized at the initial scale) are not to be stepped on.
         self.calibrating = config.rule != "fixed"
@@ -173,12 +179,6 @@ class AdaptiveScaleState:
         # Inductor's loops is redone per vector (the scale's pointer may alias the output)
         self.inverses = value.reciprocal()
 
-    @property
-    def refreshes(self) -> int:
-        """How many times statistics were turned into scales (a forward may run ahead of
-        the backwards that record them, as in a pipeline: its calls count more)."""
-        return len(self.telemetry[0].history)
-
     def next_inputs(self) -> tuple[dict[str, torch.Tensor], bool]:
         """The graph inputs for the next call, and whether it records statistics.
 
@@ -189,7 +189,7 @@ class AdaptiveScaleState:
         self.hist_off.grad = None  # what the calls that did not record returned
         recording = self.calibrating or self.calls % self.config.interval == 0
         if recording:
-            self.recorded, self.recorded_call = self.scales, self.calls
+            self.recorded, self.recorded_call, self.recorded_round = self.scales, self.calls, self.rounds
         self.calls += 1
         return self.example_inputs(recording), recording
 
@@ -211,15 +211,16 @@ class AdaptiveScaleState:
         for state, calibrating in zip(pending, before, strict=True):
             state.unsettled |= calibrating and state.calibrating
 
-    def refresh_sample(self, read: torch.Tensor, call: int) -> bool:
-        """Turn the statistics of one backward, whose forward (call ``call``) read the scales
-        ``read``, into scales: a pipeline stage's graph (not split), refreshed after each
-        sample's backward, since its forwards run ahead of their backwards. Whether they
-        raised a scale more than a binade above ``read`` (:func:`refresh_chain`); False
-        without statistics."""
+    def refresh_sample(self, read: torch.Tensor, call: int, rounds: int) -> bool:
+        """Turn the statistics of one backward, whose forward (call ``call``, after ``rounds``
+        :attr:`rounds`) read the scales ``read``, into scales: a pipeline stage's graph (not
+        split), refreshed after each sample's backward, since its forwards run ahead of
+        their backwards. Whether they left ``read`` unconfirmed (:func:`refresh_chain`);
+        False without statistics."""
         if self.hist.grad is None:
             return False
-        self.recorded, self.recorded_call = read, call
+        assert len(self.chain) == 1, "a pipeline stage's graph is not split"
+        self.recorded, self.recorded_call, self.recorded_round = read, call, rounds
         return refresh_chain(self.chain)
 
     def take_statistics(self) -> tuple[list[float | None], list[float | None]] | None:
@@ -351,6 +352,8 @@ class AdaptiveScaleState:
             "scales": self.scales.detach().cpu().clone(),
             "recorded": self.recorded.detach().cpu().clone(),
             "recorded_call": self.recorded_call,
+            "recorded_round": self.recorded_round,
+            "rounds": self.rounds,
             "pending": None if pending is None else pending.detach().cpu().clone(),
             "calls": self.calls,
             "calibrating": self.calibrating,
@@ -370,6 +373,8 @@ class AdaptiveScaleState:
         self.scales = state["scales"].to(torch.float32).to(device).clone()
         self.recorded = state.get("recorded", state["scales"]).to(torch.float32).to(device).clone()
         self.recorded_call = state.get("recorded_call", max(state["calls"] - 1, 0))
+        self.rounds = state.get("rounds", len(state["telemetry"][0]["history"]))
+        self.recorded_round = state.get("recorded_round", self.rounds)
         pending = state.get("pending")
         self.hist.grad = None if pending is None else pending.to(torch.float32).to(device).clone()
         self.flags.grad = None
@@ -382,12 +387,17 @@ class AdaptiveScaleState:
 def refresh_chain(chain: list[AdaptiveScaleState]) -> bool:
     """Set new scales from the pending statistics of ``chain``'s states by the configured
     rule, the bounds applied through all their layers in order, as through one graph's.
-    Returns whether a layer's new scale is more than a binade above the one its statistics
-    were recorded at (that call's errors underflowed where they should not have)."""
+    Returns whether they left the scales they were recorded at unconfirmed: a layer's new
+    scale more than a binade above (that call's errors underflowed), and the states still
+    calibrating."""
     taken = [state.take_statistics() for state in chain]
     config = chain[0].config
     if config.rule == "fixed" or all(t is None for t in taken):
         return False
+    recorded = [state for state, t in zip(chain, taken, strict=True) if t is not None]
+    if all(state.recorded_round == state.rounds for state in recorded):
+        for state in chain:
+            state.rounds += 1
     needed, caps, current, used = [], [], [], []
     for state, t in zip(chain, taken, strict=True):
         count = len(state.layers)
@@ -403,13 +413,14 @@ def refresh_chain(chain: list[AdaptiveScaleState]) -> bool:
         start += count
     # Calibrated once a call's scales were within a binade of what its statistics ask
     # for: errors that underflowed hid the layers below them (all zero there), so each
-    # refresh reaches further down. Bounded: a layer that overflows at the scale its
-    # underflow asks for would raise forever.
+    # refresh reaches further down (a round). Bounded: a layer that overflows at the
+    # scale its underflow asks for would raise forever.
     raised = any(new > 2 * old for new, old in zip(scales, used, strict=True))
-    if not raised or max(state.refreshes for state in chain) > len(scales):
+    if not raised or max(state.rounds for state in chain) > len(scales):
         for state in chain:
             state.calibrating = False
-    return raised
+        return False
+    return True
 
 
 def back_off_states(

@@ -10,6 +10,7 @@ weight gradient is ``S * 2**99`` (inf from ``2**29``).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import pytest
@@ -19,6 +20,7 @@ from test_pipeline import Chain, chain_trainer, output_loss
 
 from examples.models import MLP
 from lpcompile.backend import stats
+from lpcompile.backend.adaptive import AdaptiveScaleState
 from lpcompile.runtime.pipeline import PipelinedTrainer
 from lpcompile.runtime.scaler import LossScaleConfig, LossScaler
 
@@ -129,6 +131,10 @@ def test_a_static_scale_that_overflows_skips_instead_of_breaking_the_weights():
     assert 0 < sum(dynamic.skipped_samples.values()) < 3 * 32
 
 
+def _small_loss(output, target):  # errors small enough to underflow E5M2 at scale 1
+    return F.mse_loss(output, target) * 2**-12
+
+
 def _finite(model: torch.nn.Module) -> bool:
     return all(bool(torch.isfinite(p).all()) for p in model.parameters())
 
@@ -158,17 +164,14 @@ def test_an_adaptive_stage_backs_off_the_layer_that_overflowed():
     """Once the layers' scales are set (small errors raise them above 1), a sample whose
     error overflows near the loss: the stage where it overflows skips it (and the stages
     before it, which receive no error; the stages after it step), the layer of that stage
-    halves its scale, the others keep theirs."""
+    halves its scale, the others keep theirs. (The stages after it step on the spike: with
+    this one, the samples after it overflow there in turn.)"""
     torch.manual_seed(0)
     xs, ys = torch.randn(8, 16), torch.randn(8, 4)
     torch.manual_seed(1)
     model = MLP(16, 32, 32, 4)  # one layer (weight, bias) per stage
     options = {"recipe": "fp8-e5m2-als", "executor": "eager", "loss_scale_interval": 1000}
-
-    def small_loss(output, target):  # errors small enough for scales above 1
-        return F.mse_loss(output, target) * 2**-12
-
-    trainer = PipelinedTrainer(model, xs[:1], stages="layer", lr=0.05, compile=options, loss_fn=small_loss)
+    trainer = PipelinedTrainer(model, xs[:1], stages="layer", lr=0.05, compile=options, loss_fn=_small_loss)
     trainer.fit(xs, ys, epochs=2)
     scales = [t.cumulative for t in stats(model)]
     calibration = trainer.calibration_samples
@@ -187,15 +190,11 @@ def test_an_adaptive_stage_backs_off_the_layer_that_overflowed():
     assert _finite(model)
 
 
-def _small_loss(output, target):  # errors small enough to underflow E5M2 at scale 1
-    return F.mse_loss(output, target) * 2**-12
-
-
 def test_samples_in_flight_that_overflow_together_back_off_once():
-    """Two consecutive samples whose errors overflow in the first stage: its forwards run
-    ahead, so both read the same scale s; the first backward halves it, the second
-    keeps s/2 (half what it read), not s/4. lr = 0: the stages after it, which step on
-    the first spike, keep their weights, and the second overflows where the first did."""
+    """Two consecutive samples whose errors overflow in a stage before the last: its
+    forwards run ahead, so both read the same scale s; the first backward halves it, the
+    second keeps s/2 (half what it read), not s/4. lr = 0: the stages after it, which step
+    on the first spike, keep their weights, and the second overflows where the first did."""
     torch.manual_seed(0)
     xs, ys = torch.randn(8, 16), torch.randn(8, 4)
     torch.manual_seed(1)
@@ -204,20 +203,42 @@ def test_samples_in_flight_that_overflow_together_back_off_once():
     trainer = PipelinedTrainer(model, xs[:1], stages="layer", lr=0.0, compile=options, loss_fn=_small_loss)
     trainer.fit(xs, ys, epochs=2)
     scales, skipped = [t.cumulative for t in stats(model)], trainer.skipped_samples
-    assert scales[0] > 1
     for x, y in zip(xs[:2], ys[:2], strict=True):
-        trainer.step(x[None], y[None] * 3e7)  # overflows E5M2 in stage 0 only (at scale s)
+        trainer.step(x[None], y[None] * 3e7)  # overflows E5M2 in one stage (at scale s)
     trainer.drain()
-    assert trainer.skipped_samples == {0: skipped[0] + 2, 1: skipped[1], 2: skipped[2]}
-    assert [t.cumulative for t in stats(model)] == [scales[0] / 2, *scales[1:]]
-    assert [t.overflow for t in stats(model)] == [2, 0, 0]
+    overflows = [t.overflow for t in stats(model)]
+    (hit,) = [stage for stage, count in enumerate(overflows) if count]
+    assert hit < 2 and overflows[hit] == 2  # a delayed stage, both samples
+    assert trainer.skipped_samples == {
+        stage: count + 2 * (stage == hit) for stage, count in skipped.items()
+    }  # the stages before it receive no error (uncounted)
+    assert [t.cumulative for t in stats(model)] == [s / 2 if i == hit else s for i, s in enumerate(scales)]
 
 
-def test_a_one_stage_pipeline_skips_the_calibrating_steps_loss_scaler_skips():
+def _rule_raising_8x(monkeypatch, cap: float = math.inf) -> None:
+    """Make every refresh ask for 8 times the scales its call read (at most ``cap``): a
+    cascade that settles at ``cap``, or never (calibration gives up)."""
+    take_statistics = AdaptiveScaleState.take_statistics
+
+    def raising(state):
+        read = state.recorded.tolist()
+        return (
+            None if take_statistics(state) is None else ([min(8 * s, cap) for s in read], [None] * len(read))
+        )
+
+    monkeypatch.setattr(AdaptiveScaleState, "take_statistics", raising)
+
+
+@pytest.mark.parametrize("rule", ["measured", "never-settles"])
+def test_a_one_stage_pipeline_skips_the_calibrating_steps_loss_scaler_skips(monkeypatch, rule):
     """One stage (no delay) with per-layer adaptive scales from 1, where the errors
     underflow: the pipeline skips the samples ``LossScaler("adaptive")`` skips while the
     scales calibrate, and ends with the same weights and scales as that scaler's loop over
-    the same samples (applying every sample, the pipeline's weights differed)."""
+    the same samples (applying every sample, the pipeline's weights differed). Also where
+    calibration gives up (each refresh asks for more): the sample of the last refresh
+    is stepped on, as the scaler steps."""
+    if rule == "never-settles":
+        _rule_raising_8x(monkeypatch)
     torch.manual_seed(0)
     xs, ys = torch.randn(12, 16), torch.randn(12, 4)
     options = {"recipe": "fp8-e5m2-als", "executor": "eager", "loss_scale_interval": 1}
@@ -275,8 +296,36 @@ def test_delayed_stages_skip_every_sample_quantized_at_uncalibrated_scales():
         rising += 1
         # the samples in flight when the first statistics came back read scale 1, and
         # none of those is applied
-        assert read.count(1.0) >= 2 and calibration[stage] >= read.count(1.0)
+        assert read.count(1.0) >= 2
+        assert not stepped & {call for call, scale, _ in telemetry.history if scale == 1.0}
     assert rising >= 2 and len(applied) > 8  # the stages do train
+
+
+def test_a_delayed_stage_calibrates_through_as_many_rounds_as_without_a_pipeline(monkeypatch):
+    """A refresh may raise a scale 8-fold at most, up to 512: three rounds from 1. The
+    first stage (two layers, delay 2) reaches 512 as the model without a pipeline does:
+    the samples in flight that read the scales of an earlier round are no rounds of
+    their own (counted as such, calibration gave up at 64)."""
+    _rule_raising_8x(monkeypatch, cap=512.0)
+    torch.manual_seed(0)
+    xs, ys = torch.randn(16, 16), torch.randn(16, 4)
+    options = {"recipe": "fp8-e5m2-als", "executor": "eager"}
+    torch.manual_seed(1)
+    piped, plain = MLP(16, 32, 32, 32, 32, 4), MLP(16, 32, 32, 32, 32, 4)
+    plain.load_state_dict(piped.state_dict())
+    trainer = PipelinedTrainer(piped, xs[:1], stages=2, lr=0.0, compile=options, loss_fn=_small_loss)
+    assert [len(stage.params) for stage in trainer.stages] == [4, 6] and trainer.delays == [2, 0]
+    for x, y in zip(xs, ys, strict=True):
+        trainer.step(x[None], y[None])
+    trainer.drain()
+    compiled = torch.compile(plain, backend="lowprec", options=options)
+    optimizer, scaler = torch.optim.SGD(plain.parameters(), lr=0.0), LossScaler("adaptive")
+    for x, y in zip(xs, ys, strict=True):
+        scaler.scale(_small_loss(compiled(x[None]), y[None])).backward()
+        scaler.step(optimizer)
+        scaler.update()
+    assert [t.cumulative for t in stats(plain)] == [512.0] * 5
+    assert [t.cumulative for t in stats(piped)] == [512.0] * 5
 
 
 def test_the_scales_resume_with_the_trainer_state():
@@ -305,6 +354,13 @@ def test_the_scales_resume_with_the_trainer_state():
     assert rest.loss_scales == full.loss_scales and rest.skipped_samples == full.skipped_samples
     assert first.losses + rest.losses == full.losses
     assert [p.item() for p in rest.model.parameters()] == [p.item() for p in full.model.parameters()]
+    # a state saved before the stages counted calibration skips loads, the count at 0
+    state["loss_scales"] = {
+        index: {key: v for key, v in saved.items() if key != "calibration"}
+        for index, saved in state["loss_scales"].items()
+    }
+    rest.load_state_dict(state)
+    assert rest.calibration_samples == {0: 0, 1: 0, 2: 0}
     unscaled = chain_trainer(weights, 0)
     with pytest.raises(ValueError, match=r"'loss_scales' must hold the loss scales of stages \[\]"):
         unscaled.load_state_dict(state)

@@ -166,8 +166,8 @@ def _named(proxy, name: str, attention: bool = False):
 
 def _dropout(probs, p):
     """Dropout of attention probabilities at rate ``p``: a number, or a graph input (a
-    float Dynamo made symbolic, as ``dynamic=True`` does), which the graph reads at each
-    call (``torch.dropout`` draws nothing at rate 0)."""
+    float Dynamo made symbolic, as ``dynamic=True`` does), which no Python branch can
+    read (``torch.dropout`` draws nothing at rate 0)."""
     if isinstance(p, torch.fx.Proxy):
         return torch.dropout(probs, p, True)
     return F.dropout(probs, p=p) if p > 0.0 else probs

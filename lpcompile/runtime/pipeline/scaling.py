@@ -52,7 +52,7 @@ STATE_KEYS = ("scale", "growth_tracker", "samples", "skipped", "calibration")
 OPTIONAL_KEYS = ("calibration",)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class ScalesRead:
     """What one forward of a stage read from an adaptive-scaling state of its graphs."""
 
@@ -60,6 +60,7 @@ class ScalesRead:
     scales: torch.Tensor  # a state's scales are replaced, never changed in place
     calibrating: bool  # whether the state was still calibrating them
     call: int  # the forward's call index in the state
+    rounds: int  # the state's rounds of refreshes before it
 
 
 def back_off_layers(
@@ -83,9 +84,9 @@ def refresh_layers(reads: Sequence[ScalesRead]) -> bool:
     """After one backward of a stage compiled with per-layer adaptive loss scaling, turn
     the statistics it recorded into scales, each state's against the scales its forward
     read (``reads``); whether the sample is to be skipped: scales it read while they
-    calibrated were raised more than a binade (module doc)."""
-    raised = [r.state.refresh_sample(r.scales, r.call) for r in reads]  # every state refreshes
-    return any(up and r.calibrating for up, r in zip(raised, reads, strict=True))
+    calibrated were raised more than a binade, and calibration goes on (module doc)."""
+    unconfirmed = [r.state.refresh_sample(r.scales, r.call, r.rounds) for r in reads]  # every state
+    return any(off and r.calibrating for off, r in zip(unconfirmed, reads, strict=True))
 
 
 def loss_scale_config(loss_scale: float | str | LossScaleConfig) -> LossScaleConfig | None:
@@ -168,11 +169,12 @@ class StageScale:
     def loader(self, saved: Any, stage: int) -> Callable[[], None]:
         """A function that loads ``saved`` (:meth:`state_dict`'s) into the stage, once all
         of it is checked; a bad one raises ``ValueError`` naming ``stage``."""
-        required = set(STATE_KEYS) - set(OPTIONAL_KEYS)
-        if not isinstance(saved, dict) or not required <= set(saved) <= set(STATE_KEYS):
+        required = [key for key in STATE_KEYS if key not in OPTIONAL_KEYS]
+        if not isinstance(saved, dict) or not set(required) <= set(saved) <= set(STATE_KEYS):
             have = sorted(saved) if isinstance(saved, dict) else type(saved).__name__
             raise ValueError(
-                f"stage {stage}'s loss scale state must have the keys {list(STATE_KEYS)}, got {have}"
+                f"stage {stage}'s loss scale state must have the keys {required} "
+                f"(and may have {list(OPTIONAL_KEYS)}), got {have}"
             )
         saved = {**dict.fromkeys(OPTIONAL_KEYS, 0), **saved}
         check_fp32_scale(f"stage {stage}'s saved scale", saved["scale"])

@@ -341,6 +341,8 @@ class StageRunner:
         self.scales = [None if loss_scale is None else StageScale(loss_scale) for _ in stages]
         #: whether the stages are compiled with per-layer adaptive loss scaling: their layers
         #: back off after an overflow that ``loss_scale``'s checks find
+        if adaptive and loss_scale is None:
+            raise ValueError("stages with per-layer adaptive scales check their gradients: give a loss_scale")
         self.adaptive = adaptive
         self.weight_stash = weight_stash
         self.record = record
@@ -387,7 +389,7 @@ class StageRunner:
         # The call refreshed nothing (_backward does, after each sample): the scales and the
         # calibrating flag are what it read, and it was the state's last call
         read = [
-            ScalesRead(s, s.scales, s.calibrating, s.calls - 1)
+            ScalesRead(s, s.scales, s.calibrating, s.calls - 1, s.rounds)
             for s in (REGISTRY.adaptive_states() if self.adaptive else [])
             if calls.get(id(s)) != s.calls
         ]
