@@ -102,3 +102,22 @@ def test_a_symbolic_sequence_length_warns_by_name():
     torch._dynamo.reset()
     with pytest.warns(UserWarning, match="recurrent layer 'rnn' has a symbolic sequence length"):
         torch.compile(model, backend="lowprec", options=EAGER, dynamic=True)(torch.randint(0, 20, (3, 5)))
+
+
+@pytest.mark.parametrize("executor", ["eager", pytest.param("inductor", marks=pytest.mark.slow)])
+def test_a_layer_left_whole_trains_on_inputs_without_grad(executor):
+    """An LSTM fed the model's input (no gradient) with a symbolic sequence length stays
+    one call, which AOT autograd traced as oneDNN's kernel: it returned no workspace for
+    the backward and the first call failed. It computes torch's LSTM, at two lengths."""
+    torch.manual_seed(0)
+    lstm = nn.LSTM(8, 8, num_layers=2, batch_first=True)
+    torch._dynamo.reset()
+    compiled = torch.compile(lstm, backend="lowprec", options={**EAGER, "executor": executor}, dynamic=True)
+    for length in (5, 7):
+        x = torch.randn(2, length, 8)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the warning above
+            out = compiled(x)[0]
+        out.square().sum().backward()
+        torch.testing.assert_close(out, lstm(x)[0], rtol=1e-5, atol=1e-6)
+    assert all(p.grad is not None and bool(torch.isfinite(p.grad).all()) for p in lstm.parameters())

@@ -14,7 +14,7 @@ writes that call out with the math of torch's cells: per layer and direction, on
 call becomes its two products, ``<module>.weight_ih`` and ``<module>.weight_hh``,
 numbered ``#<i>`` in graph order where the module is called several times (once per time
 step of a loop). A sequence length Dynamo made symbolic leaves a layer's call whole with
-a warning naming the module.
+a warning naming the module (the backend then has AOT autograd trace it without oneDNN).
 """
 
 from __future__ import annotations
