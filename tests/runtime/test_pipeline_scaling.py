@@ -215,6 +215,21 @@ def test_samples_in_flight_that_overflow_together_back_off_once():
     assert [t.cumulative for t in stats(model)] == [s / 2 if i == hit else s for i, s in enumerate(scales)]
 
 
+def _train_without_pipeline(
+    model: torch.nn.Module, xs: torch.Tensor, ys: torch.Tensor, options: dict, lr: float
+) -> LossScaler:
+    """SGD on one sample at a time of ``model`` compiled with ``options``, under
+    ``LossScaler("adaptive")`` (returned)."""
+    compiled = torch.compile(model, backend="lowprec", options=options)
+    optimizer, scaler = torch.optim.SGD(model.parameters(), lr=lr), LossScaler("adaptive")
+    for x, y in zip(xs, ys, strict=True):
+        scaler.scale(_small_loss(compiled(x[None]), y[None])).backward()
+        scaler.step(optimizer)
+        scaler.update()
+        optimizer.zero_grad()
+    return scaler
+
+
 def _rule_raising_8x(monkeypatch, cap: float = math.inf) -> None:
     """Make every refresh ask for 8 times the scales its call read (at most ``cap``): a
     cascade that settles at ``cap``, or never (calibration gives up)."""
@@ -248,13 +263,7 @@ def test_a_one_stage_pipeline_skips_the_calibrating_steps_loss_scaler_skips(monk
     trainer = PipelinedTrainer(piped, xs[:1], stages=1, lr=0.05, compile=options, loss_fn=_small_loss)
     for x, y in zip(xs, ys, strict=True):
         trainer.step(x[None], y[None])
-    compiled = torch.compile(plain, backend="lowprec", options=options)
-    optimizer, scaler = torch.optim.SGD(plain.parameters(), lr=0.05), LossScaler("adaptive")
-    for x, y in zip(xs, ys, strict=True):
-        scaler.scale(_small_loss(compiled(x[None]), y[None])).backward()
-        scaler.step(optimizer)
-        scaler.update()
-        optimizer.zero_grad()
+    scaler = _train_without_pipeline(plain, xs, ys, options, lr=0.05)
     assert scaler.calibration_steps > 1
     assert trainer.calibration_samples == trainer.skipped_samples == {0: scaler.calibration_steps}
     assert all(torch.equal(a, b) for a, b in zip(piped.parameters(), plain.parameters(), strict=True))
@@ -318,12 +327,7 @@ def test_a_delayed_stage_calibrates_through_as_many_rounds_as_without_a_pipeline
     for x, y in zip(xs, ys, strict=True):
         trainer.step(x[None], y[None])
     trainer.drain()
-    compiled = torch.compile(plain, backend="lowprec", options=options)
-    optimizer, scaler = torch.optim.SGD(plain.parameters(), lr=0.0), LossScaler("adaptive")
-    for x, y in zip(xs, ys, strict=True):
-        scaler.scale(_small_loss(compiled(x[None]), y[None])).backward()
-        scaler.step(optimizer)
-        scaler.update()
+    _train_without_pipeline(plain, xs, ys, options, lr=0.0)
     assert [t.cumulative for t in stats(plain)] == [512.0] * 5
     assert [t.cumulative for t in stats(piped)] == [512.0] * 5
 
