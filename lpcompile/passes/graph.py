@@ -413,6 +413,15 @@ def _is_buffer(node: torch.fx.Node) -> bool:
     return source is not None and "_buffers" in source.name
 
 
+def dropout_at(x, p):
+    """Dropout of ``x`` (a proxy, in training) at rate ``p``: a number, or a graph input (a
+    float Dynamo made symbolic, as ``dynamic=True`` does), which no Python branch can read
+    (``torch.dropout`` draws nothing at rate 0)."""
+    if isinstance(p, torch.fx.Proxy):
+        return torch.dropout(x, p, True)
+    return F.dropout(x, p=p) if p > 0.0 else x
+
+
 def inline(
     gm: torch.fx.GraphModule, node: torch.fx.Node, fn: Callable[..., Any], args: dict[str, Any]
 ) -> Any:

@@ -9,7 +9,7 @@ import warnings
 
 import pytest
 import torch
-from grid import grid_step
+from grid import GridCheck, grid_step, watched_backend
 from models import Records
 from torch import nn
 
@@ -97,27 +97,57 @@ def test_gate_products_run_on_the_grid(case):
     assert LAYERS[case] | {"head"} <= layers, sorted(layers)
 
 
-def test_a_symbolic_sequence_length_warns_by_name():
-    model = LanguageModel(nn.GRU, batch_first=True)
+def test_a_sequence_length_made_symbolic_keeps_the_gate_products_on_the_grid():
+    """A language model trained over windows of 8 tokens and a shorter last one (as
+    truncated back-propagation through time runs): at the second length Dynamo makes the
+    sequence length symbolic, and the graph compiled for it is specialized to it. Every
+    product runs on the grid at each length; the graph of one length never serves
+    another."""
+    model = LanguageModel(nn.LSTM, num_layers=2)
+    check = GridCheck()
     torch._dynamo.reset()
-    with pytest.warns(UserWarning, match="recurrent layer 'rnn' has a symbolic sequence length"):
-        torch.compile(model, backend="lowprec", options=EAGER, dynamic=True)(torch.randint(0, 20, (3, 5)))
+    compiled = torch.compile(model, backend=watched_backend(EAGER, check))
+    for length in (8, 5, 8, 6):
+        check.products.clear()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            out = compiled(torch.randint(0, 20, (3, length)))
+            with check:
+                out.square().mean().backward()
+        assert out.shape == (length, 3, 20)
+        assert check.off_grid == {} and check.count > 4 * length, (length, check.products)
+        said = [str(w.message) for w in caught]
+        symbolic = [m for m in said if "recurrent layer 'rnn' has a symbolic sequence length" in m]
+        assert len(symbolic) == (length in (5, 6)), said
 
 
 @pytest.mark.parametrize("executor", ["eager", pytest.param("inductor", marks=pytest.mark.slow)])
-def test_a_layer_left_whole_trains_on_inputs_without_grad(executor):
-    """An LSTM fed the model's input (no gradient) with a symbolic sequence length stays
-    one call, which AOT autograd traced as oneDNN's kernel: it returned no workspace for
-    the backward and the first call failed. It computes torch's LSTM, at two lengths."""
+def test_a_layer_compiled_with_dynamic_shapes_computes_torch_lstm_at_each_length(executor):
+    """``dynamic=True``, an LSTM fed the model's input (no gradient), every layer left
+    unrounded: at each length, in any order, it computes torch's LSTM."""
     torch.manual_seed(0)
     lstm = nn.LSTM(8, 8, num_layers=2, batch_first=True)
     torch._dynamo.reset()
-    compiled = torch.compile(lstm, backend="lowprec", options={**EAGER, "executor": executor}, dynamic=True)
-    for length in (5, 7):
+    options = {**EAGER, "executor": executor, "exclude": ["*"]}
+    compiled = torch.compile(lstm, backend="lowprec", options=options, dynamic=True)
+    for length in (5, 7, 5, 6):
         x = torch.randn(2, length, 8)
         with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # the warning above
+            warnings.simplefilter("ignore")  # the specialization, exclude=["*"]
             out = compiled(x)[0]
         out.square().sum().backward()
         torch.testing.assert_close(out, lstm(x)[0], rtol=1e-5, atol=1e-6)
     assert all(p.grad is not None and bool(torch.isfinite(p.grad).all()) for p in lstm.parameters())
+
+
+@torch._dynamo.config.patch(capture_dynamic_output_shape_ops=True)
+def test_a_data_dependent_sequence_length_is_refused_by_name():
+    lstm = nn.LSTM(4, 4)
+
+    def run(x: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+        return lstm(x[torch.nonzero(keep).squeeze(1)])[0]
+
+    torch._dynamo.reset()
+    compiled = torch.compile(run, backend="lowprec", options=EAGER)
+    with pytest.raises(Exception, match="has a data-dependent sequence length"):
+        compiled(torch.randn(6, 2, 4), torch.tensor([1, 0, 1, 1, 0, 1], dtype=torch.bool))

@@ -35,6 +35,7 @@ from lpcompile.passes.driver import CompileContext, KeptProduct
 from lpcompile.passes.graph import (
     ATTENTION,
     LAYER_NAME,
+    dropout_at,
     find_calls,
     inline,
     layer_name,
@@ -130,7 +131,7 @@ def _mha(
             weights = _named(torch.baddbmm(attn_mask, q_scaled, k.transpose(-2, -1)), names[3] + "#0", True)
         else:
             weights = _named(torch.bmm(q_scaled, k.transpose(-2, -1)), names[3] + "#0", True)
-        weights = _dropout(torch.softmax(weights, dim=-1), dropout_p)
+        weights = dropout_at(torch.softmax(weights, dim=-1), dropout_p)
         out = _named(torch.bmm(weights, v), names[3] + "#1", True)
         out = out.transpose(0, 1).reshape(tgt_len * bsz, embed_dim)
     else:
@@ -162,15 +163,6 @@ def _named(proxy, name: str, attention: bool = False):
     if attention:
         proxy.node.meta[ATTENTION] = True
     return proxy
-
-
-def _dropout(probs, p):
-    """Dropout of attention probabilities at rate ``p``: a number, or a graph input (a
-    float Dynamo made symbolic, as ``dynamic=True`` does), which no Python branch can
-    read (``torch.dropout`` draws nothing at rate 0)."""
-    if isinstance(p, torch.fx.Proxy):
-        return torch.dropout(probs, p, True)
-    return F.dropout(probs, p=p) if p > 0.0 else probs
 
 
 def _additive(mask, dtype: torch.dtype):
@@ -306,7 +298,7 @@ def _explicit_attention(query, key, value, attn_mask, dropout_p, is_causal, scal
             scores = scores.masked_fill(attn_mask.logical_not(), float("-inf"))
         else:
             scores = scores + attn_mask
-    probs = _dropout(torch.softmax(scores, dim=-1), dropout_p)
+    probs = dropout_at(torch.softmax(scores, dim=-1), dropout_p)
     return _named(torch.matmul(probs, value), f"{name}#1", True)
 
 

@@ -13,8 +13,8 @@ writes that call out with the math of torch's cells: per layer and direction, on
 (``<module>.weight_hr_l<k>#<t>``); dropout between layers as torch applies it. A cell
 call becomes its two products, ``<module>.weight_ih`` and ``<module>.weight_hh``,
 numbered ``#<i>`` in graph order where the module is called several times (once per time
-step of a loop). A sequence length Dynamo made symbolic leaves a layer's call whole with
-a warning naming the module (the backend then has AOT autograd trace it without oneDNN).
+step of a loop). A sequence length Dynamo made symbolic is specialized to the call's (one
+graph per length), with a warning naming the module; a data-dependent one is refused.
 """
 
 from __future__ import annotations
@@ -24,10 +24,18 @@ import warnings
 import torch
 import torch.fx
 import torch.nn.functional as F
+from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols, guard_int
 
-from lpcompile.passes.driver import CompileContext, KeptProduct
-from lpcompile.passes.dynamo.quantize import op_name
-from lpcompile.passes.graph import LAYER_NAME, find_calls, inline, layer_name, recompile_bodies, replace_with
+from lpcompile.passes.driver import CompileContext
+from lpcompile.passes.graph import (
+    LAYER_NAME,
+    dropout_at,
+    find_calls,
+    inline,
+    layer_name,
+    recompile_bodies,
+    replace_with,
+)
 
 # ATen recurrent call -> its cell
 RECURRENT = {torch.lstm: "lstm", torch.gru: "gru", torch.rnn_tanh: "tanh", torch.rnn_relu: "relu"}
@@ -101,32 +109,45 @@ def _recurrent(
             last_h.append(h)
             last_c.append(c)
         x = torch.cat(outputs, -1) if directions == 2 else outputs[0]
-        if dropout > 0 and train and layer < num_layers - 1:
-            x = F.dropout(x, dropout, training=True)
+        if train and layer < num_layers - 1:
+            x = dropout_at(x, dropout)
     out = x.transpose(0, 1) if batch_first else x
     if cell == "lstm":
         return out, torch.stack(last_h, 0), torch.stack(last_c, 0)
     return out, torch.stack(last_h, 0)
 
 
+def _specialize_steps(steps: torch.SymInt, path: str) -> int:
+    """The number of steps to unroll a symbolic sequence length over: its value in this call,
+    which the graph is then specialized to (Dynamo guards on it and compiles a graph per
+    length, as it does for torch's own decomposition of the layer)."""
+    if free_unbacked_symbols(steps):
+        raise NotImplementedError(
+            f"lowprec: recurrent layer {path!r} has a data-dependent sequence length, which neither "
+            "lowprec nor torch's decomposition can unroll: slice the sequence to a length known "
+            "before the model runs"
+        )
+    warnings.warn(
+        f"lowprec: recurrent layer {path!r} has a symbolic sequence length: lowprec unrolls it over "
+        "the length of the call, so the graph is specialized to that length and each new length "
+        "compiles a graph of its own; past torch._dynamo.config.recompile_limit lengths Dynamo runs the "
+        "model uncompiled, in FP32 (fail_on_recompile_limit_hit=True makes that an error)",
+        stacklevel=1,
+    )
+    return guard_int(steps)
+
+
 def decompose_recurrent_layers(gm: torch.fx.GraphModule, ctx: CompileContext) -> None:
-    """Each LSTM/GRU/RNN call (in checkpoint bodies too) becomes its cells, unrolled over a
-    static sequence length, and each cell call its gate products."""
+    """Each LSTM/GRU/RNN call (in checkpoint bodies too) becomes its cells, unrolled over its
+    sequence length (a symbolic one specialized), and each cell call its gate products."""
     for graph, node in find_calls(gm, RECURRENT):
         cell = RECURRENT[node.target]
         args = dict(zip(PARAMS, node.args, strict=False))
         path = layer_name(node)
         example = args["input"].meta["example_value"]
         steps = example.shape[1 if args["batch_first"] else 0]
-        if not isinstance(steps, int):
-            ctx.kept.append(KeptProduct(path, op_name(node), "a symbolic sequence length"))
-            warnings.warn(
-                f"lowprec: recurrent layer {path!r} has a symbolic sequence length: its gate products "
-                "stay in higher precision"
-                " (give the model a fixed sequence length, compile with dynamic=False)",
-                stacklevel=1,
-            )
-            continue
+        if isinstance(steps, torch.SymInt):
+            steps = _specialize_steps(steps, path)
         out = inline(graph, node, _recurrent, {"cell": cell, **args, "steps": steps, "path": path})
         replace_with(node, out)
     calls: dict[tuple[int, str], list[tuple[torch.fx.GraphModule, torch.fx.Node]]] = {}
