@@ -155,7 +155,7 @@ class GridCheck(TorchDispatchMode):
             floats = [(i, a) for i, a in operands if isinstance(a, torch.Tensor) and a.is_floating_point()]
             on_grid = all(self.on_operand(func, i, a) for i, a in floats)
             self.products[(func.__name__, on_grid)] += 1
-        elif not hop and any(word in func.__name__ for word in PRODUCT_WORDS):
+        elif not hop and any(word in func.__name__.replace("convert", "") for word in PRODUCT_WORDS):
             self.unknown[func.__name__] += 1
         return func(*args, **kwargs)
 

@@ -68,7 +68,7 @@ def test_hf_model_with_dynamic_shapes_runs_every_product_on_the_grid(name):
         out = compiled(**{key: ids[:, :length] for key, ids in inputs.items()})
         with check:
             out.logits.float().square().mean().backward()
-    assert check.count > 0 and check.off_grid == {}, check.products
+    assert check.count > 0 and check.off_grid == {} and not check.unknown, (check.products, check.unknown)
 
 
 # What a diffusers model computes beyond FP32 on purpose: Flux's rotary angles, per position axis.

@@ -339,10 +339,10 @@ class StageRunner:
         self.loss_fn = loss_fn
         #: per stage: its loss scale (``None``: not scaled, gradients not checked)
         self.scales = [None if loss_scale is None else StageScale(loss_scale) for _ in stages]
-        #: whether the stages are compiled with per-layer adaptive loss scaling: their layers
-        #: back off after an overflow that ``loss_scale``'s checks find
         if adaptive and loss_scale is None:
             raise ValueError("stages with per-layer adaptive scales check their gradients: give a loss_scale")
+        #: whether the stages are compiled with per-layer adaptive loss scaling: their layers
+        #: back off after an overflow that ``loss_scale``'s checks find
         self.adaptive = adaptive
         self.weight_stash = weight_stash
         self.record = record
