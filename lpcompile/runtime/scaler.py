@@ -44,7 +44,8 @@ the other ranks of that group (the whole world by default): the inf/NaN flag is
 all-reduced before the skip decision, so an overflow on one rank skips the step on
 every rank; and the adaptive states it steps sum their gradient statistics over the
 ranks before choosing scales, and back off a layer that overflowed on any rank, so
-every rank scales each layer alike. Pass a group to agree within it (the
+every rank scales each layer alike (ranks scaling different layers, as pipeline stages
+do, are refused). Pass a group to agree within it (the
 data-parallel ranks of a larger mesh), or ``None`` to decide per rank.
 
 Optimizers that set ``_step_supports_amp_scaling`` (torch's fused optimizers,
@@ -58,6 +59,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import warnings
+import zlib
 from collections import defaultdict
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -177,6 +179,26 @@ def _trained_states(
     """
     params = {id(p) for group in groups for p in group["params"]}
     return [state for state in states if state.trained_by(params)] or states
+
+
+def _check_same_layers(states: list[AdaptiveScaleState], ranks: Any, device: torch.device) -> None:
+    """Raise ``ValueError`` unless every rank of ``ranks`` steps adaptive states of the same
+    layers (data-parallel replicas), whose statistics can be summed."""
+    if ranks is None:
+        return
+    dist = torch.distributed
+    names = "\n".join("\t".join(s.layers) for s in states)
+    mine = torch.tensor([zlib.crc32(names.encode()), len(states)], dtype=torch.int64, device=device)
+    every = [torch.empty_like(mine) for _ in range(dist.get_world_size(ranks))]
+    dist.all_gather(every, mine, group=ranks)
+    if any(not torch.equal(key, mine) for key in every):
+        raise ValueError(
+            "LossScaler(mode='adaptive') sums the gradient statistics of each layer over the ranks "
+            "of its process_group, and they scale different layers (this rank: "
+            f"{names.split() or 'none'}), as pipeline stages do: adaptive loss scaling across "
+            "pipeline-parallel ranks is not supported. Give process_group the data-parallel "
+            "replicas of this rank's layers"
+        )
 
 
 @torch.no_grad()
@@ -388,8 +410,10 @@ class LossScaler:
             raise RuntimeError("step() has already been called since the last update().")
         if self.mode == "adaptive":
             _check_adaptive_models()
+            states = _trained_states(REGISTRY.adaptive_states(), optimizer.param_groups)
             ranks = self._ranks()
-            for s in _trained_states(REGISTRY.adaptive_states(), optimizer.param_groups):
+            _check_same_layers(states, ranks, scale.device)
+            for s in states:
                 s.ranks = ranks
         if getattr(optimizer, "_step_supports_amp_scaling", False):
             # The optimizer unscales and skips by itself (GradScaler's protocol).
