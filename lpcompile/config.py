@@ -104,7 +104,8 @@ class QuantSpec:
     the dimension its matmul sums over (every matmul, forward and backward, rounds its
     operands so; a convolution's and fused attention's per tensor); the ``_pow2`` scalings
     round the factors down to powers of two; ``"mx"`` gives each block of 32 values of a
-    row a power-of-two factor (OCP microscaling's E8M0 scale).
+    row a power-of-two factor (OCP microscaling's E8M0 scale), ``"nvfp4"`` each block of
+    16 an E4M3 factor under an FP32 one per tensor (NVIDIA's NVFP4).
     """
 
     fmt: str | None = None
@@ -181,6 +182,16 @@ _RECIPES: dict[str, tuple[str, dict[str, Any]]] = {
         " block of 32 values along a matmul's summed dimension scaled by a power of two"
         " (nearest even); weight gradients unrounded",
         _specs(QuantSpec("e4m3", scaling="mx"), QuantSpec("e4m3", overflow="inf", scaling="mx"), OFF),
+    ),
+    "nvfp4": (
+        "NVIDIA's NVFP4 training: E2M1 weights, activations and errors, each block of 16 values"
+        " along a matmul's summed dimension scaled by an E4M3 factor under an FP32 one per tensor;"
+        " errors stochastically rounded; weight gradients unrounded",
+        _specs(
+            QuantSpec("e2m1-finite", scaling="nvfp4"),
+            QuantSpec("e2m1-finite", "stochastic", "inf", scaling="nvfp4"),
+            OFF,
+        ),
     ),
 }
 _ALS = {"loss_scale": "adaptive"}

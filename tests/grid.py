@@ -128,6 +128,33 @@ def on_mx_blocks(func: Any, position: int, t: torch.Tensor) -> bool:
     return bool((scaled.to(torch.float8_e4m3fn).float() == scaled).all())
 
 
+E2M1_VALUES = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+
+
+def _on_e2m1_grid(scaled: torch.Tensor) -> torch.Tensor:
+    """Whether each value's magnitude is an E2M1 value, to within FP32 rounding."""
+    gap = (scaled.abs().unsqueeze(-1) - E2M1_VALUES).abs().amin(-1)
+    return gap <= 2.0**-20 * scaled.abs().clamp(min=1.0)
+
+
+def on_nvfp4_blocks(func: Any, position: int, t: torch.Tensor) -> bool:
+    """A matmul's operand: in each block of 16 values along the dimension the matmul sums
+    over (the last one padded with zeros), every value times 6 (or 4, where stochastic
+    rounding took the block's largest down) over the block's largest magnitude is an E2M1
+    value: E2M1 codes times one factor per block, what NVFP4 holds; any other product's
+    operand, E2M1 values times one factor (NVFP4 recipes round those per tensor)."""
+    dim = SUMMED.get(func, {}).get(position)
+    t = t.detach().float()
+    if dim is None or t.dim() == 0:
+        blocks = t.reshape(1, -1)
+    else:
+        rows = t.movedim(dim, -1)
+        blocks = torch.nn.functional.pad(rows, (0, -rows.shape[-1] % 16)).reshape(-1, 16)
+    amax = blocks.abs().amax(-1, keepdim=True)
+    blocks, amax = blocks[amax[:, 0] > 0], amax[amax[:, 0] > 0]
+    return bool((_on_e2m1_grid(blocks * (6 / amax)) | _on_e2m1_grid(blocks * (4 / amax))).all(-1).all())
+
+
 class GridCheck(TorchDispatchMode):
     """Counts the products that ran, by (op, all operands on the grid): the E5M2 grid, or
     another check of a tensor (``on_grid``), or of each operand of an op

@@ -13,8 +13,9 @@ Inductor itself is imported (a plain ``torch.compile`` of code that calls
   per kernel body, a stochastic one's key thousands, and compile time grew with
   them. A scaled quantize decomposes into an unscaled one between the multiply
   and the divide; a tensorwise one computes its scale first (a reduction). A rowwise or
-  MX one is lowered, its factors a reduction per row or per block of 32 (the tensor viewed
-  as blocks, padded): it stays one node in the joint graph,
+  MX or NVFP4 one is lowered, its factors a reduction per row or per block of 32 or 16
+  (the tensor viewed as blocks, padded; NVFP4's also one over the tensor): it stays one
+  node in the joint graph,
   where the backend reads which tensor each matmul's operand rounds
   (:mod:`lpcompile.passes.joint.rowwise`).
 * ``predict_weight``: its reference implementation, traced into Inductor's kernels.
@@ -35,10 +36,14 @@ from torch._inductor.utils import sympy_product
 from torch._inductor.virtualized import V, ops
 
 from lpcompile.numerics import predict, rng, scale_grad  # noqa: F401  (defines their operators)
+from lpcompile.numerics.formats import parse_format
 from lpcompile.numerics.quantize import (
     AMAX_FLOOR,
+    E4M3_MAX,
+    E4M3_TINY,
     FP32_MAX,
     MX_BLOCK,
+    NVFP4_BLOCK,
     check_args,
     dynamic_scale,
     is_rowwise,
@@ -131,7 +136,7 @@ def _stream_key(seed: ir.TensorBox, offset) -> ir.TensorBox:
 def _lower_quantize(
     x: ir.TensorBox, fmt, rounding, overflow, seed, offset, scale, scaling="none"
 ) -> ir.TensorBox:
-    """An unscaled, rowwise or MX quantize as one pointwise node, each op of
+    """An unscaled, rowwise, MX or NVFP4 quantize as one pointwise node, each op of
     :func:`round_value` (and, for stochastic rounding, of the generator) issued once per
     kernel body; a rowwise one reads its rows' factors (:func:`_row_scales`), an MX one
     rounds ``x`` viewed as blocks (:func:`_in_blocks`)."""
@@ -152,14 +157,15 @@ def _lower_quantize(
         V.graph.sizevars.check_lt(numel, 1 << 31)  # a dynamic size: guarded
         load_key = _stream_key(seed, offset).make_loader()
     strides = ir.FlexibleLayout.contiguous_strides(shape or [1])
-    if scaling != "mx":
+    if scaling not in ("mx", "nvfp4"):
         load_scale = _row_scales(x, target, scaling) if is_rowwise(scaling) else None
         return _round(x, target, (rounding, overflow, load_key), load_scale, lambda index: index, strides)
-    blocks = _in_blocks(x, shape)
-    load_factor = _mx_factors(blocks, target).make_loader()
+    size = MX_BLOCK if scaling == "mx" else NVFP4_BLOCK
+    blocks = _in_blocks(x, shape, size)
+    load_factor = (_mx_factors if scaling == "mx" else _nvfp4_factors)(blocks, target).make_loader()
 
     def element(index):  # the element of x at an index of the blocks (past its end: padding)
-        return [*index[:-2], index[-2] * MX_BLOCK + index[-1]]
+        return [*index[:-2], index[-2] * size + index[-1]]
 
     def factor(index):
         return load_factor([*index[:-1], 0])
@@ -224,16 +230,16 @@ def _row_scales(x: ir.TensorBox, target, scaling: str):
     return lambda index: load([*index[:-1], 0] if index else [])
 
 
-def _in_blocks(x: ir.TensorBox, shape: list) -> ir.TensorBox:
-    """``x`` as (..., blocks, :data:`MX_BLOCK`) along its last dimension, padded with zeros
-    (a 0-dim ``x``: one block); the last dimension's length made static."""
+def _in_blocks(x: ir.TensorBox, shape: list, size: int) -> ir.TensorBox:
+    """``x`` as (..., blocks, ``size``) along its last dimension, padded with zeros (a 0-dim
+    ``x``: one block); the last dimension's length made static."""
     length = V.graph.sizevars.guard_int(shape[-1]) if shape else 1
     if not shape:
         x = lowerings[aten.view.default](x, [1])
-    blocks = -(-length // MX_BLOCK)
-    if blocks * MX_BLOCK != length:
-        x = lowerings[aten.constant_pad_nd.default](x, [0, blocks * MX_BLOCK - length], 0.0)
-    return lowerings[aten.view.default](x, [*shape[:-1], blocks, MX_BLOCK])
+    blocks = -(-length // size)
+    if blocks * size != length:
+        x = lowerings[aten.constant_pad_nd.default](x, [0, blocks * size - length], 0.0)
+    return lowerings[aten.view.default](x, [*shape[:-1], blocks, size])
 
 
 def _mx_factors(blocks: ir.TensorBox, target) -> ir.TensorBox:
@@ -247,6 +253,33 @@ def _mx_factors(blocks: ir.TensorBox, target) -> ir.TensorBox:
         dtype=torch.float32,
         inner_fn=lambda index: mx_factor(load_amax(index), max_exp, ops),
         ranges=[*blocks.get_size()[:-1], 1],
+    )
+    factors.realize()
+    return factors
+
+
+def _nvfp4_factors(blocks: ir.TensorBox, target) -> ir.TensorBox:
+    """:func:`lpcompile.numerics.quantize.nvfp4_factors` of each block (the last dimension
+    kept, as size 1), its operations in the same order, computed once into a buffer."""
+    f32 = torch.float32
+    magnitude = lowerings[aten.abs.default](to_dtype(blocks, f32))
+    dims = list(range(len(blocks.get_size())))
+    load_tensor_amax = lowerings[aten.amax.default](magnitude, dims, False).make_loader()
+    load_amax = lowerings[aten.amax.default](magnitude, [-1], True).make_loader()
+    e4m3 = parse_format("e4m3")
+
+    def inner_fn(index):
+        amax = ops.maximum(load_tensor_amax([]), ops.constant(AMAX_FLOOR, f32))
+        tensor_scale = ops.truediv(amax, ops.constant(E4M3_MAX * target.max, f32))
+        block_scale = ops.truediv(ops.truediv(load_amax(index), ops.constant(target.max, f32)), tensor_scale)
+        block_scale = ops.minimum(
+            ops.maximum(block_scale, ops.constant(E4M3_TINY, f32)), ops.constant(E4M3_MAX, f32)
+        )
+        block_scale = round_value(block_scale, e4m3, "nearest", "saturate", None, ops)
+        return ops.truediv(ops.truediv(ops.constant(1.0, f32), tensor_scale), block_scale)
+
+    factors = ir.Pointwise.create(
+        device=blocks.get_device(), dtype=f32, inner_fn=inner_fn, ranges=[*blocks.get_size()[:-1], 1]
     )
     factors.realize()
     return factors

@@ -42,9 +42,14 @@ OVERFLOWS = ("saturate", "inf")
 # (torchao's axiswise scaling: the backend rounds each matmul operand along the dimension
 # that matmul sums over, passes/joint/rowwise.py); "_pow2": the factors rounded down to
 # powers of two; "mx": OCP microscaling, a power-of-two factor per block of MX_BLOCK values
-# along the last dimension (along the summed dimension, as rowwise).
-SCALINGS = ("none", "tensorwise", "tensorwise_pow2", "rowwise", "rowwise_pow2", "mx")
+# along the last dimension (along the summed dimension, as rowwise); "nvfp4": NVIDIA's
+# two-level scaling, an E4M3 factor per block of NVFP4_BLOCK values under an FP32 one per
+# tensor.
+SCALINGS = ("none", "tensorwise", "tensorwise_pow2", "rowwise", "rowwise_pow2", "mx", "nvfp4")
 MX_BLOCK = 32
+NVFP4_BLOCK = 16
+E4M3_MAX = 448.0
+E4M3_TINY = 2.0**-6  # E4M3's smallest normal value: NVFP4's smallest block scale
 # The smallest largest-magnitude a factor is computed from (torchao's): an all-zero or
 # nearly zero tensor is not blown up to the format's range.
 AMAX_FLOOR = 1e-12
@@ -159,14 +164,22 @@ def round_value(xf, fmt: FloatFormat, rounding: str, overflow: str, random, ops=
 
 def is_rowwise(scaling: str) -> bool:
     """Whether ``scaling`` gives each row of the last dimension (or each block of a row)
-    factors of its own: ``"rowwise"``, ``"rowwise_pow2"``, ``"mx"``."""
-    return scaling.startswith("rowwise") or scaling == "mx"
+    factors of its own: ``"rowwise"``, ``"rowwise_pow2"``, ``"mx"``, ``"nvfp4"``."""
+    return scaling.startswith("rowwise") or scaling in ("mx", "nvfp4")
+
+
+def reads_whole_tensor(scaling: str) -> bool:
+    """Whether ``scaling``'s factors depend on the whole tensor's largest magnitude (a
+    vmapped tensor's slices each get their own)."""
+    return scaling.startswith("tensorwise") or scaling == "nvfp4"
 
 
 def per_tensor(scaling: str) -> str:
     """The tensorwise counterpart of ``scaling`` (itself if it is not rowwise; MX's
-    power-of-two factors give ``"tensorwise_pow2"``)."""
-    return "tensorwise_pow2" if scaling == "mx" else scaling.replace("rowwise", "tensorwise")
+    power-of-two factors give ``"tensorwise_pow2"``, NVFP4's ``"tensorwise"``)."""
+    if scaling in ("mx", "nvfp4"):
+        return "tensorwise_pow2" if scaling == "mx" else "tensorwise"
+    return scaling.replace("rowwise", "tensorwise")
 
 
 def mx_factor(amax, max_exp: int, ops=rng.TorchOps):
@@ -188,22 +201,56 @@ def mx_factor(amax, max_exp: int, ops=rng.TorchOps):
     return ops.where(ops.gt(exponent, const(254)), ops.constant(float("nan"), torch.float32), factor)
 
 
+def _rank(x: torch.Tensor | torch.fx.Proxy) -> int:
+    """``x.dim()``; of a proxy, that of the value it traces (a pass writes the factors of
+    :func:`dynamic_scale` into a graph)."""
+    return x.node.meta["example_value"].dim() if isinstance(x, torch.fx.Proxy) else x.dim()
+
+
+def _per_value(factors: torch.Tensor, block: int, length: int) -> torch.Tensor:
+    """The factors of blocks of ``block`` values along the last dimension, one per value of
+    a row ``length`` long: gathered, as Inductor (CPU) fuses a repeat or expand of them cut
+    to a length not a multiple of ``block`` into its reader with the last block's wrong."""
+    return factors[..., torch.arange(length, device=factors.device) // block]
+
+
 def mx_factors(x: torch.Tensor, max_exp: int) -> torch.Tensor:
     """:func:`mx_factor` of each block of :data:`MX_BLOCK` values along ``x``'s last
     dimension (the last block as if padded with zeros), repeated over its values."""
-    if x.dim() == 0:
+    if _rank(x) == 0:
         return mx_factors(x.reshape(1), max_exp).reshape(())
     length = x.shape[-1]
     blocks = -(-length // MX_BLOCK)
     magnitude = torch.nn.functional.pad(x.detach().abs().float(), (0, blocks * MX_BLOCK - length))
     amax = magnitude.unflatten(-1, (blocks, MX_BLOCK)).amax(-1)
-    return mx_factor(amax, max_exp).repeat_interleave(MX_BLOCK, -1)[..., :length]
+    return _per_value(mx_factor(amax, max_exp), MX_BLOCK, length)
+
+
+def nvfp4_factors(x: torch.Tensor, largest: float) -> torch.Tensor:
+    """NVIDIA's two-level NVFP4 factors of ``x``, one per element (its block's), as
+    torchao's ``nvfp4_quantize`` computes them: a per-tensor scale ``amax / (448 *
+    largest)`` (``amax`` at least :data:`AMAX_FLOOR`), and for each block of
+    :data:`NVFP4_BLOCK` values along the last dimension (the last one as if padded with
+    zeros) its largest magnitude over ``largest`` divided by that, clamped to E4M3's normal
+    range and rounded to E4M3; the factor is one over the per-tensor scale, divided by the
+    block's. An infinite or NaN magnitude makes every factor 0 or NaN."""
+    if _rank(x) == 0:
+        return nvfp4_factors(x.reshape(1), largest).reshape(())
+    magnitude = x.detach().abs().float()
+    tensor_scale = magnitude.amax().clamp(min=AMAX_FLOOR) / (E4M3_MAX * largest)
+    length = x.shape[-1]
+    blocks = -(-length // NVFP4_BLOCK)
+    padded = torch.nn.functional.pad(magnitude, (0, blocks * NVFP4_BLOCK - length))
+    block_scale = padded.unflatten(-1, (blocks, NVFP4_BLOCK)).amax(-1) / largest / tensor_scale
+    block_scale = block_scale.clamp(E4M3_TINY, E4M3_MAX).to(torch.float8_e4m3fn).float()
+    return _per_value((1.0 / tensor_scale) / block_scale, NVFP4_BLOCK, length)
 
 
 def dynamic_scale(x: torch.Tensor, largest: float, scaling: str) -> torch.Tensor:
     """The factors ``scaling`` rounds ``x`` with, in FP32: one (a 0-dim tensor) for a
     tensorwise scaling, one per row of the last dimension (keeping it, as size 1) for a
-    rowwise one, one per element for ``"mx"`` (its block's: :func:`mx_factors`). Each
+    rowwise one, one per element for ``"mx"`` and ``"nvfp4"`` (its block's:
+    :func:`mx_factors`, :func:`nvfp4_factors`). Each
     tensorwise or rowwise factor is ``largest`` (the format's largest finite value) over the largest
     magnitude it scales, that at least :data:`AMAX_FLOOR`, computed in float64 and rounded to
     FP32 as torchao does (so that every executor gets the same bits), rounded down to a
@@ -214,6 +261,8 @@ def dynamic_scale(x: torch.Tensor, largest: float, scaling: str) -> torch.Tensor
         return torch.ones((), dtype=torch.float32, device=x.device)
     if scaling == "mx":
         return mx_factors(x, math.frexp(largest)[1] - 1)
+    if scaling == "nvfp4":
+        return nvfp4_factors(x, largest)
     magnitude = x.detach().abs()
     rows = is_rowwise(scaling) and (isinstance(x, torch.fx.Proxy) or x.dim() > 0)
     amax = (magnitude.amax(-1, keepdim=True) if rows else magnitude.amax()).to(torch.float64)
@@ -361,8 +410,8 @@ def _round_slices(
 def _quantize_vmap(info, in_dims, x, fmt, rounding, overflow, seed, offset, scale, scaling="none"):
     """``lowprec::quantize`` under ``torch.vmap``: the slices as one tensor, whose element
     indices give each slice random bits of its own, and whose rows and blocks are the
-    slices' (scaling ``"none"``, per row, MX); per tensor, each slice with its own scale
-    and stream. (Torch's fallback would round each slice alone, all with the same bits.)"""
+    slices' (scaling ``"none"``, per row, MX); per tensor (and NVFP4), each slice with its
+    own scale and stream. (Torch's fallback would round each slice alone, all with the same bits.)"""
     x_dim, _, _, _, seed_dim, _, scale_dim, *_ = in_dims
     if seed_dim is not None:
         raise ValueError("lowprec::quantize under vmap: the seed must not be vmapped")
@@ -370,7 +419,7 @@ def _quantize_vmap(info, in_dims, x, fmt, rounding, overflow, seed, offset, scal
     if scale is not None and scale_dim is not None:  # [B, *S] against [B, *X]: S aligned right
         scale = scale.movedim(scale_dim, 0)
         scale = scale.reshape(scale.shape[0], *[1] * (x.dim() - scale.dim()), *scale.shape[1:])
-    if scaling in ("tensorwise", "tensorwise_pow2"):
+    if reads_whole_tensor(scaling):
         return _round_slices(
             x,
             seed,
@@ -386,7 +435,7 @@ def _quantize_grad_vmap(info, in_dims, x, fmt, rounding, overflow, seed, offset,
     if seed_dim is not None:
         raise ValueError("lowprec::quantize_grad under vmap: the seed must not be vmapped")
     x = _batched(x, x_dim, info.batch_size)
-    if scaling in ("tensorwise", "tensorwise_pow2"):
+    if reads_whole_tensor(scaling):
         return _round_slices(
             x,
             seed,
@@ -445,8 +494,9 @@ def quantize(
     finite value over ``x``'s largest magnitude (:func:`dynamic_scale`; ``x`` times it
     is clamped to the format's range), ``"rowwise"`` one such factor per row of the last
     dimension, and the ``_pow2`` scalings those rounded down to powers of two; ``"mx"`` a
-    power-of-two factor per block of 32 values of a row (:func:`mx_factor`); no ``scale``
-    goes with them.
+    power-of-two factor per block of 32 values of a row (:func:`mx_factor`); ``"nvfp4"``
+    an E4M3 factor per block of 16 under a per-tensor one (:func:`nvfp4_factors`); no
+    ``scale`` goes with them.
     """
     name = parse_format(fmt).name if isinstance(fmt, FloatFormat) else fmt
     if not isinstance(x, torch.Tensor):

@@ -299,16 +299,76 @@ def test_mxfp8_step_equals_torchao_mxfp8_training(executor):
     }
 
 
-def test_mxfp8_rounds_convolutions_and_fused_attention_per_tensor():
+@pytest.mark.parametrize(
+    ("recipe", "per_tensor", "blocks"),
+    [
+        ("mxfp8", "e4m3 nearest saturate tensorwise_pow2", "e4m3 nearest saturate mx"),
+        ("nvfp4", "e2m1-finite nearest saturate tensorwise", "e2m1-finite nearest saturate nvfp4"),
+    ],
+)
+def test_block_scaled_recipes_round_convolutions_and_fused_attention_per_tensor(recipe, per_tensor, blocks):
     torch._dynamo.reset()
     torch.manual_seed(0)
     model = _ConvAttention()
-    torch.compile(model, backend="lowprec", options={"recipe": "mxfp8"})(
-        torch.randn(2, 8, 12)
-    ).sum().backward()
+    compiled = torch.compile(model, backend="lowprec", options={"recipe": recipe})
+    compiled(torch.randn(2, 8, 12)).sum().backward()
     rows = {row.layer: row.quantized for row in lpcompile.coverage(model)}
-    assert rows["conv"]["weight"] == "e4m3 nearest saturate tensorwise_pow2"
-    assert rows["proj"]["weight"] == "e4m3 nearest saturate mx"
+    assert rows["conv"]["weight"] == per_tensor
+    assert rows["proj"]["weight"] == blocks
+
+
+# -- NVFP4: blocks of 16 along each matmul's summed dimension, under a factor per tensor ----
+
+
+def _nvfp4(t: torch.Tensor, dim: int) -> torch.Tensor:
+    """``t`` rounded by torchao's ``nvfp4_quantize`` in blocks of 16 along ``dim``, multiplied back."""
+    nvfp4 = pytest.importorskip("torchao.prototype.mx_formats.nvfp4_tensor")
+    kernels = pytest.importorskip("torchao.prototype.mx_formats.kernels")
+    rows = t.movedim(dim, -1).contiguous()
+    flat = rows.reshape(-1, rows.shape[-1])
+    per_tensor = nvfp4.per_tensor_amax_to_scale(flat.abs().amax())
+    scales, packed = nvfp4.nvfp4_quantize(flat, 16, per_tensor)
+    codes = kernels.f4_unpacked_to_f32(kernels.unpack_uint4(packed)).reshape(flat.shape)
+    out = codes * (scales.float() * per_tensor).repeat_interleave(16, -1)
+    return out.reshape(rows.shape).movedim(-1, dim)
+
+
+class _NVFP4Linear(torch.autograd.Function):
+    """``F.linear`` with every GEMM's operands rounded by torchao along the dimension it sums over."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias):
+        ctx.save_for_backward(x, weight)
+        return _nvfp4(x, -1) @ _nvfp4(weight, -1).T + bias
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        x2, grad2 = x.reshape(-1, x.shape[-1]), grad.reshape(-1, grad.shape[-1])
+        grad_x = _nvfp4(grad2, -1) @ _nvfp4(weight, 0)
+        grad_w = _nvfp4(grad2, 0).T @ _nvfp4(x2, 0)
+        return grad_x.reshape(x.shape), grad_w, _nvfp4(grad2, -1).sum(0)
+
+
+@pytest.mark.parametrize("executor", ["inductor", "eager"])
+def test_nvfp4_step_equals_the_model_written_with_torchao_nvfp4_quantize(executor):
+    """Errors rounded to nearest here (the recipe rounds them stochastically); lowprec
+    divides by its factors where torchao multiplies by the scales, one FP32 rounding apart."""
+    x = _inputs()
+    options = {"recipe": "nvfp4", "executor": executor, "error": {"rounding": "nearest"}}
+    model, out = _compiled(options, x)
+    peer = _mlp()
+    x_peer = x.detach().requires_grad_()
+    h = torch.relu(_NVFP4Linear.apply(x_peer, peer[0].weight, peer[0].bias))
+    expected = _NVFP4Linear.apply(h, peer[2].weight, peer[2].bias)
+    expected.square().mean().backward()
+    close = {"rtol": 1e-5, "atol": 1e-7}
+    torch.testing.assert_close(out, expected.detach(), **close)
+    torch.testing.assert_close(x.grad, x_peer.grad, **close)
+    for i in (0, 2):
+        torch.testing.assert_close(model[i].weight.grad, peer[i].weight.grad, **close)
+    rows = {row.layer: row.quantized for row in lpcompile.coverage(model)}
+    assert rows["0"]["error"] == "e2m1-finite nearest inf nvfp4"
 
 
 class _RowwiseLinearBF16(torch.autograd.Function):

@@ -250,3 +250,42 @@ def test_frozen_layers_are_not_counted_into_the_backward():
     frozen = _mlp().requires_grad_(False)
     out = torch.compile(frozen, backend="lowprec", options=options)(torch.randn(3, 4))
     assert not out.requires_grad
+
+
+def _blocks_model() -> tuple[nn.Module, torch.Tensor]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(40, 24), nn.ReLU(), nn.Linear(24, 8))  # rows of 40 and 24
+    x = torch.randn(6, 40)
+    x[:, 32:] *= 1e-6  # the last block of each row far below the others (MX's last, short, block)
+    return model, x
+
+
+def _block_counts(recipe: str, executor: str) -> dict[tuple[str, str], tuple[int, int, int, int, int]]:
+    torch._dynamo.reset()
+    model, x = _blocks_model()
+    options = {"recipe": recipe, "executor": executor, "saturation": "count"}
+    torch.compile(model, backend="lowprec", options=options)(x).square().mean().backward()
+    return {(r.layer, r.role): _row(r) for r in lpcompile.saturation(model)}
+
+
+@pytest.mark.parametrize("recipe", ["mxfp8", "nvfp4"])
+def test_block_scaled_recipes_count_each_block_at_its_scale(recipe):
+    """The counts of a layer whose rows end in a short block (the forward's counts, written
+    into the graph, failed to trace the blocks' factors): Inductor's equal the eager
+    executor's, and the input's underflow is that of each block at its own scale: none
+    for MX (a power of two per block keeps E4M3's range), and with NVFP4 the values
+    E2M1's 0.5 loses at the E4M3 block scale of torchao's nvfp4_quantize."""
+    counts = _block_counts(recipe, "eager")
+    assert _block_counts(recipe, "inductor") == counts
+    calls, saturated, nonfinite, nonzero, underflow = counts[("0", "activation")]
+    assert (calls, saturated, nonfinite, nonzero) == (1, 0, 0, 240)
+    if recipe == "mxfp8":
+        assert underflow == 0
+        return
+    nvfp4 = pytest.importorskip("torchao.prototype.mx_formats.nvfp4_tensor")
+    _, x = _blocks_model()
+    padded = torch.nn.functional.pad(x, (0, 8))
+    per_tensor = nvfp4.per_tensor_amax_to_scale(x.abs().amax())
+    scales, _ = nvfp4.nvfp4_quantize(padded, 16, per_tensor)
+    scaled = padded / (scales.float() * per_tensor).repeat_interleave(16, -1)
+    assert underflow == int(((scaled != 0) & (scaled.abs() < 0.5)).sum()) > 0

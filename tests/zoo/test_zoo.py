@@ -15,6 +15,7 @@ from grid import (
     grid_step,
     on_e5m2_grid,
     on_mx_blocks,
+    on_nvfp4_blocks,
     on_scaled_fp8_grid,
     on_scaled_fp8_rows,
     watched_backend,
@@ -291,17 +292,20 @@ def test_rowwise_scaling_step_of_every_zoo_model_on_the_row_grid(name):
     rowwise_step_on_the_row_grid(*(diffusers_model(name) if name in DIFFUSERS_MODELS else zoo_model(name)))
 
 
+@pytest.mark.parametrize("recipe", ["mxfp8", "nvfp4"])
 @pytest.mark.parametrize("name", ["gpt2", "llama", "lstm_lm", "mixtral"])
-def test_mxfp8_step_runs_every_matmul_on_its_blocks(name):
-    """Each matmul's operands in MX blocks of 32 along the dimension it sums over, forward and
-    backward (the experts' grouped matmuls too); unrounded operands are not on them."""
+def test_block_scaled_step_runs_every_matmul_on_its_blocks(name, recipe):
+    """Each matmul's operands in MX blocks of 32, or NVFP4 blocks of 16, along the dimension
+    it sums over, forward and backward (the experts' grouped matmuls too); unrounded
+    operands are not on them."""
     torch.manual_seed(0)
     model, inputs = zoo_model(name)
-    options = {"recipe": "mxfp8", "executor": "eager", "attention": "full"}
-    check = grid_step(model, inputs, options, GridCheck(on_operand=on_mx_blocks))
+    options = {"recipe": recipe, "executor": "eager", "attention": "full"}
+    on_blocks = on_mx_blocks if recipe == "mxfp8" else on_nvfp4_blocks
+    check = grid_step(model, inputs, options, GridCheck(on_operand=on_blocks))
     assert check.count > 0 and check.off_grid == {}, check.products
     assert not check.unknown, check.unknown
-    check = grid_step(model, inputs, {**options, "recipe": "fp32"}, GridCheck(on_operand=on_mx_blocks))
+    check = grid_step(model, inputs, {**options, "recipe": "fp32"}, GridCheck(on_operand=on_blocks))
     assert check.off_grid, check.products
 
 

@@ -1,0 +1,134 @@
+"""NVFP4 scaling of the quantize operator (NVIDIA's two-level scaling of E2M1 values: an
+E4M3 factor per block of 16 along the last dimension, under an FP32 one per tensor),
+against torchao's ``nvfp4_quantize``: its E4M3 block scales, per-tensor scale and FP4
+codes, multiplied back (to within one FP32 rounding: lowprec divides by its factor where
+torchao multiplies by the scales)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from devices import TEST_DEVICE
+
+import lpcompile  # noqa: F401  (registers torch.ops.lowprec)
+from lpcompile import quantize
+from lpcompile.numerics.quantize import dynamic_scale
+
+q = torch.ops.lowprec.quantize
+FP4 = "e2m1-finite"
+E2M1_VALUES = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+
+
+def torchao_nvfp4(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """torchao's NVFP4 rounding of ``x`` (last dimension a multiple of 16), dequantized,
+    and each value's factor (one over its block's scale times the per-tensor scale)."""
+    nvfp4 = pytest.importorskip("torchao.prototype.mx_formats.nvfp4_tensor")
+    kernels = pytest.importorskip("torchao.prototype.mx_formats.kernels")
+    rows = x.float().reshape(-1, x.shape[-1]).contiguous()
+    per_tensor = nvfp4.per_tensor_amax_to_scale(rows.abs().amax())
+    scales, packed = nvfp4.nvfp4_quantize(rows, 16, per_tensor)
+    codes = kernels.f4_unpacked_to_f32(kernels.unpack_uint4(packed)).reshape(rows.shape)
+    block = (scales.float() * per_tensor).repeat_interleave(16, -1)
+    return (codes * block).reshape(x.shape), (1 / block).reshape(x.shape)
+
+
+def blocks(shape: tuple[int, ...] = (6, 4, 64), seed: int = 0) -> torch.Tensor:
+    """Values whose blocks of 16 differ in magnitude by up to 2^24, zeros included."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(shape, generator=g)
+    scales = torch.exp2(torch.randint(-12, 12, (*shape[:-1], shape[-1] // 16, 1), generator=g).float())
+    x = (x.unflatten(-1, (-1, 16)) * scales).flatten(-2)
+    x[..., ::13] = 0.0
+    x.view(-1, shape[-1])[0, 16:32] = 0.0  # an all-zero block
+    return x
+
+
+def test_it_equals_torchao_nvfp4_quantize():
+    x = blocks()
+    expected, _ = torchao_nvfp4(x)
+    out = quantize(x, FP4, scaling="nvfp4")
+    torch.testing.assert_close(out, expected, rtol=2.0**-22, atol=0.0)
+    assert torch.equal(out == 0, expected == 0)
+    # per tensor instead of per block flushes the small blocks' values
+    assert (quantize(x, FP4, scaling="tensorwise") == 0).sum() > (out == 0).sum() * 2
+
+
+def test_a_last_block_shorter_than_16_rounds_as_if_padded_with_zeros():
+    x = blocks((4, 64))[:, :53].contiguous()
+    expected, _ = torchao_nvfp4(torch.nn.functional.pad(x, (0, 11)))
+    torch.testing.assert_close(quantize(x, FP4, scaling="nvfp4"), expected[:, :53], rtol=2.0**-22, atol=0.0)
+
+
+def test_stochastic_rounding_picks_a_neighbour_on_the_grid_without_bias():
+    x = blocks((2, 32), seed=3)
+    _, factor = torchao_nvfp4(x)
+    seeds = [torch.tensor(s) for s in range(400)]
+    draws = torch.stack([q(x, FP4, "stochastic", "inf", seed, 0, None, "nvfp4") for seed in seeds])
+    codes = draws * factor
+    gap = (codes.abs().unsqueeze(-1) - E2M1_VALUES).abs().amin(-1)
+    assert (gap <= 2.0**-20 * codes.abs().clamp(min=1)).all()
+    assert (draws != draws[0]).any(0).sum() > 40  # it does draw
+    # the mean of the draws is the value, to within four standard errors of the spread
+    spread = draws.std(0) / 20
+    assert ((draws.mean(0) - x).abs() <= 4 * spread + 1e-6 * x.abs()).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("length", [64, 53])
+def test_the_compiled_operator_rounds_like_the_reference(dtype, length):
+    """Inductor's lowering (blocks viewed, padded, reduced; the tensor reduced) on
+    ``LOWPREC_TEST_DEVICE``."""
+    x = blocks((6, 4, 64))[..., :length].contiguous().to(TEST_DEVICE, dtype)
+    seed = torch.tensor(5, device=TEST_DEVICE)
+    overflowed = x[:2].clone()
+    overflowed[1, 1, 3] = float("inf")
+
+    def both(x, overflowed):
+        return (
+            q(x, FP4, "nearest", "saturate", None, 0, None, "nvfp4"),
+            q(x, FP4, "stochastic", "inf", seed, 7, None, "nvfp4"),
+            q(overflowed, FP4, "nearest", "saturate", None, 0, None, "nvfp4"),
+        )
+
+    with (
+        torch._functorch.config.patch(enable_autograd_cache=False),
+        torch._inductor.config.patch(fx_graph_cache=False),
+    ):
+        torch._dynamo.reset()
+        compiled = torch.compile(both, fullgraph=True)(x, overflowed)
+    for a, b in zip(compiled, both(x, overflowed), strict=True):
+        assert torch.equal(a.nan_to_num(), b.nan_to_num()) and torch.equal(a.isnan(), b.isnan())
+    assert compiled[2].isnan().all()
+
+
+def test_special_tensors():
+    x = blocks((2, 64))
+    x[0, 40] = float("inf")
+    assert quantize(x, FP4, scaling="nvfp4").isnan().all()  # an overflow a loss scaler sees
+    zeros = torch.zeros(3, 16)
+    assert torch.equal(quantize(zeros, FP4, scaling="nvfp4"), zeros)
+    scalar = torch.tensor(3.3)
+    alone = quantize(scalar.reshape(1), FP4, scaling="nvfp4")[0]
+    assert torch.equal(quantize(scalar, FP4, scaling="nvfp4"), alone)
+
+
+def test_under_vmap_each_slice_has_its_own_tensor_scale():
+    x = blocks((3, 2, 32))
+    x[1] *= 1e6
+    out = torch.vmap(lambda t: quantize(t, FP4, scaling="nvfp4"))(x)
+    for i in range(3):
+        assert torch.equal(out[i], quantize(x[i], FP4, scaling="nvfp4")), i
+
+
+@pytest.mark.parametrize("scaling", ["mx", "nvfp4"])
+def test_block_factors_compile_to_their_eager_values_with_a_short_last_block(scaling):
+    """Inductor (CPU) fused the blocks' factors, repeated over a row 45 long and read by a
+    pointwise kernel, with the last block's wrong; saturation counts read them so."""
+    x = blocks((6, 4, 64))[..., :45].contiguous()
+
+    def scaled(x):
+        return x * dynamic_scale(x, 6.0, scaling)
+
+    with torch._inductor.config.patch(fx_graph_cache=False):
+        torch._dynamo.reset()
+        assert torch.equal(torch.compile(scaled)(x), scaled(x))
