@@ -8,6 +8,7 @@ from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
+import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -131,10 +132,31 @@ def on_mx_blocks(func: Any, position: int, t: torch.Tensor) -> bool:
 E2M1_VALUES = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
 
 
-def _on_e2m1_grid(scaled: torch.Tensor) -> torch.Tensor:
+def on_e2m1_values(scaled: torch.Tensor) -> torch.Tensor:
     """Whether each value's magnitude is an E2M1 value, to within FP32 rounding."""
     gap = (scaled.abs().unsqueeze(-1) - E2M1_VALUES).abs().amin(-1)
     return gap <= 2.0**-20 * scaled.abs().clamp(min=1.0)
+
+
+def torchao_nvfp4(t: torch.Tensor, dim: int = -1) -> tuple[torch.Tensor, torch.Tensor]:
+    """``t`` rounded by torchao's ``nvfp4_quantize`` in blocks of 16 along ``dim`` (a last
+    block shorter than 16 padded with zeros), its E4M3 block scales times its per-tensor
+    scale multiplied back; and each value's factor (one over that product)."""
+
+    nvfp4 = pytest.importorskip("torchao.prototype.mx_formats.nvfp4_tensor")
+    kernels = pytest.importorskip("torchao.prototype.mx_formats.kernels")
+    rows = t.float().movedim(dim, -1)
+    length = rows.shape[-1]
+    flat = torch.nn.functional.pad(rows, (0, -length % 16)).reshape(-1, length + -length % 16)
+    per_tensor = nvfp4.per_tensor_amax_to_scale(flat.abs().amax())
+    scales, packed = nvfp4.nvfp4_quantize(flat.contiguous(), 16, per_tensor)
+    codes = kernels.f4_unpacked_to_f32(kernels.unpack_uint4(packed)).reshape(flat.shape)
+    block = (scales.float() * per_tensor).repeat_interleave(16, -1)
+
+    def back(values: torch.Tensor) -> torch.Tensor:
+        return values.reshape(*rows.shape[:-1], -1)[..., :length].movedim(-1, dim)
+
+    return back(codes * block), back(1 / block)
 
 
 def on_nvfp4_blocks(func: Any, position: int, t: torch.Tensor) -> bool:
@@ -152,7 +174,7 @@ def on_nvfp4_blocks(func: Any, position: int, t: torch.Tensor) -> bool:
         blocks = torch.nn.functional.pad(rows, (0, -rows.shape[-1] % 16)).reshape(-1, 16)
     amax = blocks.abs().amax(-1, keepdim=True)
     blocks, amax = blocks[amax[:, 0] > 0], amax[amax[:, 0] > 0]
-    return bool((_on_e2m1_grid(blocks * (6 / amax)) | _on_e2m1_grid(blocks * (4 / amax))).all(-1).all())
+    return bool((on_e2m1_values(blocks * (6 / amax)) | on_e2m1_values(blocks * (4 / amax))).all(-1).all())
 
 
 class GridCheck(TorchDispatchMode):

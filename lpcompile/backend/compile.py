@@ -45,10 +45,12 @@ from lpcompile.passes.aot import AOT_PASSES
 from lpcompile.passes.aot.layout import prefers_contiguous_layout
 from lpcompile.passes.driver import CompileContext, applicable, run_passes
 from lpcompile.passes.dynamo import DYNAMO_PASSES
+from lpcompile.passes.dynamo.recurrent import RECURRENT
 from lpcompile.passes.dynamo.regions import has_regions, write_out_regions
 from lpcompile.passes.graph import (
     ROOT_PATH,
     SUBMODULE_FRAME,
+    find_calls,
     is_layer_call,
     layer_name,
     name_canonically,
@@ -349,8 +351,30 @@ def overlapped_cpp_builds() -> Iterator[None]:
         del cache.load_pybinding  # back to the one it inherits
 
 
+@contextlib.contextmanager
+def _tracing_without_onednn() -> Iterator[None]:
+    """AOT autograd traces CPU recurrent calls as torch's own math, not oneDNN's kernel:
+    traced, that kernel returns no workspace for the backward when its input needs no
+    gradient, and the graph fails at its first call."""
+    saved = torch.backends.mkldnn.set_flags(False, _fp32_precision=None)
+    try:
+        yield
+    finally:
+        torch.backends.mkldnn.set_flags(*saved)
+
+
 def _execute(
     gm: torch.fx.GraphModule, example_inputs: list, ctx: CompileContext, record: CompiledGraph, tag: str = ""
+):
+    # a recurrent layer left whole (a recipe that rounds nothing): AOT traces its math
+    if find_calls(gm, RECURRENT.keys()):
+        with _tracing_without_onednn():
+            return _compile_aot(gm, example_inputs, ctx, record, tag)
+    return _compile_aot(gm, example_inputs, ctx, record, tag)
+
+
+def _compile_aot(
+    gm: torch.fx.GraphModule, example_inputs: list, ctx: CompileContext, record: CompiledGraph, tag: str
 ):
     """``gm`` compiled by AOT autograd, its graphs run as FX or by Inductor (``executor``)."""
     observers = REGISTRY.active_observers()

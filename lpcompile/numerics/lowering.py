@@ -39,11 +39,10 @@ from lpcompile.numerics import predict, rng, scale_grad  # noqa: F401  (defines 
 from lpcompile.numerics.formats import parse_format
 from lpcompile.numerics.quantize import (
     AMAX_FLOOR,
+    BLOCK_SCALINGS,
     E4M3_MAX,
     E4M3_TINY,
     FP32_MAX,
-    MX_BLOCK,
-    NVFP4_BLOCK,
     check_args,
     dynamic_scale,
     is_rowwise,
@@ -138,8 +137,8 @@ def _lower_quantize(
 ) -> ir.TensorBox:
     """An unscaled, rowwise, MX or NVFP4 quantize as one pointwise node, each op of
     :func:`round_value` (and, for stochastic rounding, of the generator) issued once per
-    kernel body; a rowwise one reads its rows' factors (:func:`_row_scales`), an MX one
-    rounds ``x`` viewed as blocks (:func:`_in_blocks`)."""
+    kernel body; a rowwise one reads its rows' factors (:func:`_row_scales`), an MX or
+    NVFP4 one rounds ``x`` viewed as blocks (:func:`_in_blocks`)."""
     if scale is not None or not (scaling == "none" or is_rowwise(scaling)):  # decomposed first
         raise NotImplementedError(
             "a scaled lowprec::quantize reached Inductor's lowering: Inductor's decomposition table"
@@ -157,12 +156,12 @@ def _lower_quantize(
         V.graph.sizevars.check_lt(numel, 1 << 31)  # a dynamic size: guarded
         load_key = _stream_key(seed, offset).make_loader()
     strides = ir.FlexibleLayout.contiguous_strides(shape or [1])
-    if scaling not in ("mx", "nvfp4"):
+    if scaling not in BLOCK_SCALINGS:
         load_scale = _row_scales(x, target, scaling) if is_rowwise(scaling) else None
         return _round(x, target, (rounding, overflow, load_key), load_scale, lambda index: index, strides)
-    size = MX_BLOCK if scaling == "mx" else NVFP4_BLOCK
+    size = BLOCK_SCALINGS[scaling][0]
     blocks = _in_blocks(x, shape, size)
-    load_factor = (_mx_factors if scaling == "mx" else _nvfp4_factors)(blocks, target).make_loader()
+    load_factor = {"mx": _mx_factors, "nvfp4": _nvfp4_factors}[scaling](blocks, target).make_loader()
 
     def element(index):  # the element of x at an index of the blocks (past its end: padding)
         return [*index[:-2], index[-2] * size + index[-1]]
@@ -261,22 +260,25 @@ def _mx_factors(blocks: ir.TensorBox, target) -> ir.TensorBox:
 def _nvfp4_factors(blocks: ir.TensorBox, target) -> ir.TensorBox:
     """:func:`lpcompile.numerics.quantize.nvfp4_factors` of each block (the last dimension
     kept, as size 1), its operations in the same order, computed once into a buffer."""
-    f32 = torch.float32
+    f32, f64 = torch.float32, torch.float64
     magnitude = lowerings[aten.abs.default](to_dtype(blocks, f32))
     dims = list(range(len(blocks.get_size())))
     load_tensor_amax = lowerings[aten.amax.default](magnitude, dims, False).make_loader()
     load_amax = lowerings[aten.amax.default](magnitude, [-1], True).make_loader()
     e4m3 = parse_format("e4m3")
 
+    def divide(a, b):  # FP32's correctly rounded quotient on every device (Triton's is not)
+        return ops.to_dtype(ops.truediv(ops.to_dtype(a, f64), ops.to_dtype(b, f64)), f32)
+
     def inner_fn(index):
         amax = ops.maximum(load_tensor_amax([]), ops.constant(AMAX_FLOOR, f32))
-        tensor_scale = ops.truediv(amax, ops.constant(E4M3_MAX * target.max, f32))
-        block_scale = ops.truediv(ops.truediv(load_amax(index), ops.constant(target.max, f32)), tensor_scale)
+        tensor_scale = divide(amax, ops.constant(E4M3_MAX * target.max, f32))
+        block_scale = divide(divide(load_amax(index), ops.constant(target.max, f32)), tensor_scale)
         block_scale = ops.minimum(
             ops.maximum(block_scale, ops.constant(E4M3_TINY, f32)), ops.constant(E4M3_MAX, f32)
         )
         block_scale = round_value(block_scale, e4m3, "nearest", "saturate", None, ops)
-        return ops.truediv(ops.truediv(ops.constant(1.0, f32), tensor_scale), block_scale)
+        return divide(divide(ops.constant(1.0, f32), tensor_scale), block_scale)
 
     factors = ir.Pointwise.create(
         device=blocks.get_device(), dtype=f32, inner_fn=inner_fn, ranges=[*blocks.get_size()[:-1], 1]

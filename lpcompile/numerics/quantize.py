@@ -48,8 +48,11 @@ OVERFLOWS = ("saturate", "inf")
 SCALINGS = ("none", "tensorwise", "tensorwise_pow2", "rowwise", "rowwise_pow2", "mx", "nvfp4")
 MX_BLOCK = 32
 NVFP4_BLOCK = 16
-E4M3_MAX = 448.0
-E4M3_TINY = 2.0**-6  # E4M3's smallest normal value: NVFP4's smallest block scale
+# NVFP4's block scales are E4M3 values, at least its smallest normal one
+E4M3_MAX, E4M3_TINY = torch.finfo(torch.float8_e4m3fn).max, torch.finfo(torch.float8_e4m3fn).tiny
+# block scalings -> (values per block, the per-tensor scaling that stands in for them
+# where a product is no matmul)
+BLOCK_SCALINGS = {"mx": (MX_BLOCK, "tensorwise_pow2"), "nvfp4": (NVFP4_BLOCK, "tensorwise")}
 # The smallest largest-magnitude a factor is computed from (torchao's): an all-zero or
 # nearly zero tensor is not blown up to the format's range.
 AMAX_FLOOR = 1e-12
@@ -165,7 +168,7 @@ def round_value(xf, fmt: FloatFormat, rounding: str, overflow: str, random, ops=
 def is_rowwise(scaling: str) -> bool:
     """Whether ``scaling`` gives each row of the last dimension (or each block of a row)
     factors of its own: ``"rowwise"``, ``"rowwise_pow2"``, ``"mx"``, ``"nvfp4"``."""
-    return scaling.startswith("rowwise") or scaling in ("mx", "nvfp4")
+    return scaling.startswith("rowwise") or scaling in BLOCK_SCALINGS
 
 
 def reads_whole_tensor(scaling: str) -> bool:
@@ -175,10 +178,11 @@ def reads_whole_tensor(scaling: str) -> bool:
 
 
 def per_tensor(scaling: str) -> str:
-    """The tensorwise counterpart of ``scaling`` (itself if it is not rowwise; MX's
-    power-of-two factors give ``"tensorwise_pow2"``, NVFP4's ``"tensorwise"``)."""
-    if scaling in ("mx", "nvfp4"):
-        return "tensorwise_pow2" if scaling == "mx" else "tensorwise"
+    """The tensorwise counterpart of ``scaling`` (itself if it is not rowwise; a block
+    scaling's from :data:`BLOCK_SCALINGS`: MX's power-of-two factors give
+    ``"tensorwise_pow2"``, NVFP4's ``"tensorwise"``)."""
+    if scaling in BLOCK_SCALINGS:
+        return BLOCK_SCALINGS[scaling][1]
     return scaling.replace("rowwise", "tensorwise")
 
 
@@ -207,23 +211,30 @@ def _rank(x: torch.Tensor | torch.fx.Proxy) -> int:
     return x.node.meta["example_value"].dim() if isinstance(x, torch.fx.Proxy) else x.dim()
 
 
-def _per_value(factors: torch.Tensor, block: int, length: int) -> torch.Tensor:
+def _block_amax(magnitude: torch.Tensor, block: int) -> torch.Tensor:
+    """The largest of each block of ``block`` values along the last dimension of
+    ``magnitude`` (at least 1-dim), the last block as if padded with zeros."""
+    length = magnitude.shape[-1]
+    blocks = -(-length // block)
+    padded = torch.nn.functional.pad(magnitude, (0, blocks * block - length))
+    return padded.unflatten(-1, (blocks, block)).amax(-1)
+
+
+def _per_value(factors: torch.Tensor, block: int, like: torch.Tensor) -> torch.Tensor:
     """The factors of blocks of ``block`` values along the last dimension, one per value of
-    a row ``length`` long: gathered, as Inductor (CPU) fuses a repeat or expand of them cut
-    to a length not a multiple of ``block`` into its reader with the last block's wrong."""
-    return factors[..., torch.arange(length, device=factors.device) // block]
+    ``like``."""
+    # gathered: Inductor (CPU) fused a repeat or expand of them, cut to a length that is no
+    # multiple of the block, into its reader with the last block's factors wrong
+    index = torch.arange(like.shape[-1] if _rank(like) else 1, device=factors.device) // block
+    return factors[..., index].reshape(like.shape)
 
 
 def mx_factors(x: torch.Tensor, max_exp: int) -> torch.Tensor:
     """:func:`mx_factor` of each block of :data:`MX_BLOCK` values along ``x``'s last
     dimension (the last block as if padded with zeros), repeated over its values."""
-    if _rank(x) == 0:
-        return mx_factors(x.reshape(1), max_exp).reshape(())
-    length = x.shape[-1]
-    blocks = -(-length // MX_BLOCK)
-    magnitude = torch.nn.functional.pad(x.detach().abs().float(), (0, blocks * MX_BLOCK - length))
-    amax = magnitude.unflatten(-1, (blocks, MX_BLOCK)).amax(-1)
-    return _per_value(mx_factor(amax, max_exp), MX_BLOCK, length)
+    magnitude = x.detach().abs().float()
+    rows = magnitude.reshape(1) if _rank(x) == 0 else magnitude  # a 0-dim x: one block
+    return _per_value(mx_factor(_block_amax(rows, MX_BLOCK), max_exp), MX_BLOCK, x)
 
 
 def nvfp4_factors(x: torch.Tensor, largest: float) -> torch.Tensor:
@@ -234,16 +245,12 @@ def nvfp4_factors(x: torch.Tensor, largest: float) -> torch.Tensor:
     zeros) its largest magnitude over ``largest`` divided by that, clamped to E4M3's normal
     range and rounded to E4M3; the factor is one over the per-tensor scale, divided by the
     block's. An infinite or NaN magnitude makes every factor 0 or NaN."""
-    if _rank(x) == 0:
-        return nvfp4_factors(x.reshape(1), largest).reshape(())
     magnitude = x.detach().abs().float()
+    rows = magnitude.reshape(1) if _rank(x) == 0 else magnitude  # a 0-dim x: one block
     tensor_scale = magnitude.amax().clamp(min=AMAX_FLOOR) / (E4M3_MAX * largest)
-    length = x.shape[-1]
-    blocks = -(-length // NVFP4_BLOCK)
-    padded = torch.nn.functional.pad(magnitude, (0, blocks * NVFP4_BLOCK - length))
-    block_scale = padded.unflatten(-1, (blocks, NVFP4_BLOCK)).amax(-1) / largest / tensor_scale
+    block_scale = _block_amax(rows, NVFP4_BLOCK) / largest / tensor_scale
     block_scale = block_scale.clamp(E4M3_TINY, E4M3_MAX).to(torch.float8_e4m3fn).float()
-    return _per_value((1.0 / tensor_scale) / block_scale, NVFP4_BLOCK, length)
+    return _per_value((1.0 / tensor_scale) / block_scale, NVFP4_BLOCK, x)
 
 
 def dynamic_scale(x: torch.Tensor, largest: float, scaling: str) -> torch.Tensor:
@@ -264,7 +271,7 @@ def dynamic_scale(x: torch.Tensor, largest: float, scaling: str) -> torch.Tensor
     if scaling == "nvfp4":
         return nvfp4_factors(x, largest)
     magnitude = x.detach().abs()
-    rows = is_rowwise(scaling) and (isinstance(x, torch.fx.Proxy) or x.dim() > 0)
+    rows = is_rowwise(scaling) and _rank(x) > 0
     amax = (magnitude.amax(-1, keepdim=True) if rows else magnitude.amax()).to(torch.float64)
     scale = (largest / amax.clamp(min=AMAX_FLOOR)).clamp(max=FP32_MAX).to(torch.float32)
     if scaling.endswith("_pow2"):

@@ -181,22 +181,34 @@ def _trained_states(
     return [state for state in states if state.trained_by(params)] or states
 
 
-def _check_same_layers(states: list[AdaptiveScaleState], ranks: Any, device: torch.device) -> None:
-    """Raise ``ValueError`` unless every rank of ``ranks`` steps adaptive states of the same
-    layers (data-parallel replicas), whose statistics can be summed."""
+def _check_ranks_agree(
+    states: list[AdaptiveScaleState], ranks: Any, scaled: bool, device: torch.device
+) -> None:
+    """Raise on every rank of ``ranks`` together (no rank left waiting in a collective)
+    unless each one scaled a loss and steps adaptive states of the same layers (by name:
+    data-parallel replicas), whose statistics can be summed."""
     if ranks is None:
         return
     dist = torch.distributed
-    names = "\n".join("\t".join(s.layers) for s in states)
-    mine = torch.tensor([zlib.crc32(names.encode()), len(states)], dtype=torch.int64, device=device)
+    layers = sorted({"\t".join(s.layers) for s in states})  # an eval() graph's state repeats its layers
+    mine = torch.tensor(
+        [zlib.crc32("\n".join(layers).encode()), int(scaled)], dtype=torch.int64, device=device
+    )
     every = [torch.empty_like(mine) for _ in range(dist.get_world_size(ranks))]
     dist.all_gather(every, mine, group=ranks)
-    if any(not torch.equal(key, mine) for key in every):
+    members = dist.get_process_group_ranks(ranks)
+    if unscaled := [rank for rank, key in zip(members, every, strict=True) if not key[1]]:
+        raise RuntimeError(
+            f"step() called before scale() on rank {', '.join(map(str, unscaled))} of the scaler's "
+            "process_group: no loss was scaled there this iteration (a pipeline stage computes no "
+            "loss: adaptive loss scaling across pipeline-parallel ranks is not supported)"
+        )
+    if any(not torch.equal(key[0], mine[0]) for key in every):
         raise ValueError(
             "LossScaler(mode='adaptive') sums the gradient statistics of each layer over the ranks "
             "of its process_group, and they scale different layers (this rank: "
-            f"{names.split() or 'none'}), as pipeline stages do: adaptive loss scaling across "
-            "pipeline-parallel ranks is not supported. Give process_group the data-parallel "
+            f"{' '.join(layers).split() or 'none'}), as pipeline stages do: adaptive loss scaling "
+            "across pipeline-parallel ranks is not supported. Give process_group the data-parallel "
             "replicas of this rank's layers"
         )
 
@@ -404,17 +416,19 @@ class LossScaler:
             return optimizer.step(*args, **kwargs)
         if "closure" in kwargs:
             raise RuntimeError("closure use is not supported while loss scaling is enabled")
-        scale = self._require_scale("step")
-        state = self._per_optimizer[id(optimizer)]
-        if state["stage"] is _Stage.STEPPED:
-            raise RuntimeError("step() has already been called since the last update().")
         if self.mode == "adaptive":
             _check_adaptive_models()
             states = _trained_states(REGISTRY.adaptive_states(), optimizer.param_groups)
             ranks = self._ranks()
-            _check_same_layers(states, ranks, scale.device)
+            params = (p for group in optimizer.param_groups for p in group["params"])
+            device = self._scale.device if self._scale is not None else next(params).device
+            _check_ranks_agree(states, ranks, self._scale is not None, device)
             for s in states:
                 s.ranks = ranks
+        scale = self._require_scale("step")
+        state = self._per_optimizer[id(optimizer)]
+        if state["stage"] is _Stage.STEPPED:
+            raise RuntimeError("step() has already been called since the last update().")
         if getattr(optimizer, "_step_supports_amp_scaling", False):
             # The optimizer unscales and skips by itself (GradScaler's protocol).
             if state["stage"] is _Stage.READY:

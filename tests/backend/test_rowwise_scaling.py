@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from grid import GridCheck, grid_step, on_scaled_fp8_rows
+from grid import GridCheck, grid_step, on_scaled_fp8_rows, torchao_nvfp4
 from torch import nn
 
 import lpcompile
@@ -321,16 +321,7 @@ def test_block_scaled_recipes_round_convolutions_and_fused_attention_per_tensor(
 
 
 def _nvfp4(t: torch.Tensor, dim: int) -> torch.Tensor:
-    """``t`` rounded by torchao's ``nvfp4_quantize`` in blocks of 16 along ``dim``, multiplied back."""
-    nvfp4 = pytest.importorskip("torchao.prototype.mx_formats.nvfp4_tensor")
-    kernels = pytest.importorskip("torchao.prototype.mx_formats.kernels")
-    rows = t.movedim(dim, -1).contiguous()
-    flat = rows.reshape(-1, rows.shape[-1])
-    per_tensor = nvfp4.per_tensor_amax_to_scale(flat.abs().amax())
-    scales, packed = nvfp4.nvfp4_quantize(flat, 16, per_tensor)
-    codes = kernels.f4_unpacked_to_f32(kernels.unpack_uint4(packed)).reshape(flat.shape)
-    out = codes * (scales.float() * per_tensor).repeat_interleave(16, -1)
-    return out.reshape(rows.shape).movedim(-1, dim)
+    return torchao_nvfp4(t, dim)[0]
 
 
 class _NVFP4Linear(torch.autograd.Function):

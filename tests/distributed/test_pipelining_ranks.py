@@ -60,7 +60,7 @@ def test_gpipe_and_1f1b_stages_run_every_product_on_the_grid(tmp_path):
         assert all(r["grads"] for r in results), results
 
 
-def _adaptive_across_stages(rank: int) -> None:
+def _adaptive_across_stages(rank: int, first_scales: bool) -> None:
     part = _mlp(4)[:4] if rank == 0 else _mlp(4)[4:]  # two linear layers each
     compiled = torch.compile(part, backend="lowprec", options=EAGER_ALS)
     scaler = LossScaler("adaptive")
@@ -69,15 +69,22 @@ def _adaptive_across_stages(rank: int) -> None:
     opt = torch.optim.SGD(part.parameters(), lr=0.01)
     x, y = torch.randn(4, 8), torch.randn(4, 8)
     sched.step(x, target=y) if rank == 0 else sched.step(target=y)
-    if rank == 0:
+    if rank == 0 and first_scales:
         scaler.scale(torch.zeros(()))  # this stage computes no loss
     scaler.step(opt)
 
 
-def test_adaptive_loss_scaling_refuses_ranks_with_different_layers(tmp_path):
+def test_adaptive_loss_scaling_refuses_pipeline_stages_on_every_rank(tmp_path):
     """Two layers' statistics per rank, as many on each: summed over the ranks, each
-    stage's scales would have been chosen from the other stage's errors too."""
-    ranks = run_ranks(_adaptive_across_stages, tmp_path)
-    assert ranks.exitcodes == [1, 1], ranks
-    for error in ranks.errors:
-        assert "they scale different layers" in error and "pipeline-parallel ranks" in error, error
+    stage's scales would have been chosen from the other stage's errors too. The first
+    stage, which computes no loss, calls no scale(): every rank raises, none waits for it."""
+    said = {
+        True: "they scale different layers",
+        False: "step() called before scale() on rank 0 of the scaler's process_group",
+    }
+    for first_scales, message in said.items():
+        (tmp_path / str(first_scales)).mkdir()
+        ranks = run_ranks(_adaptive_across_stages, tmp_path / str(first_scales), first_scales)
+        assert ranks.exitcodes == [1, 1], ranks
+        for error in ranks.errors:
+            assert message in error and "pipeline-parallel ranks" in error, error
