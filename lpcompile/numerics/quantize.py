@@ -207,8 +207,11 @@ def mx_factor(amax, max_exp: int, ops=rng.TorchOps):
 
 def _rank(x: torch.Tensor | torch.fx.Proxy) -> int:
     """``x.dim()``; of a proxy, that of the value it traces (a pass writes the factors of
-    :func:`dynamic_scale` into a graph)."""
-    return x.node.meta["example_value"].dim() if isinstance(x, torch.fx.Proxy) else x.dim()
+    :func:`dynamic_scale` into a graph), or 1 where the node holds none."""
+    if not isinstance(x, torch.fx.Proxy):
+        return x.dim()
+    example = x.node.meta.get("example_value")
+    return example.dim() if isinstance(example, torch.Tensor) else 1
 
 
 def _block_amax(magnitude: torch.Tensor, block: int) -> torch.Tensor:
