@@ -6,6 +6,7 @@ summing them."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from grid import GridCheck, watched_backend
 from ranks import EAGER_ALS, EAGER_SR, WORLD, run_ranks
@@ -74,6 +75,7 @@ def _adaptive_across_stages(rank: int, first_scales: bool) -> None:
     scaler.step(opt)
 
 
+@pytest.mark.slow
 def test_adaptive_loss_scaling_refuses_pipeline_stages_on_every_rank(tmp_path):
     """Two layers' statistics per rank, as many on each: summed over the ranks, each
     stage's scales would have been chosen from the other stage's errors too. The first
