@@ -200,14 +200,17 @@ def _check_ranks_agree(
     if unscaled := [rank for rank, key in zip(members, every, strict=True) if not key[1]]:
         raise RuntimeError(
             f"step() called before scale() on rank {', '.join(map(str, unscaled))} of the scaler's "
-            "process_group: no loss was scaled there this iteration (a pipeline stage computes no "
-            "loss: adaptive loss scaling across pipeline-parallel ranks is not supported)"
+            "process_group: no loss was scaled there this iteration (where that rank holds a "
+            "pipeline stage without the loss: adaptive loss scaling across pipeline-parallel ranks "
+            "is not supported)"
         )
     if any(not torch.equal(key[0], mine[0]) for key in every):
+        names = sorted({name for s in states for name in s.layers})
+        listed = ", ".join(names[:8]) + (f" and {len(names) - 8} more" if len(names) > 8 else "")
         raise ValueError(
             "LossScaler(mode='adaptive') sums the gradient statistics of each layer over the ranks "
             "of its process_group, and they scale different layers (this rank: "
-            f"{' '.join(layers).split() or 'none'}), as pipeline stages do: adaptive loss scaling "
+            f"{listed or 'none'}), as pipeline stages do: adaptive loss scaling "
             "across pipeline-parallel ranks is not supported. Give process_group the data-parallel "
             "replicas of this rank's layers"
         )
