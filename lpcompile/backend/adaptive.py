@@ -22,9 +22,12 @@ One :class:`AdaptiveScaleState` belongs to each compiled graph rewritten by
 Every ``interval`` calls (the first included) the backward records the
 histograms, and the next call turns them into new scales by the chosen rule (a
 pipeline stage's backward does, :meth:`AdaptiveScaleState.refresh_sample`).
-With :attr:`AdaptiveScaleState.ranks` set (``LossScaler`` sets it under data
-parallelism), the statistics are summed over those ranks and an overflow on any
-of them backs a layer off, so every rank holds the same scales. The pieces of a
+With :attr:`AdaptiveScaleState.ranks` set (``LossScaler`` sets it to the ranks whose
+states have the same layers: data-parallel replicas, of the model or of one pipeline
+stage), the statistics are summed over those ranks and an overflow on any of them
+backs a layer off, so every replica holds the same scales. A refresh whose layers saw
+no non-zero error (all flushed by a graph above: a later pipeline stage, or the graph
+after a graph break) decides nothing, and a calibrating state keeps recording. The pieces of a
 graph that DDPOptimizer split keep one state each, chained in graph order
 (:attr:`AdaptiveScaleState.chain`): they refresh together, bounded as the layers of
 one graph (:func:`refresh_chain`).
@@ -33,7 +36,7 @@ one graph (:func:`refresh_chain`).
 from __future__ import annotations
 
 import weakref
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -207,9 +210,9 @@ class AdaptiveScaleState:
         if not pending:
             return
         before = [state.calibrating for state in pending]  # as when that call ran: only refreshes change it
-        refresh_chain(self.chain)
+        unconfirmed = refresh_chain(self.chain)
         for state, calibrating in zip(pending, before, strict=True):
-            state.unsettled |= calibrating and state.calibrating
+            state.unsettled |= calibrating and unconfirmed
 
     def refresh_sample(self, read: torch.Tensor, call: int, rounds: int) -> bool:
         """Turn the statistics of one backward, whose forward (call ``call``, after ``rounds``
@@ -392,7 +395,10 @@ def refresh_chain(chain: list[AdaptiveScaleState]) -> bool:
     calibrating."""
     taken = [state.take_statistics() for state in chain]
     config = chain[0].config
-    if config.rule == "fixed" or all(t is None for t in taken):
+    if config.rule == "fixed" or all(t is None or all(n is None for n in t[0]) for t in taken):
+        # No statistics, or no layer saw a non-zero error to ask for a scale: where the errors
+        # reach the graph from another (a later pipeline stage, a graph break), that one
+        # flushed them. Nothing to judge by: a calibrating graph stays so, recording its next call.
         return False
     recorded = [state for state, t in zip(chain, taken, strict=True) if t is not None]
     if all(state.recorded_round == state.rounds for state in recorded):
@@ -428,13 +434,15 @@ def back_off_states(
     found_inf: bool,
     grads: Mapping[int, torch.Tensor] | None = None,
     reads: Sequence[torch.Tensor | None] | None = None,
+    anywhere: Callable[[bool], bool] = bool,
 ) -> None:
     """Back off the layers of ``states`` that overflowed (:meth:`AdaptiveScaleState.back_off`,
     with ``grads`` and each state's scales read, ``reads``); where ``found_inf`` but no
-    layer's gradients show it, every layer of them."""
+    layer's gradients show it, every layer of them. ``anywhere``: whether a layer overflowed
+    in any part of the model (pipeline stages on other ranks), from whether one did here."""
     reads = reads or [None] * len(states)
     hit = [state.back_off(found_inf, grads=grads, read=r) for state, r in zip(states, reads, strict=True)]
-    if found_inf and not any(hit):
+    if found_inf and not anywhere(any(hit)):
         for state, r in zip(states, reads, strict=True):
             state.back_off(everywhere=True, read=r)
 

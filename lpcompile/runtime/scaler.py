@@ -38,15 +38,18 @@ Usage is ``GradScaler``'s::
     scaler.step(opt)
     scaler.update()
 
-Data parallelism (DDP, FSDP2): with ``process_group="auto"`` (the default) and
-``torch.distributed`` initialized with more than one rank, the scaler agrees with
-the other ranks of that group (the whole world by default): the inf/NaN flag is
-all-reduced before the skip decision, so an overflow on one rank skips the step on
-every rank; and the adaptive states it steps sum their gradient statistics over the
-ranks before choosing scales, and back off a layer that overflowed on any rank, so
-every rank scales each layer alike (ranks scaling different layers, as pipeline stages
-do, are refused). Pass a group to agree within it (the
-data-parallel ranks of a larger mesh), or ``None`` to decide per rank.
+Data and pipeline parallelism (DDP, FSDP2, ``torch.distributed.pipelining``): with
+``process_group="auto"`` (the default) and ``torch.distributed`` initialized with more
+than one rank, the scaler agrees with the other ranks of that group (the whole world by
+default): the inf/NaN flag is all-reduced before the skip decision, so an overflow on
+one rank skips the step on every rank. In ``"adaptive"`` mode the ranks also skip the
+steps any of them calibrates on together, and each adaptive state sums its gradient
+statistics over the ranks whose states have the same layer names (a stage's
+data-parallel replicas: the whole group under plain data parallelism, a process group
+made for them under pipeline stages) before choosing scales, and backs off a layer that
+overflowed on any of them, so replicas scale each layer alike. Pipeline stages without
+the loss need not call :meth:`scale`. Pass a group to agree within it, or ``None`` to
+decide per rank.
 
 Optimizers that set ``_step_supports_amp_scaling`` (torch's fused optimizers,
 :class:`lpcompile.runtime.optim.MasterWeightOptimizer`) unscale and skip by themselves:
@@ -181,14 +184,17 @@ def _trained_states(
     return [state for state in states if state.trained_by(params)] or states
 
 
-def _check_ranks_agree(
-    states: list[AdaptiveScaleState], ranks: Any, scaled: bool, device: torch.device
-) -> None:
-    """Raise on every rank of ``ranks`` together (no rank left waiting in a collective)
-    unless each one scaled a loss and steps adaptive states of the same layers (by name:
-    data-parallel replicas), whose statistics can be summed."""
-    if ranks is None:
-        return
+def _replica_ranks(
+    states: list[AdaptiveScaleState], ranks: Any, scaled: bool, device: torch.device, groups: dict
+) -> Any:
+    """The ranks of ``ranks`` whose adaptive states scale the same layers as this rank's
+    (by name: its data-parallel replicas, one pipeline stage's), as a process group
+    (``None``: this rank alone), their statistics to be summed. ``groups`` caches the
+    groups made, by members.
+
+    Raises on every rank of ``ranks`` together (no rank left waiting in a collective)
+    where none scaled a loss, or where ranks with the same layers disagree on computing
+    one (pipeline stages whose layers have the same names)."""
     dist = torch.distributed
     layers = sorted({"\t".join(s.layers) for s in states})  # an eval() graph's state repeats its layers
     mine = torch.tensor(
@@ -197,23 +203,31 @@ def _check_ranks_agree(
     every = [torch.empty_like(mine) for _ in range(dist.get_world_size(ranks))]
     dist.all_gather(every, mine, group=ranks)
     members = dist.get_process_group_ranks(ranks)
-    if unscaled := [rank for rank, key in zip(members, every, strict=True) if not key[1]]:
+    if not any(key[1] for key in every):
         raise RuntimeError(
-            f"step() called before scale() on rank {', '.join(map(str, unscaled))} of the scaler's "
-            "process_group: no loss was scaled there this iteration (where that rank holds a "
-            "pipeline stage without the loss: adaptive loss scaling across pipeline-parallel ranks "
-            "is not supported)"
+            "step() called before scale() on every rank of the scaler's process_group: no loss "
+            "was scaled this iteration"
         )
-    if any(not torch.equal(key[0], mine[0]) for key in every):
+    replicas = [rank for rank, key in zip(members, every, strict=True) if key[0] == mine[0]]
+    if any(key[1] != mine[1] for key in every if key[0] == mine[0]):
         names = sorted({name for s in states for name in s.layers})
         listed = ", ".join(names[:8]) + (f" and {len(names) - 8} more" if len(names) > 8 else "")
         raise ValueError(
-            "LossScaler(mode='adaptive') sums the gradient statistics of each layer over the ranks "
-            "of its process_group, and they scale different layers (this rank: "
-            f"{listed or 'none'}), as pipeline stages do: adaptive loss scaling "
-            "across pipeline-parallel ranks is not supported. Give process_group the data-parallel "
-            "replicas of this rank's layers"
+            f"ranks {', '.join(map(str, replicas))} of the scaler's process_group step adaptive "
+            f"scales of layers with the same names ({listed or 'none'}), but only some computed a "
+            "loss (called scale()): LossScaler(mode='adaptive') takes ranks whose layers have the "
+            "same names for replicas and sums their gradient statistics. Where these are pipeline "
+            "stages, give their layers distinct names (build each stage from the whole model, "
+            "keeping its layers' names in it); where they are replicas, scale the loss on each"
         )
+    if len(replicas) == len(members):
+        return ranks
+    if len(replicas) == 1:
+        return None
+    if tuple(replicas) not in groups:
+        # only these ranks create their group: each replica set makes its own, at the same step
+        groups[tuple(replicas)] = dist.new_group(replicas, use_local_synchronization=True)
+    return groups[tuple(replicas)]
 
 
 @torch.no_grad()
@@ -303,6 +317,8 @@ class LossScaler:
         self._init_tracker = 0
         self._scale: torch.Tensor | None = None
         self._tracker: torch.Tensor | None = None
+        self._scaled = False  # whether scale() was called (a pipeline stage's loss)
+        self._replica_groups: dict[tuple[int, ...], Any] = {}  # process groups by members
         self._per_optimizer: dict[int, dict[str, Any]] = defaultdict(_fresh_state)
 
     @property
@@ -342,6 +358,7 @@ class LossScaler:
 
         def apply(value: Any) -> Any:
             if isinstance(value, torch.Tensor):
+                self._scaled = True
                 scale = self._lazy_init(value.device)
                 return value * scale.to(device=value.device, non_blocking=True)
             if isinstance(value, (list, tuple)):
@@ -402,12 +419,23 @@ class LossScaler:
         if self.mode != "adaptive":
             return False
         states = REGISTRY.adaptive_states()
-        if not any(s.calibrating or s.unsettled for s in states):  # the common case: one pass
-            return False
-        mine = [s for s in _trained_states(states, state["param_groups"]) if s.calibrating or s.unsettled]
-        for s in mine:  # a backward's statistics tell whether the scales it ran at were set
-            s.refresh_pending()
-        return any(s.unsettled for s in mine)
+        calibrating = False
+        if any(s.calibrating or s.unsettled for s in states):  # else the common case: one pass
+            mine = [s for s in _trained_states(states, state["param_groups"]) if s.calibrating or s.unsettled]
+            for s in mine:  # a backward's statistics tell whether the scales it ran at were set
+                s.refresh_pending()
+            calibrating = any(s.unsettled for s in mine)
+        return self._anywhere(calibrating)
+
+    def _anywhere(self, flag: bool) -> bool:
+        """Whether ``flag`` holds on any rank of the scaler's process group (pipeline stages
+        skip a step together)."""
+        ranks = self._ranks()
+        if ranks is None:
+            return flag
+        agreed = torch.tensor(float(flag), device=self._scale.device)
+        torch.distributed.all_reduce(agreed, op=torch.distributed.ReduceOp.MAX, group=ranks)
+        return bool(agreed.item())
 
     def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
         """Unscale (unless :meth:`unscale_` did) and step ``optimizer`` if all grads are finite.
@@ -422,12 +450,14 @@ class LossScaler:
         if self.mode == "adaptive":
             _check_adaptive_models()
             states = _trained_states(REGISTRY.adaptive_states(), optimizer.param_groups)
-            ranks = self._ranks()
-            params = (p for group in optimizer.param_groups for p in group["params"])
-            device = self._scale.device if self._scale is not None else next(params).device
-            _check_ranks_agree(states, ranks, self._scale is not None, device)
+            replicas = None
+            if (ranks := self._ranks()) is not None:
+                params = (p for group in optimizer.param_groups for p in group["params"])
+                device = self._scale.device if self._scale is not None else next(params).device
+                replicas = _replica_ranks(states, ranks, self._scaled, device, self._replica_groups)
+                self._lazy_init(device)  # a pipeline stage without the loss: the others' scale
             for s in states:
-                s.ranks = ranks
+                s.ranks = replicas
         scale = self._require_scale("step")
         state = self._per_optimizer[id(optimizer)]
         if state["stage"] is _Stage.STEPPED:
@@ -497,7 +527,7 @@ class LossScaler:
                     states = [s for s in mine if found_inf or s.flags.grad is not None]
                 else:
                     states = []
-                back_off_states(states, found_inf)
+                back_off_states(states, found_inf, anywhere=self._anywhere)
             elif self.mode != "static":
                 flags = [self._found_inf(state, scale.device) for state in optimizers]
                 torch._amp_update_scale_(

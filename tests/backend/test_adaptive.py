@@ -273,6 +273,44 @@ def test_steps_are_skipped_until_the_scales_are_calibrated():
     assert scaler.state_dict()["calibration_steps"] == scaler.calibration_steps
 
 
+class _BrokenMLP(nn.Module):
+    """An MLP compiled as two graphs: the lower one's errors come from the upper one."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.lower = nn.Sequential(nn.Linear(12, 16), nn.ReLU(), nn.Linear(16, 16))
+        self.upper = nn.Sequential(nn.ReLU(), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 5))
+
+    def forward(self, x):
+        h = self.lower(x)
+        torch._dynamo.graph_break()
+        return self.upper(h)
+
+
+def test_a_graph_whose_errors_were_all_flushed_above_it_calibrates_once_they_reach_it(fresh_dynamo):
+    """Errors so small that the upper graph's quantization flushes every one at the
+    initial scale: the lower graph sees none, has nothing to choose scales from, and keeps
+    recording instead of keeping its initial scales as calibrated; once the upper graph's
+    scales let errors through, it calibrates on them (a step later)."""
+    model = _BrokenMLP()
+    run = _adaptive(model, interval=100)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = LossScaler("adaptive")
+    x = torch.randn(64, 12)
+    for _ in range(8):
+        opt.zero_grad()
+        scaler.scale(run(x).square().mean() * 2.0**-24).backward()
+        scaler.step(opt)
+        scaler.update()
+    lower, upper = sorted(REGISTRY.adaptive_states(model), key=lambda state: state.layers)
+    assert lower.layers == ["lower.0", "lower.2"] and upper.layers == ["upper.1", "upper.3"]
+    assert not lower.calibrating and not upper.calibrating
+    assert all(math.isnan(t.history[0][2]) for t in lower.telemetry)  # no error reached it
+    assert all(t.cumulative > 2.0**10 for t in lower.telemetry + upper.telemetry)
+    assert scaler.calibration_steps > len(upper.telemetry[0].history) - 1  # the lower graph's too
+
+
 @pytest.fixture
 def fresh_dynamo():
     """Dynamo's caches emptied before and after: a test that recompiles for new shapes

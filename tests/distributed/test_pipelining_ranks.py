@@ -1,8 +1,9 @@
-"""torch.distributed.pipelining's schedules over lowprec-compiled stages: two gloo ranks,
+"""torch.distributed.pipelining's schedules over lowprec-compiled stages: gloo ranks,
 spawned here, each holding one stage of an MLP. Every product of a stage, forward and
-backward, runs on the E5M2 grid; adaptive loss scaling, which sums each layer's
-statistics over the scaler's ranks, refuses ranks that hold different layers instead of
-summing them."""
+backward, runs on the E5M2 grid. Per-layer adaptive loss scaling across the stages
+trains as the same stages chained in one process under one ``LossScaler("adaptive")``,
+bit for bit; replicas of a stage sum their statistics, and stages whose layers have the
+same names are refused."""
 
 from __future__ import annotations
 
@@ -12,7 +13,13 @@ from grid import GridCheck, watched_backend
 from ranks import EAGER_ALS, EAGER_SR, WORLD, run_ranks
 from torch import nn
 
+import lpcompile
 from lpcompile import LossScaler
+
+# Stochastic rounding with rank 0's bits on every rank, as in the one-process reference.
+ALS = {**EAGER_ALS, "seed_per_rank": False}
+MICROBATCHES = 2
+OVERFLOW_STEP = 6  # targets that overflow E5M2 in the last stage
 
 
 def _mlp(layers: int) -> nn.Sequential:
@@ -61,32 +68,169 @@ def test_gpipe_and_1f1b_stages_run_every_product_on_the_grid(tmp_path):
         assert all(r["grads"] for r in results), results
 
 
-def _adaptive_across_stages(rank: int, first_scales: bool) -> None:
-    part = _mlp(4)[:4] if rank == 0 else _mlp(4)[4:]  # two linear layers each
-    compiled = torch.compile(part, backend="lowprec", options=EAGER_ALS)
+def _loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return (out - target).square().mean() * 1e-6  # errors that underflow E5M2 at scale 1
+
+
+def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(step)
+    x, y = torch.randn(4, 8, generator=g), torch.randn(4, 8, generator=g)
+    return x, y * (1e9 if step == OVERFLOW_STEP else 1.0)
+
+
+def _parts() -> tuple[nn.Module, nn.Module]:
+    model = _mlp(4)
+    return model[:4], model[4:]  # two linear layers each, named as in the model
+
+
+def _summary(scaler: LossScaler, parts: list[nn.Module]) -> dict:
+    return {
+        "weights": [p.detach().clone() for part in parts for p in part.parameters()],
+        "telemetry": [t.__dict__ for part in parts for t in lpcompile.stats(part)],
+        "skipped": scaler.skipped_steps,
+        "calibration": scaler.calibration_steps,
+    }
+
+
+def _adaptive_stage(rank: int, schedule: str, steps: int) -> dict:
+    part = _parts()[rank]
+    compiled = torch.compile(part, backend="lowprec", options=ALS)
     scaler = LossScaler("adaptive")
-    loss_fn = lambda out, target: scaler.scale((out - target).square().mean())  # noqa: E731
-    sched = _stage(rank, compiled, "ScheduleGPipe", 2, loss_fn)
-    opt = torch.optim.SGD(part.parameters(), lr=0.01)
-    x, y = torch.randn(4, 8), torch.randn(4, 8)
+    sched = _stage(rank, compiled, schedule, MICROBATCHES, lambda out, y: scaler.scale(_loss(out, y)))
+    opt = torch.optim.SGD(part.parameters(), lr=0.1)
+    for step in range(steps):
+        x, y = _batch(step)
+        sched.step(x, target=y) if rank == 0 else sched.step(target=y)
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+    return _summary(scaler, [part])
+
+
+def _one_process(steps: int, schedule: str) -> dict:
+    """The two stages chained in one process, in the order the schedule runs each stage's
+    calls: GPipe's stages run every microbatch's forward, then their backwards; 1F1B's last
+    stage runs each microbatch's backward before the next forward (a stage refreshes its
+    scales at its next forward). Gradients averaged over microbatches."""
+    parts = _parts()
+    first, last = (torch.compile(part, backend="lowprec", options=ALS) for part in parts)
+    scaler = LossScaler("adaptive")
+    params = [p for part in parts for p in part.parameters()]
+    opt = torch.optim.SGD(params, lr=0.1)
+    for step in range(steps):
+        x, y = _batch(step)
+        if step == 0:  # the schedule infers shapes by calling each stage once more
+            h = last(torch.empty_like(first(x[:2])).requires_grad_())
+            torch.autograd.grad(scaler.scale(_loss(h, y[:2])), h)
+        flows = []
+        for xm, ym in zip(x.chunk(MICROBATCHES), y.chunk(MICROBATCHES), strict=True):
+            h = first(xm)
+            received = h.detach().requires_grad_()
+            loss = scaler.scale(_loss(last(received), ym))
+            if schedule == "Schedule1F1B":
+                loss.backward()
+            flows.append((h, received, loss))
+        for h, received, loss in flows:
+            if schedule == "ScheduleGPipe":
+                loss.backward()
+            h.backward(received.grad)
+        for p in params:
+            p.grad.div_(MICROBATCHES)
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+    return _summary(scaler, parts)
+
+
+@pytest.mark.parametrize("schedule", ["ScheduleGPipe", "Schedule1F1B"])
+def test_adaptive_loss_scaling_across_stages_trains_as_one_process(tmp_path, schedule):
+    """Each stage keeps its own layers' scales, calibrates (the first stage on errors that
+    reach it only once the last stage's scales are set), skips the steps the other stage
+    skips, and backs off where a step overflowed: weights, scales and telemetry as the
+    stages chained in one process under one scaler."""
+    steps = OVERFLOW_STEP + 2
+    ranks = run_ranks(_adaptive_stage, tmp_path, schedule, steps).check()
+    expected = _one_process(steps, schedule)
+    assert ranks[0]["skipped"] == ranks[1]["skipped"] == expected["skipped"]
+    assert ranks[0]["calibration"] == expected["calibration"] >= 2  # the first stage calibrates later
+    assert expected["skipped"] == expected["calibration"] + 1  # and the overflow
+    weights = ranks[0]["weights"] + ranks[1]["weights"]
+    assert all(torch.equal(a, b) for a, b in zip(weights, expected["weights"], strict=True))
+    assert str(ranks[0]["telemetry"] + ranks[1]["telemetry"]) == str(expected["telemetry"])  # NaN: no errors
+    first, last = expected["telemetry"][:2], expected["telemetry"][2:]
+    assert all(t["cumulative"] > 1 for t in first)  # calibrated from the errors the last stage let through
+    assert any(t["overflow"] for t in last)
+
+
+def _same_names(rank: int, scaled: bool) -> None:
+    part = _mlp(2)  # every stage's layers named 0 and 2
+    compiled = torch.compile(part, backend="lowprec", options=ALS)
+    scaler = LossScaler("adaptive")
+    loss_fn = (lambda out, y: scaler.scale(_loss(out, y))) if scaled else _loss
+    sched = _stage(rank, compiled, "ScheduleGPipe", MICROBATCHES, loss_fn)
+    opt = torch.optim.SGD(part.parameters(), lr=0.1)
+    x, y = _batch(0)
     sched.step(x, target=y) if rank == 0 else sched.step(target=y)
-    if rank == 0 and first_scales:
-        scaler.scale(torch.zeros(()))  # this stage computes no loss
     scaler.step(opt)
 
 
 @pytest.mark.slow
-def test_adaptive_loss_scaling_refuses_pipeline_stages_on_every_rank(tmp_path):
-    """Two layers' statistics per rank, as many on each: summed over the ranks, each
-    stage's scales would have been chosen from the other stage's errors too. The first
-    stage, which computes no loss, calls no scale(): every rank raises, none waits for it."""
+def test_stages_with_the_same_layer_names_or_no_scaled_loss_are_refused_on_every_rank(tmp_path):
+    """Ranks whose layers have the same names are taken for replicas, whose statistics are
+    summed: stages with such names, only one of which computes the loss, are refused. A
+    pipeline whose loss was never scaled is refused too. Every rank raises: none waits."""
     said = {
-        True: "they scale different layers",
-        False: "step() called before scale() on rank 0 of the scaler's process_group",
+        True: "step adaptive scales of layers with the same names (0, 2), but only some computed a loss",
+        False: "step() called before scale() on every rank",
     }
-    for first_scales, message in said.items():
-        (tmp_path / str(first_scales)).mkdir()
-        ranks = run_ranks(_adaptive_across_stages, tmp_path / str(first_scales), first_scales)
+    for scaled, message in said.items():
+        (tmp_path / str(scaled)).mkdir()
+        ranks = run_ranks(_same_names, tmp_path / str(scaled), scaled)
         assert ranks.exitcodes == [1, 1], ranks
         for error in ranks.errors:
-            assert message in error and "pipeline-parallel ranks" in error, error
+            assert message in error, error
+
+
+def _replicated_stage(rank: int) -> dict:
+    """Rank ``rank`` of 2 pipelines of 2 stages: stage ``rank // 2``, replica ``rank % 2``,
+    whose data differ in scale (so would their statistics, each alone)."""
+    import torch.distributed as dist
+    from torch.distributed import pipelining
+
+    stage, replica = divmod(rank, 2)
+    pipes = [dist.new_group([r, r + 2]) for r in range(2)]  # every rank makes every group
+    replicas = [dist.new_group([2 * s, 2 * s + 1]) for s in range(2)]
+    part = _parts()[stage]
+    compiled = torch.compile(part, backend="lowprec", options=ALS)
+    scaler = LossScaler("adaptive")
+    loss_fn = lambda out, y: scaler.scale(_loss(out, y))  # noqa: E731
+    piped = pipelining.PipelineStage(compiled, stage, 2, torch.device("cpu"), group=pipes[replica])
+    sched = pipelining.ScheduleGPipe(piped, MICROBATCHES, loss_fn=loss_fn)
+    opt = torch.optim.SGD(part.parameters(), lr=0.1)
+    for step in range(4):
+        x, y = _batch(step)
+        y = y * 64.0**replica
+        sched.step(x, target=y) if stage == 0 else sched.step(target=y)
+        for p in part.parameters():
+            dist.all_reduce(p.grad, group=replicas[stage])
+            p.grad.div_(2)
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+    return _summary(scaler, [part])
+
+
+@pytest.mark.slow
+def test_replicas_of_a_stage_sum_their_statistics(tmp_path):
+    """Two stages, each on two data-parallel ranks: the replicas of a stage find each
+    other by their layers' names and choose their scales from their summed statistics, so
+    they keep the same scales and weights; the stages keep their own."""
+    ranks = run_ranks(_replicated_stage, tmp_path, world=4).check()
+    for stage in (0, 1):
+        one, other = ranks[2 * stage], ranks[2 * stage + 1]
+        assert str(one["telemetry"]) == str(other["telemetry"])
+        assert all(torch.equal(a, b) for a, b in zip(one["weights"], other["weights"], strict=True))
+        assert [t["layer"] for t in one["telemetry"]] == [["0", "2"], ["4", "6"]][stage]
+    histories = [t["history"] for t in ranks[0]["telemetry"] + ranks[2]["telemetry"]]
+    assert all(len(h) >= 2 for h in histories), histories
+    assert len({r["skipped"] for r in ranks}) == 1
