@@ -315,6 +315,28 @@ class AdaptiveScaleState:
         counts = self._agreed(counts.to(self.flags.device), torch.distributed.ReduceOp.MAX)
         return [i for i, count in enumerate(counts.tolist()) if count > 0]
 
+    def join_replicas(self, ranks: Any) -> None:
+        """Take the scales, calibration and telemetry of the first rank of ``ranks`` (a
+        process group of replicas of these layers), keeping this rank's statistics and
+        overflow counts not yet used (zeros where another has some); still calibrating, and
+        the step to be skipped, if so on any of them. A backward before the replicas were known (1F1B's
+        first microbatches, a warm-up) may have refreshed each rank's scales from its own
+        statistics."""
+        dist = torch.distributed
+        saved = [self.state_dict()]
+        dist.broadcast_object_list(saved, group_src=0, group=ranks, device=self.scales.device)
+        held = [self.unsettled, self.calibrating, self.hist.grad is not None]
+        anywhere = torch.tensor(held, dtype=torch.float32, device=self.scales.device)
+        dist.all_reduce(anywhere, op=dist.ReduceOp.MAX, group=ranks)
+        unsettled, calibrating, pending_anywhere = (bool(flag) for flag in anywhere.tolist())
+        if dist.get_rank(ranks) != 0:
+            pending, flags = self.hist.grad, self.flags.grad
+            self.load_state_dict(saved[0])
+            self.hist.grad, self.flags.grad = pending, flags
+        self.unsettled, self.calibrating = unsettled, calibrating
+        if pending_anywhere and self.hist.grad is None:  # a rank whose last calls did not record
+            self.hist.grad = torch.zeros_like(self.hist)
+
     def _agreed(self, tensor: torch.Tensor, op: Any) -> torch.Tensor:
         """``tensor`` reduced with ``op`` over :attr:`ranks` (itself without them)."""
         if self.ranks is None:
@@ -392,14 +414,21 @@ def refresh_chain(chain: list[AdaptiveScaleState]) -> bool:
     rule, the bounds applied through all their layers in order, as through one graph's.
     Returns whether they left the scales they were recorded at unconfirmed: a layer's new
     scale more than a binade above (that call's errors underflowed), and the states still
-    calibrating."""
+    calibrating. Statistics in which no layer saw a non-zero error decide nothing: the
+    states keep calibrating (where they were) and their scales; those are unconfirmed only
+    if a refresh since the call raised them (a pipeline stage's sample in flight)."""
     taken = [state.take_statistics() for state in chain]
     config = chain[0].config
-    if config.rule == "fixed" or all(t is None or all(n is None for n in t[0]) for t in taken):
-        # No statistics, or no layer saw a non-zero error to ask for a scale: where the errors
-        # reach the graph from another (a later pipeline stage, a graph break), that one
-        # flushed them. Nothing to judge by: a calibrating graph stays so, recording its next call.
+    if config.rule == "fixed" or all(t is None for t in taken):
         return False
+    if all(t is None or all(n is None for n in (*t[0], *t[1])) for t in taken):
+        # Where the errors reach the graph from another (a later pipeline stage, a graph
+        # break), that one flushed them all: nothing to judge by, so no round either.
+        return any(
+            new > 2 * old
+            for state in chain
+            for new, old in zip(state.scales.tolist(), state.recorded.tolist(), strict=True)
+        )
     recorded = [state for state, t in zip(chain, taken, strict=True) if t is not None]
     if all(state.recorded_round == state.rounds for state in recorded):
         for state in chain:

@@ -197,29 +197,32 @@ def _replica_ranks(
     one (pipeline stages whose layers have the same names)."""
     dist = torch.distributed
     layers = sorted({"\t".join(s.layers) for s in states})  # an eval() graph's state repeats its layers
-    mine = torch.tensor(
-        [zlib.crc32("\n".join(layers).encode()), int(scaled)], dtype=torch.int64, device=device
-    )
-    every = [torch.empty_like(mine) for _ in range(dist.get_world_size(ranks))]
-    dist.all_gather(every, mine, group=ranks)
+    key = zlib.crc32("\n".join(layers).encode())
+    mine = torch.tensor([key, int(scaled)], dtype=torch.int64, device=device)
+    gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size(ranks))]
+    dist.all_gather(gathered, mine, group=ranks)
+    every = [tuple(pair) for pair in torch.stack(gathered).tolist()]
     members = dist.get_process_group_ranks(ranks)
-    if not any(key[1] for key in every):
+    if not any(scaled for _, scaled in every):
         raise RuntimeError(
             "step() called before scale() on every rank of the scaler's process_group: no loss "
             "was scaled this iteration"
         )
-    replicas = [rank for rank, key in zip(members, every, strict=True) if key[0] == mine[0]]
-    if any(key[1] != mine[1] for key in every if key[0] == mine[0]):
+    if mixed := [
+        rank for rank, (other, theirs) in zip(members, every, strict=True) if (other, 1 - theirs) in every
+    ]:
         names = sorted({name for s in states for name in s.layers})
         listed = ", ".join(names[:8]) + (f" and {len(names) - 8} more" if len(names) > 8 else "")
         raise ValueError(
-            f"ranks {', '.join(map(str, replicas))} of the scaler's process_group step adaptive "
-            f"scales of layers with the same names ({listed or 'none'}), but only some computed a "
-            "loss (called scale()): LossScaler(mode='adaptive') takes ranks whose layers have the "
-            "same names for replicas and sums their gradient statistics. Where these are pipeline "
-            "stages, give their layers distinct names (build each stage from the whole model, "
-            "keeping its layers' names in it); where they are replicas, scale the loss on each"
+            f"ranks {', '.join(map(str, mixed))} of the scaler's process_group step adaptive "
+            "scales of layers with the same names, but only some computed a loss (called "
+            f"scale()) (this rank's layers: {listed or 'none'}): LossScaler(mode='adaptive') "
+            "takes ranks whose layers have the same names for replicas and sums their gradient "
+            "statistics. Where these are pipeline stages, give their layers distinct names "
+            "(build each stage from the whole model, keeping its layers' names in it); where they "
+            "are replicas, scale the loss on each"
         )
+    replicas = [rank for rank, (other, _) in zip(members, every, strict=True) if other == key]
     if len(replicas) == len(members):
         return ranks
     if len(replicas) == 1:
@@ -228,6 +231,30 @@ def _replica_ranks(
         # only these ranks create their group: each replica set makes its own, at the same step
         groups[tuple(replicas)] = dist.new_group(replicas, use_local_synchronization=True)
     return groups[tuple(replicas)]
+
+
+def _members(group: Any) -> tuple[int, ...] | None:
+    return None if group is None else tuple(torch.distributed.get_process_group_ranks(group))
+
+
+def _join_replicas(states: list[AdaptiveScaleState], replicas: Any, device: torch.device) -> None:
+    """Where some state of a set of layers is new to ``replicas`` (the first step, a new
+    graph), every replica joins its most called state of those layers to the first
+    replica's (:meth:`AdaptiveScaleState.join_replicas`): decided together, so that a
+    state only some ranks hold (an ``eval()`` graph) joins nothing by itself."""
+    if replicas is None:
+        return
+    members = _members(replicas)
+    by_layers: dict[tuple[str, ...], list[AdaptiveScaleState]] = defaultdict(list)
+    for state in states:
+        by_layers[tuple(state.layers)].append(state)
+    keys = sorted(by_layers)  # the same on every replica: they hold the same layers
+    new = [float(any(_members(s.ranks) != members for s in by_layers[key])) for key in keys]
+    anywhere = torch.tensor(new, device=device)
+    torch.distributed.all_reduce(anywhere, op=torch.distributed.ReduceOp.MAX, group=replicas)
+    for key, flag in zip(keys, anywhere.tolist(), strict=True):
+        if flag:
+            max(by_layers[key], key=lambda state: state.calls).join_replicas(replicas)
 
 
 @torch.no_grad()
@@ -317,7 +344,7 @@ class LossScaler:
         self._init_tracker = 0
         self._scale: torch.Tensor | None = None
         self._tracker: torch.Tensor | None = None
-        self._scaled = False  # whether scale() was called (a pipeline stage's loss)
+        self._scaled = False  # whether scale() was called since update() (a pipeline stage's loss)
         self._replica_groups: dict[tuple[int, ...], Any] = {}  # process groups by members
         self._per_optimizer: dict[int, dict[str, Any]] = defaultdict(_fresh_state)
 
@@ -350,6 +377,15 @@ class LossScaler:
         if self._scale is None:
             raise RuntimeError(f"{what}() called before scale(): no loss was scaled this iteration")
         return self._scale
+
+    def _stage_scale(self, optimizer: torch.optim.Optimizer, what: str) -> torch.Tensor:
+        """The scale, also on a rank that scaled no loss where adaptive ranks agree (a pipeline
+        stage without the loss: the scale is the others', ``init_scale``; ``step`` checks that
+        some rank scaled one)."""
+        if self.mode == "adaptive" and self._ranks() is not None:
+            params = (p for group in optimizer.param_groups for p in group["params"])
+            self._lazy_init(self._scale.device if self._scale is not None else next(params).device)
+        return self._require_scale(what)
 
     def scale(self, outputs: torch.Tensor | Iterable[Any]) -> Any:
         """Multiply a tensor (or nested lists/tuples of tensors) by the scale."""
@@ -391,7 +427,7 @@ class LossScaler:
         """
         if not self._enabled:
             return
-        scale = self._require_scale("unscale_")
+        scale = self._stage_scale(optimizer, "unscale_")
         state = self._per_optimizer[id(optimizer)]
         if state["stage"] is _Stage.UNSCALED:
             raise RuntimeError("unscale_() was already called on this optimizer since the last update()")
@@ -450,12 +486,11 @@ class LossScaler:
         if self.mode == "adaptive":
             _check_adaptive_models()
             states = _trained_states(REGISTRY.adaptive_states(), optimizer.param_groups)
+            scale = self._stage_scale(optimizer, "step")
             replicas = None
             if (ranks := self._ranks()) is not None:
-                params = (p for group in optimizer.param_groups for p in group["params"])
-                device = self._scale.device if self._scale is not None else next(params).device
-                replicas = _replica_ranks(states, ranks, self._scaled, device, self._replica_groups)
-                self._lazy_init(device)  # a pipeline stage without the loss: the others' scale
+                replicas = _replica_ranks(states, ranks, self._scaled, scale.device, self._replica_groups)
+                _join_replicas(states, replicas, scale.device)
             for s in states:
                 s.ranks = replicas
         scale = self._require_scale("step")
@@ -540,6 +575,7 @@ class LossScaler:
                 )
         if self.mode == "adaptive":
             self._settle()
+        self._scaled = False
         self._iteration += 1
         floor = self._config.min_scale_at(self._iteration)
         if floor is not None:

@@ -101,6 +101,8 @@ def _adaptive_stage(rank: int, schedule: str, steps: int) -> dict:
     for step in range(steps):
         x, y = _batch(step)
         sched.step(x, target=y) if rank == 0 else sched.step(target=y)
+        if schedule == "Schedule1F1B":  # as before clipping (the first stage scaled no loss)
+            scaler.unscale_(opt)
         scaler.step(opt)
         scaler.update()
         opt.zero_grad()
@@ -180,7 +182,7 @@ def test_stages_with_the_same_layer_names_or_no_scaled_loss_are_refused_on_every
     summed: stages with such names, only one of which computes the loss, are refused. A
     pipeline whose loss was never scaled is refused too. Every rank raises: none waits."""
     said = {
-        True: "step adaptive scales of layers with the same names (0, 2), but only some computed a loss",
+        True: "ranks 0, 1 of the scaler's process_group step adaptive scales of layers with the same names",
         False: "step() called before scale() on every rank",
     }
     for scaled, message in said.items():
@@ -191,7 +193,7 @@ def test_stages_with_the_same_layer_names_or_no_scaled_loss_are_refused_on_every
             assert message in error, error
 
 
-def _replicated_stage(rank: int) -> dict:
+def _replicated_stage(rank: int, schedule: str) -> dict:
     """Rank ``rank`` of 2 pipelines of 2 stages: stage ``rank // 2``, replica ``rank % 2``,
     whose data differ in scale (so would their statistics, each alone)."""
     import torch.distributed as dist
@@ -205,7 +207,7 @@ def _replicated_stage(rank: int) -> dict:
     scaler = LossScaler("adaptive")
     loss_fn = lambda out, y: scaler.scale(_loss(out, y))  # noqa: E731
     piped = pipelining.PipelineStage(compiled, stage, 2, torch.device("cpu"), group=pipes[replica])
-    sched = pipelining.ScheduleGPipe(piped, MICROBATCHES, loss_fn=loss_fn)
+    sched = getattr(pipelining, schedule)(piped, MICROBATCHES, loss_fn=loss_fn)
     opt = torch.optim.SGD(part.parameters(), lr=0.1)
     for step in range(4):
         x, y = _batch(step)
@@ -221,11 +223,14 @@ def _replicated_stage(rank: int) -> dict:
 
 
 @pytest.mark.slow
-def test_replicas_of_a_stage_sum_their_statistics(tmp_path):
+@pytest.mark.parametrize("schedule", ["ScheduleGPipe", "Schedule1F1B"])
+def test_replicas_of_a_stage_sum_their_statistics(tmp_path, schedule):
     """Two stages, each on two data-parallel ranks: the replicas of a stage find each
     other by their layers' names and choose their scales from their summed statistics, so
-    they keep the same scales and weights; the stages keep their own."""
-    ranks = run_ranks(_replicated_stage, tmp_path, world=4).check()
+    they keep the same scales and weights; the stages keep their own. Under 1F1B the last
+    stage refreshes from its first microbatch before the first step tells the replicas
+    apart: each from its own data, until they join the first replica's state."""
+    ranks = run_ranks(_replicated_stage, tmp_path, schedule, world=4).check()
     for stage in (0, 1):
         one, other = ranks[2 * stage], ranks[2 * stage + 1]
         assert str(one["telemetry"]) == str(other["telemetry"])
@@ -234,3 +239,41 @@ def test_replicas_of_a_stage_sum_their_statistics(tmp_path):
     histories = [t["history"] for t in ranks[0]["telemetry"] + ranks[2]["telemetry"]]
     assert all(len(h) >= 2 for h in histories), histories
     assert len({r["skipped"] for r in ranks}) == 1
+
+
+def _interleaved_stages(rank: int) -> dict:
+    """Stages ``rank`` and ``rank + 2`` of four, one linear layer each, under one scaler and
+    one optimizer per rank."""
+    from torch.distributed import pipelining
+
+    model = _mlp(4)
+    mine = [model[2 * stage : 2 * stage + 2] for stage in (rank, rank + 2)]
+    scaler = LossScaler("adaptive")
+    stages = [
+        pipelining.PipelineStage(
+            torch.compile(part, backend="lowprec", options=ALS), stage, 4, torch.device("cpu")
+        )
+        for part, stage in zip(mine, (rank, rank + 2), strict=True)
+    ]
+    loss_fn = lambda out, y: scaler.scale(_loss(out, y))  # noqa: E731
+    sched = pipelining.ScheduleInterleaved1F1B(stages, MICROBATCHES, loss_fn=loss_fn)
+    opt = torch.optim.SGD([p for part in mine for p in part.parameters()], lr=0.1)
+    for step in range(OVERFLOW_STEP):
+        x, y = _batch(step)
+        sched.step(x, target=y) if rank == 0 else sched.step(target=y)
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+    return _summary(scaler, mine)
+
+
+@pytest.mark.slow
+def test_interleaved_stages_calibrate_under_one_scaler_per_rank(tmp_path):
+    """Two stages per rank (interleaved 1F1B): each rank's scaler steps both stages'
+    states; every stage calibrates, the first ones once errors reach them, and the ranks
+    skip the same steps."""
+    ranks = run_ranks(_interleaved_stages, tmp_path).check()
+    assert ranks[0]["skipped"] == ranks[1]["skipped"] == ranks[0]["calibration"] >= 2
+    telemetry = ranks[0]["telemetry"] + ranks[1]["telemetry"]
+    assert sorted(t["layer"] for t in telemetry) == ["0", "2", "4", "6"]
+    assert all(t["cumulative"] > 1 for t in telemetry), telemetry

@@ -62,3 +62,37 @@ def test_adaptive_scales_agree_over_the_ranks(tmp_path):
     first, second = run_ranks(_adaptive_scales, tmp_path).check()
     assert first["auto"] == second["auto"]
     assert first["None"] != second["None"], "the ranks' data should ask for different scales"
+
+
+def _warmed_up(rank: int) -> list[list[float]]:
+    """Per-layer scales after a backward outside the scaler (a warm-up) on data of a
+    rank-dependent magnitude, then a few steps; between two of them rank 0 alone runs an
+    ``eval()`` forward with grad on (a graph, and a state, the other rank lacks)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 16), nn.Dropout(), nn.Linear(16, 4))
+    run = torch.compile(model, backend="lowprec", options=EAGER_ALS)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    scaler = LossScaler("adaptive")
+    g = torch.Generator().manual_seed(10 + rank)
+    scales = []
+    for step in range(5):
+        if step == 3 and rank == 0:
+            model.eval()
+            run(torch.randn(16, 8))
+            model.train()
+        opt.zero_grad()
+        loss = run(torch.randn(16, 8, generator=g)).square().mean() * (1e-6 if rank else 1.0)
+        scaler.scale(loss).backward()
+        if step > 0:  # the first backward's statistics set each rank's scales by themselves
+            scaler.step(opt)
+            scaler.update()
+            scales.append([t.cumulative for t in stats(model)][:3])  # the training graph's
+    return scales
+
+
+def test_ranks_that_refreshed_apart_before_the_first_step_agree_from_it_on(tmp_path):
+    """The scaler takes the first rank's per-layer state at its first step, keeping each
+    rank's statistics since: the ranks then hold the same scales and calibrate together. A
+    state one rank alone holds joins nothing (no collective the other rank lacks)."""
+    first, second = run_ranks(_warmed_up, tmp_path).check()
+    assert first == second
