@@ -43,11 +43,12 @@ Data and pipeline parallelism (DDP, FSDP2, ``torch.distributed.pipelining``): wi
 than one rank, the scaler agrees with the other ranks of that group (the whole world by
 default): the inf/NaN flag is all-reduced before the skip decision, so an overflow on
 one rank skips the step on every rank. In ``"adaptive"`` mode the ranks also skip the
-steps any of them calibrates on together, and each adaptive state sums its gradient
-statistics over the ranks whose states have the same layer names (a stage's
-data-parallel replicas: the whole group under plain data parallelism, a process group
-made for them under pipeline stages) before choosing scales, and backs off a layer that
-overflowed on any of them, so replicas scale each layer alike. Pipeline stages without
+steps any of them calibrates on together, and each adaptive state (of the oldest graph of
+its layers; later ones decide per rank) sums its gradient statistics over the ranks whose
+states have the same layer names (a stage's data-parallel replicas: the whole group
+under plain data parallelism, a process group made for them under pipeline stages)
+before choosing scales, and backs off a layer that overflowed on any of them, so
+replicas scale each layer alike. Pipeline stages without
 the loss need not call :meth:`scale`. Pass a group to agree within it, or ``None`` to
 decide per rank.
 
@@ -237,24 +238,27 @@ def _members(group: Any) -> tuple[int, ...] | None:
     return None if group is None else tuple(torch.distributed.get_process_group_ranks(group))
 
 
-def _join_replicas(states: list[AdaptiveScaleState], replicas: Any, device: torch.device) -> None:
-    """Where some state of a set of layers is new to ``replicas`` (the first step, a new
-    graph), every replica joins its most called state of those layers to the first
-    replica's (:meth:`AdaptiveScaleState.join_replicas`): decided together, so that a
-    state only some ranks hold (an ``eval()`` graph) joins nothing by itself."""
-    if replicas is None:
-        return
+def _first_graphs(states: list[AdaptiveScaleState]) -> list[AdaptiveScaleState]:
+    """The state of the oldest graph of each set of layers among ``states``, ordered by the
+    layers' names: the states that agree over the replicas, which all hold them. A later
+    graph of the same layers (a recompile for a shape, an ``eval()`` forward) may run on
+    some replicas only: it decides by its rank's statistics, issuing no collective."""
+    first: dict[tuple[str, ...], AdaptiveScaleState] = {}
+    for state in states:  # oldest graph first
+        first.setdefault(tuple(state.layers), state)
+    return [first[key] for key in sorted(first)]
+
+
+def _join_replicas(firsts: list[AdaptiveScaleState], replicas: Any, device: torch.device) -> None:
+    """Where one of ``firsts`` is new to ``replicas`` on some replica (the first step, a new
+    model), each replica joins its state of those layers to the first replica's
+    (:meth:`AdaptiveScaleState.join_replicas`)."""
     members = _members(replicas)
-    by_layers: dict[tuple[str, ...], list[AdaptiveScaleState]] = defaultdict(list)
-    for state in states:
-        by_layers[tuple(state.layers)].append(state)
-    keys = sorted(by_layers)  # the same on every replica: they hold the same layers
-    new = [float(any(_members(s.ranks) != members for s in by_layers[key])) for key in keys]
-    anywhere = torch.tensor(new, device=device)
-    torch.distributed.all_reduce(anywhere, op=torch.distributed.ReduceOp.MAX, group=replicas)
-    for key, flag in zip(keys, anywhere.tolist(), strict=True):
+    new = torch.tensor([float(_members(s.ranks) != members) for s in firsts], device=device)
+    torch.distributed.all_reduce(new, op=torch.distributed.ReduceOp.MAX, group=replicas)
+    for state, flag in zip(firsts, new.tolist(), strict=True):
         if flag:
-            max(by_layers[key], key=lambda state: state.calls).join_replicas(replicas)
+            state.join_replicas(replicas)
 
 
 @torch.no_grad()
@@ -490,9 +494,11 @@ class LossScaler:
             replicas = None
             if (ranks := self._ranks()) is not None:
                 replicas = _replica_ranks(states, ranks, self._scaled, scale.device, self._replica_groups)
-                _join_replicas(states, replicas, scale.device)
+            firsts = _first_graphs(states)
+            if replicas is not None:
+                _join_replicas(firsts, replicas, scale.device)
             for s in states:
-                s.ranks = replicas
+                s.ranks = replicas if s in firsts else None
         scale = self._require_scale("step")
         state = self._per_optimizer[id(optimizer)]
         if state["stage"] is _Stage.STEPPED:
