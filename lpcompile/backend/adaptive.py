@@ -27,8 +27,8 @@ states have the same layers: data-parallel replicas, of the model or of one pipe
 stage), the statistics are summed over those ranks and an overflow on any of them
 backs a layer off, so every replica holds the same scales. A refresh whose layers saw
 no non-zero error (all flushed by a graph above: a later pipeline stage, or the graph
-after a graph break) decides nothing, and a calibrating state keeps recording. The pieces of a
-graph that DDPOptimizer split keep one state each, chained in graph order
+after a graph break) decides nothing, and a calibrating state keeps recording. The
+pieces of a graph that DDPOptimizer split keep one state each, chained in graph order
 (:attr:`AdaptiveScaleState.chain`): they refresh together, bounded as the layers of
 one graph (:func:`refresh_chain`).
 """
@@ -319,9 +319,9 @@ class AdaptiveScaleState:
         """Take the scales, calibration and telemetry of the first rank of ``ranks`` (a
         process group of replicas of these layers), keeping this rank's statistics and
         overflow counts not yet used (zeros where another has some); still calibrating, and
-        the step to be skipped, if so on any of them. A backward before the replicas were known (1F1B's
-        first microbatches, a warm-up) may have refreshed each rank's scales from its own
-        statistics."""
+        the step to be skipped, if so on any of them. A backward before the replicas were
+        known (1F1B's first microbatches, a warm-up) may have refreshed each rank's scales
+        from its own statistics."""
         dist = torch.distributed
         saved = [self.state_dict()]
         dist.broadcast_object_list(saved, group_src=0, group=ranks, device=self.scales.device)

@@ -48,9 +48,8 @@ its layers; later ones decide per rank) sums its gradient statistics over the ra
 states have the same layer names (a stage's data-parallel replicas: the whole group
 under plain data parallelism, a process group made for them under pipeline stages)
 before choosing scales, and backs off a layer that overflowed on any of them, so
-replicas scale each layer alike. Pipeline stages without
-the loss need not call :meth:`scale`. Pass a group to agree within it, or ``None`` to
-decide per rank.
+replicas scale each layer alike. Pipeline stages without the loss need not call
+:meth:`scale`. Pass a group to agree within it, or ``None`` to decide per rank.
 
 Optimizers that set ``_step_supports_amp_scaling`` (torch's fused optimizers,
 :class:`lpcompile.runtime.optim.MasterWeightOptimizer`) unscale and skip by themselves:
