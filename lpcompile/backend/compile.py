@@ -30,7 +30,9 @@ from lpcompile.backend import runtime
 from lpcompile.backend.cache import SourceStamp, package_hash
 from lpcompile.backend.distributed import (
     LOWPREC_BACKEND,
+    check_dtensor_options,
     ddp_optimizer_split,
+    has_dtensors,
     trace_wrapped_forwards,
     unsharded_parameters,
 )
@@ -41,6 +43,7 @@ from lpcompile.codegen import fuse_lowprec_kernels
 from lpcompile.config import LowPrecConfig, recipes
 from lpcompile.kernels.cpu import gemm
 from lpcompile.numerics import lowering
+from lpcompile.numerics.dtensor import register_dtensor_rules
 from lpcompile.passes.aot import AOT_PASSES
 from lpcompile.passes.aot.layout import prefers_contiguous_layout
 from lpcompile.passes.driver import CompileContext, applicable, run_passes
@@ -75,6 +78,8 @@ torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = True
 # when that forward is torch.nn's (nn.Sequential, nn.Linear); so does a frame Dynamo gave
 # up on with the layers it calls: see backend/distributed.py.
 trace_wrapped_forwards()
+# Tensor-parallel models hold DTensors: lowprec's rounding operators get DTensor handlers.
+register_dtensor_rules()
 
 # codegen="triton": after the AOT passes, each fusion group becomes one generated Triton kernel.
 CODEGEN_PASSES = (fuse_lowprec_kernels,)
@@ -431,11 +436,18 @@ def on_cpu(example_inputs: Sequence[Any]) -> bool:
 
 def uses_cpp_wrapper(wrapper: str, example_inputs: Sequence[Any]) -> bool:
     """Whether Inductor generates C++ rather than Python to call a graph's kernels
-    (``wrapper="auto"``: for graphs whose tensors are all on the CPU)."""
+    (``wrapper="auto"``: for graphs whose tensors are all on the CPU, none a DTensor, whose
+    graph reads its device mesh, which the C++ wrapper cannot take)."""
+    dtensors = has_dtensors(example_inputs)
+    if wrapper == "cpp" and dtensors:
+        raise ValueError(
+            "wrapper='cpp': Inductor's C++ wrapper cannot take the device mesh of a DTensor "
+            "(tensor parallelism); use wrapper='auto', which writes such graphs' wrapper in Python"
+        )
     if wrapper != "auto":
         return wrapper == "cpp"
     tensors = [x for x in example_inputs if isinstance(x, torch.Tensor)]
-    return bool(tensors) and all(x.device.type == "cpu" for x in tensors)
+    return bool(tensors) and not dtensors and all(x.device.type == "cpu" for x in tensors)
 
 
 def lowprec(
@@ -459,6 +471,8 @@ def lowprec(
         )
     if config.matmul == "bf16" and (why := gemm.unavailable()):
         raise ValueError(f"matmul='bf16': lowprec's bf16 matmul kernel cannot run here: {why}")
+    if has_dtensors(example_inputs):
+        check_dtensor_options(config)
     graph_id = REGISTRY.new_graph_id()
     set_root_path(gm, compiled_module())  # before any layer is named
     if config.quantizes:

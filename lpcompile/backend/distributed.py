@@ -34,11 +34,14 @@ from __future__ import annotations
 
 import sys
 import types
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
 import torch._dynamo.trace_rules as trace_rules
+from torch.distributed.tensor import DTensor
+
+from lpcompile.config import LowPrecConfig
 
 # Odd multiplier of the rank in the seed (2^32 / golden ratio): injective on 32 bits,
 # so no two ranks get one seed.
@@ -49,6 +52,39 @@ def current_rank() -> int:
     """The rank of this process in the default process group (0 without one)."""
     dist = torch.distributed
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def has_dtensors(inputs: Sequence[Any]) -> bool:
+    """Whether a graph's example ``inputs`` hold DTensors (a tensor-parallel model)."""
+    return any(isinstance(t, DTensor) for t in inputs)
+
+
+def check_dtensor_options(config: LowPrecConfig) -> None:
+    """Refuse the options whose operators have no DTensor rule, for a graph of DTensors."""
+    refused = {
+        "loss_scale='adaptive'": config.loss_scale == "adaptive",
+        f"saturation={config.saturation!r}": config.saturation != "off",
+        "pipeline": config.pipeline is not None,
+    }
+    if found := [name for name, on in refused.items() if on]:
+        raise NotImplementedError(
+            f"lowprec: {', '.join(found)} on a tensor-parallel model (a graph of DTensors) is not "
+            "supported: their per-layer statistics and stage boundaries have no rule for sharded "
+            "tensors. Scale the loss with lpcompile.LossScaler('dynamic') or ('enhanced'), one scale "
+            "for the model, and leave saturation='off'"
+        )
+
+
+def seed_rank(inputs: Sequence[Any]) -> int:
+    """The rank whose random bits a graph with ``inputs`` draws: this process's, or where
+    inputs are DTensors (tensor parallelism), the first rank of the smallest device mesh
+    they lie on. Ranks that hold shards or replicas of one tensor then share a seed, which
+    replicas need to stay equal; each shard folds in its position
+    (:mod:`lpcompile.numerics.dtensor`)."""
+    meshes = [t.device_mesh for t in inputs if isinstance(t, DTensor)]
+    if not meshes:
+        return current_rank()
+    return int(min(meshes, key=lambda mesh: mesh.mesh.numel()).mesh.min())
 
 
 def rank_seed(seed: int, rank: int) -> int:

@@ -265,8 +265,10 @@ def unscale_grads(
     params: Iterable[torch.Tensor], inv_scale: torch.Tensor
 ) -> dict[torch.device, torch.Tensor]:
     """Multiply the ``grad`` of each of ``params`` by ``inv_scale`` in place (torch's fused
-    check-and-unscale); returns one flag per device, non-zero where a gradient held inf/NaN."""
-    grouped: dict[torch.device, dict[torch.dtype, list[torch.Tensor]]] = defaultdict(
+    check-and-unscale, on DTensors apart from plain tensors: a tensor-parallel model's
+    check reduces its flag over the mesh); returns one flag per device, non-zero where a
+    gradient held inf/NaN."""
+    grouped: dict[torch.device, dict[tuple[torch.dtype, type], list[torch.Tensor]]] = defaultdict(
         lambda: defaultdict(list)
     )
     for param in params:
@@ -275,12 +277,12 @@ def unscale_grads(
             if grad.dtype is torch.float16:  # duplicates could overflow when summed
                 param.grad = grad = grad.coalesce()
             grad = grad._values()
-        grouped[grad.device][grad.dtype].append(grad)
+        grouped[grad.device][(grad.dtype, type(grad))].append(grad)
     found: dict[torch.device, torch.Tensor] = {}
-    for device, per_dtype in grouped.items():
+    for device, per_kind in grouped.items():
         flag = torch.zeros((), dtype=torch.float32, device=device)
         local_inv = inv_scale.to(device)
-        for grads in per_dtype.values():
+        for grads in per_kind.values():
             torch._amp_foreach_non_finite_check_and_unscale_(grads, flag, local_inv)
         found[device] = flag
     return found

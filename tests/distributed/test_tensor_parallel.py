@@ -1,0 +1,191 @@
+"""Tensor parallelism (``torch.distributed.tensor.parallel``) on two gloo ranks: lowprec's
+rounding operators on DTensors, checked against ``lpcompile.quantize`` of the whole
+tensor on one process, and a compiled column/row-parallel MLP trained in FP8, every
+product on the E5M2 grid, its replicated parameters equal on both ranks, its losses those
+of the same model on one process."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from grid import GridCheck, on_e5m2_grid, watched_backend
+from ranks import mlp3, run_ranks
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+import lpcompile
+from lpcompile.numerics.dtensor import register_dtensor_rules
+
+STEPS = 3
+SEED = 7
+
+
+def _halfway(shape: tuple[int, ...]) -> torch.Tensor:
+    """Values halfway between two E5M2 neighbours (1.125 lies between 1 and 1.25): stochastic
+    rounding sends each up or down by its random bit alone."""
+    return torch.full(shape, 1.125)
+
+
+def round_dtensors(rank: int) -> dict[str, bool]:
+    """Each placement's rounding on a DTensor against the whole tensor's, rounded on one process."""
+    register_dtensor_rules()
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    whole = torch.randn(4, 64, generator=torch.Generator().manual_seed(0)) * 3
+    seed = torch.tensor(SEED)
+
+    def gathered(fmt, rounding, placements, x=whole, scaling="none"):
+        out = lpcompile.quantize(
+            distribute_tensor(x, mesh, placements), fmt, rounding, seed=seed, scaling=scaling
+        )
+        assert isinstance(out, DTensor) and out.placements == tuple(placements), out
+        return out.full_tensor()
+
+    def alone(x, fmt, rounding, scaling="none"):
+        return lpcompile.quantize(x, fmt, rounding, seed=seed, scaling=scaling)
+
+    # a partial sum: each rank holds its part, the rounding sees their sum
+    part = whole * (rank + 1) / 3
+    partial = DTensor.from_local(part, mesh, [Partial()])
+    summed = lpcompile.quantize(partial, "e5m2", "stochastic", seed=seed)
+    halves = gathered("e5m2", "stochastic", [Shard(0)], _halfway((4, 64))).chunk(2)
+    return {
+        "replicate": torch.equal(
+            gathered("e5m2", "stochastic", [Replicate()]), alone(whole, "e5m2", "stochastic")
+        ),
+        "partial": summed.placements == (Replicate(),)
+        and torch.equal(summed.to_local(), alone(whole, "e5m2", "stochastic")),
+        # each shard draws a stream of its own: equal shards of equal values round apart
+        "shards apart": not torch.equal(*halves) and all(on_e5m2_grid(h) for h in halves),
+        "shard nearest": torch.equal(
+            gathered("e5m2", "nearest", [Shard(1)]), alone(whole, "e5m2", "nearest")
+        ),
+        # scalings that read other shards: the whole tensor's factors
+        "tensorwise": torch.equal(
+            gathered("e4m3", "nearest", [Shard(1)], scaling="tensorwise"),
+            alone(whole, "e4m3", "nearest", "tensorwise"),
+        ),
+        "rowwise, columns split": torch.equal(
+            gathered("e4m3", "nearest", [Shard(1)], scaling="rowwise"),
+            alone(whole, "e4m3", "nearest", "rowwise"),
+        ),
+        "mx, rows split": torch.equal(
+            gathered("e4m3", "nearest", [Shard(0)], scaling="mx"), alone(whole, "e4m3", "nearest", "mx")
+        ),
+    }
+
+
+def test_dtensor_rounding_matches_the_whole_tensor_rounded_on_one_process(tmp_path):
+    results = run_ranks(round_dtensors, tmp_path).check()
+    for rank, checks in enumerate(results):
+        assert all(checks.values()), f"rank {rank}: {checks}"
+
+
+def _parallel_mlp(mesh) -> torch.nn.Module:
+    model = mlp3()
+    return parallelize_module(model, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
+
+
+def train_parallel(rank: int, options: dict, parallel: bool, scaler: str = "dynamic") -> dict:
+    """``STEPS`` SGD steps of the MLP, its first two layers column- and row-parallel (or not
+    parallel), every product watched; the same batches on every rank; the loss scaled by
+    ``LossScaler(scaler)``."""
+    torch._dynamo.reset()
+    check = GridCheck()
+    model = _parallel_mlp(init_device_mesh("cpu", (dist.get_world_size(),))) if parallel else mlp3()
+    compiled = torch.compile(model, backend=watched_backend(options, check))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    loss_scaler = lpcompile.LossScaler(scaler, init_scale=2.0**10)
+    losses, scales = [], []
+    for step in range(STEPS):
+        x = torch.randn(16, 8, generator=torch.Generator().manual_seed(step))
+        loss = compiled(x).square().mean()
+        with check:
+            loss_scaler.scale(loss).backward()
+        loss_scaler.step(optimizer)
+        loss_scaler.update()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+        scales.append(loss_scaler.get_scale())
+    full = {
+        name: (p.full_tensor() if isinstance(p, DTensor) else p).detach()
+        for name, p in model.named_parameters()
+    }
+    local = {
+        name: (p.to_local() if isinstance(p, DTensor) else p).detach() for name, p in model.named_parameters()
+    }
+    return {
+        "losses": losses,
+        "scales": scales,
+        "full": full,
+        "local": local,
+        "products": dict(check.products),
+    }
+
+
+def _single(rank: int, options: dict) -> dict:
+    return train_parallel(rank, options, False)
+
+
+@pytest.mark.parametrize("recipe", ["fp8-e5m2-sr", "fp8-e5m2"])
+def test_tensor_parallel_mlp_trains_in_fp8_like_one_process(tmp_path, recipe):
+    """Column- then row-parallel layers and a replicated head: every product on the E5M2
+    grid, replicas equal (they draw the same bits), and the losses those of the same model
+    on one process (sums in another order; stochastic rounding draws other bits in shards)."""
+    options = {"recipe": recipe, "executor": "eager"}
+    (tmp_path / "tp").mkdir()
+    (tmp_path / "one").mkdir()
+    ranks = run_ranks(train_parallel, tmp_path / "tp", options, True).check()
+    one = run_ranks(_single, tmp_path / "one", options, world=1).check()[0]
+    for run in ranks:
+        assert sum(run["products"].values()) == STEPS * 8, run["products"]
+        assert all(on_grid for _, on_grid in run["products"]), run["products"]
+    # the row-parallel layer's bias and the head are replicated: bit for bit on both ranks
+    for name in ("2.bias", "4.weight", "4.bias"):
+        assert torch.equal(ranks[0]["local"][name], ranks[1]["local"][name]), name
+    # the column-parallel weight is split by rows: the ranks hold different halves
+    assert ranks[0]["local"]["0.weight"].shape == (8, 8)
+    assert not torch.equal(ranks[0]["local"]["0.weight"], ranks[1]["local"]["0.weight"])
+    assert ranks[0]["losses"] == ranks[1]["losses"]
+    tolerance = 0.05 if recipe == "fp8-e5m2-sr" else 0.01
+    assert ranks[0]["losses"] == pytest.approx(one["losses"], rel=tolerance)
+    for name, weight in one["full"].items():
+        assert torch.allclose(ranks[0]["full"][name], weight, atol=0.05), name
+
+
+@pytest.mark.slow
+def test_tensor_parallel_inductor_executor_gives_the_eager_executors_bits(tmp_path):
+    """Inductor compiles the DTensor graphs (with its Python wrapper: the C++ one cannot take
+    a device mesh) and computes what the eager executor does, bit for bit."""
+    runs = {}
+    for executor in ("eager", "inductor"):
+        (tmp_path / executor).mkdir()
+        options = {"recipe": "fp8-e5m2-sr", "executor": executor}
+        runs[executor] = run_ranks(train_parallel, tmp_path / executor, options, True, deadline=300).check()
+    for eager, inductor in zip(runs["eager"], runs["inductor"], strict=True):
+        assert eager["losses"] == inductor["losses"]
+        for name, weight in eager["local"].items():
+            assert torch.equal(inductor["local"][name], weight), name
+
+
+def _refused(rank: int, options: dict) -> str:
+    try:
+        train_parallel(rank, options, True)
+    except Exception as error:  # Dynamo wraps the backend's error
+        return str(error)
+    return ""
+
+
+@pytest.mark.parametrize(
+    ("option", "said"),
+    [
+        ({"recipe": "fp8-e5m2-als"}, "loss_scale='adaptive' on a tensor-parallel model"),
+        ({"recipe": "fp8-e5m2-sr", "saturation": "count"}, "saturation='count' on a tensor-parallel model"),
+        ({"recipe": "fp8-e5m2-sr", "wrapper": "cpp", "executor": "inductor"}, "cannot take the device mesh"),
+    ],
+)
+def test_options_without_a_dtensor_rule_are_refused_naming_them(tmp_path, option, said):
+    options = {"executor": "eager", **option}
+    for error in run_ranks(_refused, tmp_path, options).check():
+        assert said in error, error
