@@ -75,15 +75,15 @@ def check_dtensor_options(config: LowPrecConfig) -> None:
         )
 
 
-def seed_rank(inputs: Sequence[Any]) -> int:
-    """The rank whose random bits a graph with ``inputs`` draws: this process's, or where
-    inputs are DTensors (tensor parallelism), the first rank of the smallest device mesh
-    they lie on. Ranks that hold shards or replicas of one tensor then share a seed, which
-    replicas need to stay equal; each shard folds in its position
-    (:mod:`lpcompile.numerics.dtensor`)."""
+def mesh_seed_rank(inputs: Sequence[Any]) -> int | None:
+    """The rank whose random bits a graph with DTensor ``inputs`` (tensor parallelism)
+    draws: the first rank of the smallest device mesh they lie on, so that ranks holding
+    shards or replicas of one tensor share a seed, which replicas need to stay equal (each
+    shard folds in its position: :mod:`lpcompile.numerics.dtensor`). None without DTensors:
+    the graph draws the bits of the process's rank."""
     meshes = [t.device_mesh for t in inputs if isinstance(t, DTensor)]
     if not meshes:
-        return current_rank()
+        return None
     return int(min(meshes, key=lambda mesh: mesh.mesh.numel()).mesh.min())
 
 

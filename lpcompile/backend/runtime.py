@@ -26,7 +26,7 @@ import torch.fx
 from torch._subclasses.fake_tensor import FakeTensor
 
 from lpcompile.backend.adaptive import AdaptiveScaleState
-from lpcompile.backend.distributed import rank_seed, seed_rank
+from lpcompile.backend.distributed import current_rank, mesh_seed_rank, rank_seed
 from lpcompile.backend.state import REGISTRY
 from lpcompile.numerics.scale_grad import count_probe
 from lpcompile.passes.driver import CompileContext, Site
@@ -161,7 +161,7 @@ def _with_inputs(
         return call
     config, layout = ctx.config, ctx.adaptive
     counter = (ctx.stream, repr(config), torch.is_grad_enabled())
-    rank = seed_rank(inputs) if config.seed_per_rank else 0
+    shared_rank = mesh_seed_rank(inputs)
 
     def extras(adaptive: dict[str, Any], args: Sequence[Any], step: int | None) -> list[torch.Tensor]:
         values = dict(adaptive)
@@ -171,6 +171,7 @@ def _with_inputs(
         if SEED_INPUT in ctx.inputs:
             if called:
                 step = REGISTRY.next_step(key, counter)
+            rank = (current_rank() if shared_rank is None else shared_rank) if config.seed_per_rank else 0
             values[SEED_INPUT] = step_seed(instance_seed(config.seed, path or ""), step or 0, rank)
         if SATURATION_INPUT in ctx.inputs:
             device = ctx.inputs[SATURATION_INPUT].meta["example_value"].device

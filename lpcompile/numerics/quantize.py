@@ -23,8 +23,10 @@ is tested against); run by Inductor it is the operator's lowering
 from __future__ import annotations
 
 import functools
+import importlib
 import math
 import numbers
+import sys
 from collections.abc import Callable
 
 import torch
@@ -472,6 +474,12 @@ def _(x):
 realize_op.register_autograd(lambda ctx, grad: grad)
 
 
+def is_dtensor(x: torch.Tensor) -> bool:
+    """Whether ``x`` is a DTensor (without importing ``torch.distributed.tensor``)."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(x, module.DTensor)
+
+
 def _as_tensor(value, dtype: torch.dtype, device: torch.device) -> torch.Tensor | None:
     if value is None or isinstance(value, torch.Tensor):
         return value
@@ -539,7 +547,9 @@ def quantize(
         raise ValueError(f"scaling={scaling!r} computes the scale from x: pass no scale with it")
     seed_t = _as_tensor(seed, torch.int64, x.device) if rounding == "stochastic" else None
     scale_t = _as_tensor(scale, torch.float32, x.device)
-    if _runs_compiled(x, scale_t):
+    if is_dtensor(x):  # rounded by lowprec's DTensor rules, op by op
+        importlib.import_module("lpcompile.numerics.dtensor").register_dtensor_rules()
+    elif _runs_compiled(x, scale_t):
         check_args(x, name, rounding, overflow, scaling)
         if rounding == "stochastic":
             rng.check_numel(x.numel())

@@ -16,7 +16,6 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distrib
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 import lpcompile
-from lpcompile.numerics.dtensor import register_dtensor_rules
 
 STEPS = 3
 SEED = 7
@@ -29,8 +28,8 @@ def _halfway(shape: tuple[int, ...]) -> torch.Tensor:
 
 
 def round_dtensors(rank: int) -> dict[str, bool]:
-    """Each placement's rounding on a DTensor against the whole tensor's, rounded on one process."""
-    register_dtensor_rules()
+    """Each placement's rounding on a DTensor against the whole tensor's, rounded on one
+    process (``lpcompile.quantize`` registers the DTensor rules itself)."""
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     whole = torch.randn(4, 64, generator=torch.Generator().manual_seed(0)) * 3
     seed = torch.tensor(SEED)
