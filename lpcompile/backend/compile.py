@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import importlib
 import warnings
 import zlib
 from collections.abc import Callable, Iterator, Sequence
@@ -33,6 +34,7 @@ from lpcompile.backend.distributed import (
     check_dtensor_options,
     ddp_optimizer_split,
     has_dtensors,
+    mesh_positions,
     trace_wrapped_forwards,
     unsharded_parameters,
 )
@@ -43,7 +45,6 @@ from lpcompile.codegen import fuse_lowprec_kernels
 from lpcompile.config import LowPrecConfig, recipes
 from lpcompile.kernels.cpu import gemm
 from lpcompile.numerics import lowering
-from lpcompile.numerics.dtensor import register_dtensor_rules
 from lpcompile.passes.aot import AOT_PASSES
 from lpcompile.passes.aot.layout import prefers_contiguous_layout
 from lpcompile.passes.driver import CompileContext, applicable, run_passes
@@ -78,8 +79,6 @@ torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = True
 # when that forward is torch.nn's (nn.Sequential, nn.Linear); so does a frame Dynamo gave
 # up on with the layers it calls: see backend/distributed.py.
 trace_wrapped_forwards()
-# Tensor-parallel models hold DTensors: lowprec's rounding operators get DTensor handlers.
-register_dtensor_rules()
 
 # codegen="triton": after the AOT passes, each fusion group becomes one generated Triton kernel.
 CODEGEN_PASSES = (fuse_lowprec_kernels,)
@@ -186,11 +185,12 @@ class JointPasses(SourceStamp):
     before the passes.
     """
 
-    def __init__(self, ctx: CompileContext, tag: str, on_cpu: bool) -> None:
-        self.ctx, self.tag, self.on_cpu = ctx, tag, on_cpu
+    def __init__(self, ctx: CompileContext, tag: str, on_cpu: bool, positions: str) -> None:
+        self.ctx, self.tag, self.on_cpu, self.positions = ctx, tag, on_cpu, positions
 
     def uuid(self) -> str:
-        return f"{package_hash()}-bf16-matmuls-{uses_bf16_kernel(self.ctx.config, self.on_cpu)}"
+        bf16 = uses_bf16_kernel(self.ctx.config, self.on_cpu)
+        return f"{package_hash()}-bf16-matmuls-{bf16}-mesh-positions-{self.positions}"
 
     def __call__(self, graph: torch.fx.Graph) -> None:
         # Inductor runs its joint-graph passes on inference graphs too; the backend runs
@@ -399,7 +399,9 @@ def _compile_aot(
         lowering.refresh_inductor_decompositions()
         patches = {
             "post_grad_custom_post_pass": SourceStamp(),
-            "joint_custom_post_pass": JointPasses(ctx, tag, on_cpu(example_inputs)),
+            "joint_custom_post_pass": JointPasses(
+                ctx, tag, on_cpu(example_inputs), mesh_positions(example_inputs)
+            ),
             # a fused FP16/BF16 intermediate is rounded to its dtype, as eager stores it,
             # before a quantize reads it: else the quantize rounds the FP32 value elsewhere
             "emulate_precision_casts": True,
@@ -436,8 +438,9 @@ def on_cpu(example_inputs: Sequence[Any]) -> bool:
 
 def uses_cpp_wrapper(wrapper: str, example_inputs: Sequence[Any]) -> bool:
     """Whether Inductor generates C++ rather than Python to call a graph's kernels
-    (``wrapper="auto"``: for graphs whose tensors are all on the CPU, none a DTensor, whose
-    graph reads its device mesh, which the C++ wrapper cannot take)."""
+    (``wrapper="auto"``: for graphs whose tensors are all on the CPU and none is a DTensor:
+    a DTensor's graph reads its device mesh, which the C++ wrapper cannot take, and
+    ``wrapper="cpp"`` raises ``ValueError`` for such a graph)."""
     dtensors = has_dtensors(example_inputs)
     if wrapper == "cpp" and dtensors:
         raise ValueError(
@@ -471,8 +474,9 @@ def lowprec(
         )
     if config.matmul == "bf16" and (why := gemm.unavailable()):
         raise ValueError(f"matmul='bf16': lowprec's bf16 matmul kernel cannot run here: {why}")
-    if has_dtensors(example_inputs):
+    if has_dtensors(example_inputs):  # tensor parallelism
         check_dtensor_options(config)
+        importlib.import_module("lpcompile.numerics.dtensor").register_dtensor_rules()
     graph_id = REGISTRY.new_graph_id()
     set_root_path(gm, compiled_module())  # before any layer is named
     if config.quantizes:

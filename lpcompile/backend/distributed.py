@@ -39,9 +39,9 @@ from typing import Any
 
 import torch
 import torch._dynamo.trace_rules as trace_rules
-from torch.distributed.tensor import DTensor
 
 from lpcompile.config import LowPrecConfig
+from lpcompile.numerics.quantize import is_dtensor, is_rowwise
 
 # Odd multiplier of the rank in the seed (2^32 / golden ratio): injective on 32 bits,
 # so no two ranks get one seed.
@@ -56,22 +56,37 @@ def current_rank() -> int:
 
 def has_dtensors(inputs: Sequence[Any]) -> bool:
     """Whether a graph's example ``inputs`` hold DTensors (a tensor-parallel model)."""
-    return any(isinstance(t, DTensor) for t in inputs)
+    return any(is_dtensor(t) for t in inputs if isinstance(t, torch.Tensor))
+
+
+def mesh_positions(inputs: Sequence[Any]) -> str:
+    """This rank's coordinates on the device meshes of ``inputs``' DTensors: the shards'
+    random streams compiled into a graph depend on them, so AOT autograd's cache key must
+    (ranks on one machine share the cache directory)."""
+    meshes = {
+        id(t.device_mesh): t.device_mesh for t in inputs if isinstance(t, torch.Tensor) and is_dtensor(t)
+    }
+    return ";".join(f"{mesh.mesh.tolist()}@{mesh.get_coordinate()}" for mesh in meshes.values())
 
 
 def check_dtensor_options(config: LowPrecConfig) -> None:
     """Refuse the options whose operators have no DTensor rule, for a graph of DTensors."""
+    specs = (config.weight, config.activation, config.error, config.weight_grad)
+    rowwise = sorted({spec.scaling for spec in specs if spec.enabled and is_rowwise(spec.scaling)})
     refused = {
         "loss_scale='adaptive'": config.loss_scale == "adaptive",
         f"saturation={config.saturation!r}": config.saturation != "off",
         "pipeline": config.pipeline is not None,
+        # the joint graph's per-matmul roundings see each rank's shard only
+        f"scaling={'/'.join(rowwise)!r}": bool(rowwise),
     }
     if found := [name for name, on in refused.items() if on]:
         raise NotImplementedError(
             f"lowprec: {', '.join(found)} on a tensor-parallel model (a graph of DTensors) is not "
             "supported: their per-layer statistics and stage boundaries have no rule for sharded "
-            "tensors. Scale the loss with lpcompile.LossScaler('dynamic') or ('enhanced'), one scale "
-            "for the model, and leave saturation='off'"
+            "tensors, and per-row or per-block factors would be computed from each rank's shard. Scale "
+            "the loss with lpcompile.LossScaler('dynamic') or ('enhanced'), one scale for the model, "
+            "leave saturation='off', and scale per tensor (fp8-tensorwise) or not at all (fp8-e5m2-sr)"
         )
 
 
@@ -81,10 +96,10 @@ def mesh_seed_rank(inputs: Sequence[Any]) -> int | None:
     shards or replicas of one tensor share a seed, which replicas need to stay equal (each
     shard folds in its position: :mod:`lpcompile.numerics.dtensor`). None without DTensors:
     the graph draws the bits of the process's rank."""
-    meshes = [t.device_mesh for t in inputs if isinstance(t, DTensor)]
+    meshes = [t.device_mesh for t in inputs if isinstance(t, torch.Tensor) and is_dtensor(t)]
     if not meshes:
         return None
-    return int(min(meshes, key=lambda mesh: mesh.mesh.numel()).mesh.min())
+    return int(min(meshes, key=lambda mesh: (mesh.mesh.numel(), mesh.mesh.min())).mesh.min())
 
 
 def rank_seed(seed: int, rank: int) -> int:

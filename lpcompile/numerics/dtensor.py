@@ -101,14 +101,15 @@ def _quantize(op: Any, args: tuple, kwargs: dict) -> DTensor:
         return _wrap(out, spec, x.shape)
     fold = shard_fold(spec.placements, spec.mesh.get_coordinate(), spec.mesh.shape)
     if seed is not None and fold:
-        seed = torch.bitwise_xor(seed, fold)
+        seed = torch.bitwise_xor(seed.to(torch.int64), fold)  # (an int32 seed would drop the fold)
     out = op(local, fmt, rounding, overflow, seed, offset, None, *trailing)
     return _wrap(out, spec, x.shape)
 
 
 def _pass_through(op: Any, args: tuple, kwargs: dict) -> DTensor:
+    """An operator that returns its input's values in its layout, on the local tensor."""
     x, *rest = args
-    return _wrap(op(x._local_tensor, *rest, **kwargs), x._spec, x.shape)
+    return DTensor(op(x._local_tensor, *rest, **kwargs), x._spec, requires_grad=False)
 
 
 def register_dtensor_rules() -> None:

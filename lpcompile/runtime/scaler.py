@@ -268,16 +268,16 @@ def unscale_grads(
     check-and-unscale, on DTensors apart from plain tensors: a tensor-parallel model's
     check reduces its flag over the mesh); returns one flag per device, non-zero where a
     gradient held inf/NaN."""
-    grouped: dict[torch.device, dict[tuple[torch.dtype, type], list[torch.Tensor]]] = defaultdict(
-        lambda: defaultdict(list)
-    )
+    grouped: dict[torch.device, dict[tuple, list[torch.Tensor]]] = defaultdict(lambda: defaultdict(list))
     for param in params:
         grad = param.grad
         if grad.is_sparse:
             if grad.dtype is torch.float16:  # duplicates could overflow when summed
                 param.grad = grad = grad.coalesce()
             grad = grad._values()
-        grouped[grad.device][(grad.dtype, type(grad))].append(grad)
+        # a DTensor's check reduces its flag over the first gradient's mesh, if split
+        kind = (grad.dtype, type(grad), getattr(grad, "device_mesh", None), getattr(grad, "placements", None))
+        grouped[grad.device][kind].append(grad)
     found: dict[torch.device, torch.Tensor] = {}
     for device, per_kind in grouped.items():
         flag = torch.zeros((), dtype=torch.float32, device=device)

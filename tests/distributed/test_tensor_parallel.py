@@ -49,6 +49,8 @@ def round_dtensors(rank: int) -> dict[str, bool]:
     partial = DTensor.from_local(part, mesh, [Partial()])
     summed = lpcompile.quantize(partial, "e5m2", "stochastic", seed=seed)
     halves = gathered("e5m2", "stochastic", [Shard(0)], _halfway((4, 64))).chunk(2)
+    narrow = distribute_tensor(_halfway((4, 64)), mesh, [Shard(0)])  # an int32 seed keeps the fold
+    narrow = lpcompile.quantize(narrow, "e5m2", "stochastic", seed=seed.int()).full_tensor().chunk(2)
     return {
         "replicate": torch.equal(
             gathered("e5m2", "stochastic", [Replicate()]), alone(whole, "e5m2", "stochastic")
@@ -57,6 +59,7 @@ def round_dtensors(rank: int) -> dict[str, bool]:
         and torch.equal(summed.to_local(), alone(whole, "e5m2", "stochastic")),
         # each shard draws a stream of its own: equal shards of equal values round apart
         "shards apart": not torch.equal(*halves) and all(on_e5m2_grid(h) for h in halves),
+        "shards apart, int32 seed": not torch.equal(*narrow),
         "shard nearest": torch.equal(
             gathered("e5m2", "nearest", [Shard(1)]), alone(whole, "e5m2", "nearest")
         ),
@@ -181,6 +184,7 @@ def _refused(rank: int, options: dict) -> str:
     [
         ({"recipe": "fp8-e5m2-als"}, "loss_scale='adaptive' on a tensor-parallel model"),
         ({"recipe": "fp8-e5m2-sr", "saturation": "count"}, "saturation='count' on a tensor-parallel model"),
+        ({"recipe": "fp8-rowwise"}, "scaling='rowwise_pow2' on a tensor-parallel model"),
         ({"recipe": "fp8-e5m2-sr", "wrapper": "cpp", "executor": "inductor"}, "cannot take the device mesh"),
     ],
 )
