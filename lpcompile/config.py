@@ -256,7 +256,7 @@ class LowPrecConfig:
     as an FP32 GEMM, ``"bf16"`` like auto but an error where the kernel is missing.
     ``wrapper`` picks the code Inductor generates to call a graph's kernels:
     ``"auto"`` C++ for graphs on the CPU (fewer microseconds per kernel call) and
-    Python elsewhere, ``"cpp"`` or ``"python"`` for every graph (these two need
+    Python elsewhere and for graphs of DTensors, ``"cpp"`` or ``"python"`` for every graph (these two need
     ``executor="inductor"`` and ``codegen="inductor"``). ``cpp_opt_level`` is the
     compiler's optimization level for the C++ Inductor builds for CPU graphs (kernels
     and wrapper; Inductor's own is ``"O3"``): ``"O2"`` and ``"O1"`` build faster and
@@ -276,8 +276,9 @@ class LowPrecConfig:
     ``FloatingPointError`` naming the layer at a call whose forward quantize inputs held
     inf or NaN; ``"off"`` adds nothing. ``seed_per_rank`` folds
     the process's ``torch.distributed`` rank into the stochastic-rounding seed, so that
-    data-parallel ranks draw different bits (``PipelinedTrainer`` turns it off for its
-    stages: its ranks hold different stages and draw the simulator's bits).
+    data-parallel ranks draw different bits (a graph of DTensors folds its device mesh's
+    first rank, so that tensor-parallel replicas draw the same; ``PipelinedTrainer`` turns
+    it off for its stages: its ranks hold different stages and draw the simulator's bits).
     """
 
     recipe: str = "fp32"

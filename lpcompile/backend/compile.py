@@ -181,8 +181,9 @@ class JointPasses(SourceStamp):
     """Inductor's joint-graph hook: runs :data:`JOINT_PASSES` before AOT partitions.
 
     Its uuid is SourceStamp's plus what the passes decide from outside the graph
-    (whether matmuls go to the bf16 kernel): AOT autograd's cache keys on the graph
-    before the passes.
+    (whether matmuls go to the bf16 kernel) and what the rounding rules compile into it
+    (the rank's device-mesh coordinates): AOT autograd's cache keys on the graph before
+    the passes.
     """
 
     def __init__(self, ctx: CompileContext, tag: str, on_cpu: bool, positions: str) -> None:

@@ -1,4 +1,5 @@
-"""lowprec under data parallelism: the DDP and FSDP2 wrappings, and each rank's random stream.
+"""lowprec under data and tensor parallelism: the DDP and FSDP2 wrappings, each rank's
+random stream, and the options a tensor-parallel graph refuses.
 
 Dynamo compiles a frame only if it is user code: a frame whose code lives in ``torch.nn``
 (``nn.Sequential.forward``, ``nn.Linear.forward``) is skipped when it is reached as a
@@ -27,7 +28,8 @@ What Dynamo still never traces (a module left out when compiling per block, prod
 skipped root ``forward`` computes itself) is named by :mod:`lpcompile.backend.watch`.
 
 Stochastic rounding: the wrapper folds the process's rank into the seed
-(:func:`rank_seed`), so ranks draw different bits and each rank's bits are reproducible.
+(:func:`rank_seed`), so ranks draw different bits and each rank's bits are reproducible;
+a graph of DTensors folds its device mesh's first rank (:func:`mesh_seed_rank`).
 """
 
 from __future__ import annotations

@@ -8,11 +8,12 @@ recompile for new shapes continues the count, two instances of one class (which
 share Dynamo's compiled graph) count apart, and evaluation under ``no_grad`` does
 not shift the training steps' bits. The user seed is folded with the process's rank in
 the default process group (:func:`~lpcompile.backend.distributed.rank_seed`):
-data-parallel ranks draw different bits, each reproducibly. Blocks compiled one by one
-run one graph with one stream: each folds its FQN in the model running into the seed
-(:func:`instance_seed`), so that identical blocks do not draw identical bits. A call on
-fake tensors (DDPOptimizer runs each compiled piece of a split graph on them to compile
-the next) counts nothing.
+data-parallel ranks draw different bits, each reproducibly; a graph of DTensors folds its
+device mesh's first rank instead (:func:`~lpcompile.backend.distributed.mesh_seed_rank`).
+Blocks compiled one by one run one graph with one stream: each folds its FQN in the model
+running into the seed (:func:`instance_seed`), so that identical blocks do not draw
+identical bits. A call on fake tensors (DDPOptimizer runs each compiled piece of a split
+graph on them to compile the next) counts nothing.
 """
 
 from __future__ import annotations

@@ -2,8 +2,9 @@
 
 A model parallelized with ``torch.distributed.tensor.parallel`` holds DTensors, and a
 DTensor runs an operator through a sharding rule. lowprec's rounding operators get
-handlers of their own in DTensor's dispatcher (:func:`register_dtensor_rules`, once,
-when the backend loads), which round each rank's shard where they can:
+handlers of their own in DTensor's dispatcher (:func:`register_dtensor_rules`, when a
+graph of DTensors compiles, or ``lpcompile.quantize`` is given a DTensor), which round
+each rank's shard where they can:
 
 * A partial sum (``Partial``: a row-parallel layer's output, the error reaching a
   column-parallel layer's input) is summed over the ranks first: the sum is what is
