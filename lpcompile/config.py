@@ -256,8 +256,9 @@ class LowPrecConfig:
     as an FP32 GEMM, ``"bf16"`` like auto but an error where the kernel is missing.
     ``wrapper`` picks the code Inductor generates to call a graph's kernels:
     ``"auto"`` C++ for graphs on the CPU (fewer microseconds per kernel call) and
-    Python elsewhere and for graphs of DTensors, ``"cpp"`` or ``"python"`` for every graph (these two need
-    ``executor="inductor"`` and ``codegen="inductor"``). ``cpp_opt_level`` is the
+    Python elsewhere and for graphs of DTensors, ``"cpp"`` or ``"python"`` for every
+    graph (these two need ``executor="inductor"`` and ``codegen="inductor"``; ``"cpp"``
+    refuses graphs of DTensors). ``cpp_opt_level`` is the
     compiler's optimization level for the C++ Inductor builds for CPU graphs (kernels
     and wrapper; Inductor's own is ``"O3"``): ``"O2"`` and ``"O1"`` build faster and
     run slower. ``conv="auto"`` lets
