@@ -186,12 +186,13 @@ class JointPasses(SourceStamp):
     the passes.
     """
 
-    def __init__(self, ctx: CompileContext, tag: str, on_cpu: bool, positions: str) -> None:
+    def __init__(self, ctx: CompileContext, tag: str, on_cpu: bool, positions: str = "") -> None:
         self.ctx, self.tag, self.on_cpu, self.positions = ctx, tag, on_cpu, positions
 
     def uuid(self) -> str:
         bf16 = uses_bf16_kernel(self.ctx.config, self.on_cpu)
-        return f"{package_hash()}-bf16-matmuls-{bf16}-mesh-positions-{self.positions}"
+        mesh = f"-mesh-positions-{self.positions}" if self.positions else ""
+        return f"{package_hash()}-bf16-matmuls-{bf16}{mesh}"
 
     def __call__(self, graph: torch.fx.Graph) -> None:
         # Inductor runs its joint-graph passes on inference graphs too; the backend runs
