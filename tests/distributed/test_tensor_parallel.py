@@ -137,7 +137,14 @@ def _single(rank: int, options: dict) -> dict:
     return train_parallel(rank, options, False)
 
 
-@pytest.mark.parametrize("recipe", ["fp8-e5m2-sr", "fp8-e5m2", "fp8-tensorwise"])
+@pytest.mark.parametrize(
+    "recipe",
+    [
+        "fp8-e5m2-sr",
+        pytest.param("fp8-e5m2", marks=pytest.mark.slow),
+        pytest.param("fp8-tensorwise", marks=pytest.mark.slow),
+    ],
+)
 def test_tensor_parallel_mlp_trains_in_fp8_like_one_process(tmp_path, recipe):
     """Column- then row-parallel layers and a replicated head: every product on the E5M2
     grid (``fp8-tensorwise``: the shards' factors are the whole tensors', which a check of
@@ -158,7 +165,6 @@ def test_tensor_parallel_mlp_trains_in_fp8_like_one_process(tmp_path, recipe):
     # the column-parallel weight is split by rows: the ranks hold different halves
     assert ranks[0]["local"]["0.weight"].shape == (8, 8)
     assert not torch.equal(ranks[0]["local"]["0.weight"], ranks[1]["local"]["0.weight"])
-    assert ranks[0]["losses"] == ranks[1]["losses"]
     tolerance = 0.05 if recipe == "fp8-e5m2-sr" else 0.01
     assert ranks[0]["losses"] == pytest.approx(one["losses"], rel=tolerance)
     for name, weight in one["full"].items():
@@ -180,24 +186,28 @@ def test_tensor_parallel_inductor_executor_gives_the_eager_executors_bits(tmp_pa
             assert torch.equal(inductor["local"][name], weight), name
 
 
-def _refused(rank: int, options: dict) -> str:
-    try:
-        train_parallel(rank, options, True)
-    except Exception as error:  # Dynamo wraps the backend's error
-        return str(error)
-    return ""
+# options a graph of DTensors refuses -> what the error says
+REFUSED = [
+    ({"recipe": "fp8-e5m2-als"}, "loss_scale='adaptive' on a tensor-parallel model"),
+    ({"recipe": "fp8-e5m2-sr", "saturation": "count"}, "saturation='count' on a tensor-parallel model"),
+    ({"recipe": "fp8-rowwise"}, "scaling='rowwise_pow2' on a tensor-parallel model"),
+    ({"recipe": "fp8-e5m2-sr", "wrapper": "cpp", "executor": "inductor"}, "cannot take the device mesh"),
+]
 
 
-@pytest.mark.parametrize(
-    ("option", "said"),
-    [
-        ({"recipe": "fp8-e5m2-als"}, "loss_scale='adaptive' on a tensor-parallel model"),
-        ({"recipe": "fp8-e5m2-sr", "saturation": "count"}, "saturation='count' on a tensor-parallel model"),
-        ({"recipe": "fp8-rowwise"}, "scaling='rowwise_pow2' on a tensor-parallel model"),
-        ({"recipe": "fp8-e5m2-sr", "wrapper": "cpp", "executor": "inductor"}, "cannot take the device mesh"),
-    ],
-)
-def test_options_without_a_dtensor_rule_are_refused_naming_them(tmp_path, option, said):
-    options = {"executor": "eager", **option}
-    for error in run_ranks(_refused, tmp_path, options).check():
-        assert said in error, error
+def _refused(rank: int) -> list[str]:
+    """The error each of :data:`REFUSED`'s options gave ("" for none)."""
+    said = []
+    for option, _ in REFUSED:
+        try:
+            train_parallel(rank, {"executor": "eager", **option}, True)
+            said.append("")
+        except Exception as error:  # Dynamo wraps the backend's error
+            said.append(str(error))
+    return said
+
+
+def test_options_without_a_dtensor_rule_are_refused_naming_them(tmp_path):
+    for errors in run_ranks(_refused, tmp_path).check():
+        for (option, expected), error in zip(REFUSED, errors, strict=True):
+            assert expected in error, (option, error)
