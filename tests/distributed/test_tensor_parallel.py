@@ -9,9 +9,10 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from grid import GridCheck, on_e5m2_grid, watched_backend
+from grid import SR_EVERYWHERE, GridCheck, on_e5m2_grid, watched_backend
 from ranks import mlp3, run_ranks
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
@@ -211,3 +212,48 @@ def test_options_without_a_dtensor_rule_are_refused_naming_them(tmp_path):
     for errors in run_ranks(_refused, tmp_path).check():
         for (option, expected), error in zip(REFUSED, errors, strict=True):
             assert expected in error, (option, error)
+
+
+def train_2d(rank: int) -> dict:
+    """``STEPS`` steps of the MLP on a 2×2 mesh, torchtitan's way: column/row-parallel over
+    ``tp``, FSDP2 over ``dp``; the same batches on every rank, stochastic rounding in the
+    forward too (FSDP2 gives both groups the mean gradient: only the forward's bits can
+    tell their streams apart)."""
+    torch._dynamo.reset()
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    model = mlp3()
+    parallelize_module(model, mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    fully_shard(model, mesh=mesh["dp"])
+    check = GridCheck()
+    compiled = torch.compile(model, backend=watched_backend(SR_EVERYWHERE, check))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    scaler = lpcompile.LossScaler("dynamic", init_scale=2.0**10)
+    losses = []
+    for step in range(STEPS):
+        x = torch.randn(16, 8, generator=torch.Generator().manual_seed(step))
+        loss = compiled(x).square().mean()
+        with check:
+            scaler.scale(loss).backward()
+        scaler.step(optimizer)
+        scaler.update()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    local = {name: p.to_local().detach() for name, p in model.named_parameters()}
+    return {"losses": losses, "local": local, "products": dict(check.products)}
+
+
+@pytest.mark.slow
+def test_fsdp2_over_tensor_parallel_groups_trains_on_the_grid(tmp_path):
+    """FSDP2 + tensor parallelism on four ranks: every product on the E5M2 grid; the two
+    ranks of a tensor-parallel group draw the same bits (their losses and their shards of
+    the replicated head are equal), the two groups different ones (their losses differ on
+    the same batches)."""
+    ranks = run_ranks(train_2d, tmp_path, world=4, deadline=400).check()
+    for run in ranks:
+        assert sum(run["products"].values()) == STEPS * 8, run["products"]
+        assert all(on_grid for _, on_grid in run["products"]), run["products"]
+    for first, second in ((0, 1), (2, 3)):  # the tensor-parallel groups
+        assert ranks[first]["losses"] == ranks[second]["losses"]
+        for name in ("4.weight", "4.bias"):
+            assert torch.equal(ranks[first]["local"][name], ranks[second]["local"][name]), name
+    assert ranks[0]["losses"] != ranks[2]["losses"]
