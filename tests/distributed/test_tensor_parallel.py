@@ -97,27 +97,32 @@ def _parallel_mlp(mesh) -> torch.nn.Module:
     return parallelize_module(model, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
 
 
-def train_parallel(rank: int, options: dict, parallel: bool, scaler: str = "dynamic") -> dict:
-    """``STEPS`` SGD steps of the MLP, its first two layers column- and row-parallel (or not
-    parallel), every product watched; the same batches on every rank; the loss scaled by
-    ``LossScaler(scaler)``."""
+def _steps(model: torch.nn.Module, options: dict, check: GridCheck) -> list[float]:
+    """``STEPS`` SGD steps of ``model`` compiled with ``options``, every product watched by
+    ``check``, the loss scaled by ``LossScaler("dynamic")``; the same batches on every rank."""
     torch._dynamo.reset()
-    check = GridCheck()
-    model = _parallel_mlp(init_device_mesh("cpu", (dist.get_world_size(),))) if parallel else mlp3()
     compiled = torch.compile(model, backend=watched_backend(options, check))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
-    loss_scaler = lpcompile.LossScaler(scaler, init_scale=2.0**10)
-    losses, scales = [], []
+    scaler = lpcompile.LossScaler("dynamic", init_scale=2.0**10)
+    losses = []
     for step in range(STEPS):
         x = torch.randn(16, 8, generator=torch.Generator().manual_seed(step))
         loss = compiled(x).square().mean()
         with check:
-            loss_scaler.scale(loss).backward()
-        loss_scaler.step(optimizer)
-        loss_scaler.update()
+            scaler.scale(loss).backward()
+        scaler.step(optimizer)
+        scaler.update()
         optimizer.zero_grad()
         losses.append(loss.item())
-        scales.append(loss_scaler.get_scale())
+    return losses
+
+
+def train_parallel(rank: int, options: dict, parallel: bool) -> dict:
+    """The MLP trained (:func:`_steps`), its first two layers column- and row-parallel (or
+    not parallel)."""
+    check = GridCheck()
+    model = _parallel_mlp(init_device_mesh("cpu", (dist.get_world_size(),))) if parallel else mlp3()
+    losses = _steps(model, options, check)
     full = {
         name: (p.full_tensor() if isinstance(p, DTensor) else p).detach()
         for name, p in model.named_parameters()
@@ -127,7 +132,6 @@ def train_parallel(rank: int, options: dict, parallel: bool, scaler: str = "dyna
     }
     return {
         "losses": losses,
-        "scales": scales,
         "full": full,
         "local": local,
         "products": dict(check.products),
@@ -215,29 +219,15 @@ def test_options_without_a_dtensor_rule_are_refused_naming_them(tmp_path):
 
 
 def train_2d(rank: int) -> dict:
-    """``STEPS`` steps of the MLP on a 2×2 mesh, torchtitan's way: column/row-parallel over
-    ``tp``, FSDP2 over ``dp``; the same batches on every rank, stochastic rounding in the
-    forward too (FSDP2 gives both groups the mean gradient: only the forward's bits can
-    tell their streams apart)."""
-    torch._dynamo.reset()
+    """The MLP trained (:func:`_steps`) on a 2×2 mesh, torchtitan's way: column/row-parallel
+    over ``tp``, FSDP2 over ``dp``; stochastic rounding in the forward too (FSDP2 gives
+    both groups the mean gradient: only the forward's bits can tell their streams apart)."""
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     model = mlp3()
     parallelize_module(model, mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
     fully_shard(model, mesh=mesh["dp"])
     check = GridCheck()
-    compiled = torch.compile(model, backend=watched_backend(SR_EVERYWHERE, check))
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
-    scaler = lpcompile.LossScaler("dynamic", init_scale=2.0**10)
-    losses = []
-    for step in range(STEPS):
-        x = torch.randn(16, 8, generator=torch.Generator().manual_seed(step))
-        loss = compiled(x).square().mean()
-        with check:
-            scaler.scale(loss).backward()
-        scaler.step(optimizer)
-        scaler.update()
-        optimizer.zero_grad()
-        losses.append(loss.item())
+    losses = _steps(model, SR_EVERYWHERE, check)
     local = {name: p.to_local().detach() for name, p in model.named_parameters()}
     return {"losses": losses, "local": local, "products": dict(check.products)}
 
