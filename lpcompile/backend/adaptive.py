@@ -44,6 +44,7 @@ import torch
 
 from lpcompile.numerics.checks import check_count
 from lpcompile.numerics.formats import parse_format
+from lpcompile.numerics.quantize import whole_tensor
 from lpcompile.numerics.scale_grad import STATS_SIZE
 from lpcompile.numerics.scale_rules import (
     approx_range_scale,
@@ -310,7 +311,7 @@ class AdaptiveScaleState:
             else:
                 found = [None if w is None or w() is None else grads.get(id(w())) for w in self.owners]
             for i, g in enumerate(found):
-                if g is not None and not bool(torch.isfinite(g).all()):
+                if g is not None and not bool(whole_tensor(torch.isfinite(g).all())):
                     counts[i] += 1
         counts = self._agreed(counts.to(self.flags.device), torch.distributed.ReduceOp.MAX)
         return [i for i, count in enumerate(counts.tolist()) if count > 0]

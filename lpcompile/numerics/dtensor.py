@@ -17,17 +17,19 @@ each rank's shard where they can:
 * A scaling that reads the whole tensor (tensorwise, NVFP4's), or a row or block split
   over the ranks, gathers the tensor, rounds it whole and keeps each rank's shard.
 
-The pass-through operators (``quantize_grad``'s forward, ``realize``) run on the
-local tensors and keep the placements.
+The pass-through operators (``quantize_grad``'s and ``scale_grad``'s forwards,
+``realize``) run on the local tensors and keep the placements. ``scale_grad``'s
+backward measures a split error with :func:`whole_stats`.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch._prims_common import make_contiguous_strides_for
-from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor import DTensor, Partial, Replicate
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor._redistribute import redistribute_local_tensor
 
@@ -113,6 +115,20 @@ def _pass_through(op: Any, args: tuple, kwargs: dict) -> DTensor:
     return DTensor(op(x._local_tensor, *rest, **kwargs), x._spec, requires_grad=False)
 
 
+def whole_stats(grad: DTensor, measure: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """Additive statistics (counts, sums) of the whole tensor ``grad``, on every rank:
+    ``measure`` of each rank's shard (its partial sums summed first), summed over the
+    mesh dimensions that split it; a replicated tensor's are its own."""
+    local, spec = _summed(grad)
+    out = measure(local)
+    parts = tuple(Partial() if p.is_shard() else Replicate() for p in spec.placements)
+    if not any(p.is_partial() for p in parts):
+        return out
+    meta = TensorMeta(out.shape, out.stride(), out.dtype)
+    source = DTensorSpec(spec.mesh, parts, tensor_meta=meta)
+    return redistribute_local_tensor(out, source, _spec(source, (Replicate(),) * spec.mesh.ndim))
+
+
 def register_dtensor_rules() -> None:
     """Give DTensor's dispatcher lowprec's handlers for its rounding operators (idempotent)."""
     handlers = DTensor._op_dispatcher._custom_op_handlers
@@ -120,3 +136,4 @@ def register_dtensor_rules() -> None:
     handlers[ops.quantize.default] = _quantize
     handlers[ops.quantize_grad.default] = _pass_through
     handlers[ops.realize.default] = _pass_through
+    handlers[ops.scale_grad.default] = _pass_through

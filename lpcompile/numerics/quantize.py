@@ -480,6 +480,12 @@ def is_dtensor(x: torch.Tensor) -> bool:
     return module is not None and isinstance(x, module.DTensor)
 
 
+def whole_tensor(x: torch.Tensor) -> torch.Tensor:
+    """``x``, or where it is a DTensor the whole tensor on every rank (a reduction of a
+    sharded DTensor, such as ``mean()``, holds each rank's partial result until then)."""
+    return x.full_tensor() if is_dtensor(x) else x
+
+
 def _as_tensor(value, dtype: torch.dtype, device: torch.device) -> torch.Tensor | None:
     if value is None or isinstance(value, torch.Tensor):
         return value

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import torch
 
-from lpcompile.numerics.quantize import dynamic_scale, scale_within
+from lpcompile.numerics.quantize import dynamic_scale, is_dtensor, scale_within
 
 EXP_BINS = 256
 STATS_SIZE = EXP_BINS + 2
@@ -123,9 +123,15 @@ def _scale_incoming(ctx, grad):
     probe_grad = None
     if ctx.needs_input_grad[2] and ctx.stats != "none":
         if record:
-            probe_grad = recorded_stats(grad, ctx.stats, record[0])
+            measure = lambda g: recorded_stats(g, ctx.stats, record[0])  # noqa: E731
         else:
-            probe_grad = gradient_stats(grad, ctx.stats)
+            measure = lambda g: gradient_stats(g, ctx.stats)  # noqa: E731
+        if is_dtensor(grad):  # tensor parallelism: the whole gradient's statistics
+            from lpcompile.numerics.dtensor import whole_stats
+
+            probe_grad = whole_stats(grad, measure)
+        else:
+            probe_grad = measure(grad)
     return (grad * scale).to(grad.dtype), None, probe_grad, None, None
 
 

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from lpcompile.numerics.formats import FloatFormat
+from lpcompile.numerics.quantize import whole_tensor
 from lpcompile.numerics.scale_grad import EXP_BINS
 
 RULES = ("quantile", "approx_range", "fixed")
@@ -114,7 +115,7 @@ def approx_range_scale(
     numel = stats[:EXP_BINS].sum().item()  # every element has a bin, zeros and inf/NaN too
     second_g = stats[EXP_BINS + 1].item() / max(numel, 1)  # σ_g² + μ_g² is the second moment
     w = weight.detach().to(torch.float64)
-    second_w = (w * w).mean().item()
+    second_w = whole_tensor((w * w).mean()).item()  # a tensor-parallel weight's shards together
     fan_in = w.shape[out_dim] * math.prod(w.shape[2:])
     sigma = math.sqrt(second_g * second_w * fan_in / 2)
     if sigma == 0 or not math.isfinite(sigma):

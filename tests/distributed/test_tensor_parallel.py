@@ -17,6 +17,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distrib
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 import lpcompile
+from examples.zoo import hf_model
 from lpcompile.backend.distributed import mesh_positions
 
 STEPS = 3
@@ -97,19 +98,26 @@ def _parallel_mlp(mesh) -> torch.nn.Module:
     return parallelize_module(model, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
 
 
-def _steps(model: torch.nn.Module, options: dict, check: GridCheck) -> list[float]:
-    """``STEPS`` SGD steps of ``model`` compiled with ``options``, every product watched by
-    ``check``, the loss scaled by ``LossScaler("dynamic")``; the same batches on every rank."""
+def _steps(
+    model: torch.nn.Module,
+    options: dict,
+    check: GridCheck,
+    scaler: lpcompile.LossScaler | None = None,
+    factors: tuple[float, ...] = (1.0,) * STEPS,
+) -> list[float]:
+    """SGD steps of ``model`` compiled with ``options``, every product watched by ``check``,
+    the loss times ``factors[step]`` scaled by ``scaler`` (``LossScaler("dynamic")``); the
+    same batches on every rank."""
     torch._dynamo.reset()
     compiled = torch.compile(model, backend=watched_backend(options, check))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
-    scaler = lpcompile.LossScaler("dynamic", init_scale=2.0**10)
+    scaler = scaler or lpcompile.LossScaler("dynamic", init_scale=2.0**10)
     losses = []
-    for step in range(STEPS):
+    for step, factor in enumerate(factors):
         x = torch.randn(16, 8, generator=torch.Generator().manual_seed(step))
         loss = compiled(x).square().mean()
         with check:
-            scaler.scale(loss).backward()
+            scaler.scale(loss * factor).backward()
         scaler.step(optimizer)
         scaler.update()
         optimizer.zero_grad()
@@ -191,9 +199,137 @@ def test_tensor_parallel_inductor_executor_gives_the_eager_executors_bits(tmp_pa
             assert torch.equal(inductor["local"][name], weight), name
 
 
+# small gradients (the per-layer scales grow), then an overflow at the fourth step
+ADAPTIVE_FACTORS = (1e-4, 1e-4, 1e-4, 1e38, 1e-4, 1e-4)
+
+
+def train_adaptive(rank: int, parallel: bool, executor: str = "eager") -> dict:
+    """The MLP (its first two layers column- and row-parallel, or not) trained with per-layer
+    adaptive loss scaling by the weights' Gaussian rule, refreshed every second call, and a
+    scaler that decides on each rank alone: the ranks agree only if each one's statistics
+    and weight moments are the whole tensors'. The first layer's weight and error differ in
+    size by shard, so a shard's moments are not the whole's."""
+    model = mlp3()
+    with torch.no_grad():
+        model[0].weight[:8] *= 8
+        model[2].weight[:, :8] /= 8  # the error reaching the first half of layer 0: 8× smaller
+    if parallel:
+        parallelize_module(
+            model,
+            init_device_mesh("cpu", (dist.get_world_size(),)),
+            {"0": ColwiseParallel(), "2": RowwiseParallel()},
+        )
+    options = {
+        "recipe": "fp8-e5m2-als",
+        "executor": executor,
+        "loss_scale_rule": "approx_range",
+        "loss_scale_interval": 2,
+    }
+    check = GridCheck()
+    scaler = lpcompile.LossScaler("adaptive", process_group=None)
+    losses = _steps(model, options, check, scaler, ADAPTIVE_FACTORS)
+    return {
+        "losses": losses,
+        "products": dict(check.products),
+        "skipped": scaler.skipped_steps,
+        "history": {t.layer: t.history for t in lpcompile.stats(model)},
+    }
+
+
+def test_adaptive_loss_scaling_scales_tensor_parallel_layers_as_one_process(tmp_path):
+    """Per-layer adaptive loss scaling on column- and row-parallel layers: both ranks, deciding
+    alone, refresh every layer's scale as the same model on one process does (the same
+    powers of two, nearly the same underflow fractions: sums in another order), skip the
+    same steps, and keep every product on the grid."""
+    (tmp_path / "tp").mkdir()
+    (tmp_path / "one").mkdir()
+    ranks = run_ranks(train_adaptive, tmp_path / "tp", True).check()
+    one = run_ranks(train_adaptive, tmp_path / "one", False, world=1).check()[0]
+    assert len(one["history"]["0"]) > 2 and one["skipped"] > 0, one
+    for run in ranks:
+        assert sum(run["products"].values()) == len(ADAPTIVE_FACTORS) * 8, run["products"]
+        assert all(on_grid for _, on_grid in run["products"]), run["products"]
+        assert run["skipped"] == one["skipped"]
+        for layer, history in one["history"].items():
+            assert [scale for _, scale, _ in run["history"][layer]] == [scale for _, scale, _ in history], (
+                layer
+            )
+            assert [u for *_, u in run["history"][layer]] == pytest.approx([u for *_, u in history], abs=0.01)
+        assert run["losses"] == pytest.approx(one["losses"], rel=0.01)
+
+
+@pytest.mark.slow
+def test_tensor_parallel_adaptive_scaling_under_inductor_gives_the_eager_executors_bits(tmp_path):
+    """Inductor's graphs measure the errors of the recording calls under ``torch.cond`` and
+    gather the shards' statistics: the same scales and losses as the eager executor's."""
+    runs = {}
+    for executor in ("eager", "inductor"):
+        (tmp_path / executor).mkdir()
+        runs[executor] = run_ranks(train_adaptive, tmp_path / executor, True, executor, deadline=300).check()
+    for eager, inductor in zip(runs["eager"], runs["inductor"], strict=True):
+        assert eager["losses"] == inductor["losses"]
+        assert eager["history"] == inductor["history"]
+
+
+# torchtitan's plan for a Llama block: attention heads and MLP columns split over the ranks
+LLAMA_PLAN = {
+    **dict.fromkeys(["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"], ColwiseParallel()),
+    **dict.fromkeys(["mlp.gate_proj", "mlp.up_proj"], ColwiseParallel()),
+    **dict.fromkeys(["self_attn.o_proj", "mlp.down_proj"], RowwiseParallel()),
+}
+
+
+def train_llama(rank: int, parallel: bool) -> dict:
+    """HF Llama (tiny config) trained in FP8 with per-layer adaptive loss scaling, rounding to
+    nearest (stochastic rounding in shards draws other bits than on one process), its
+    blocks split by :data:`LLAMA_PLAN` (or not); the same batches on every rank."""
+    torch.manual_seed(0)
+    model, _ = hf_model("llama")
+    if parallel:
+        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+        for block in model.model.layers:
+            parallelize_module(block, mesh, LLAMA_PLAN)
+    check = GridCheck()
+    torch._dynamo.reset()
+    options = {"recipe": "fp8-e5m2", "loss_scale": "adaptive", "executor": "eager", "loss_scale_interval": 2}
+    compiled = torch.compile(model, backend=watched_backend(options, check))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = lpcompile.LossScaler("adaptive")
+    losses = []
+    for step in range(4):
+        ids = torch.randint(0, 100, (2, 8), generator=torch.Generator().manual_seed(step))
+        loss = compiled(input_ids=ids, labels=ids).loss
+        with check:
+            scaler.scale(loss).backward()
+        scaler.step(optimizer)
+        scaler.update()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    history = {t.layer: t.history for t in lpcompile.stats(model)}
+    return {"losses": losses, "products": dict(check.products), "history": history}
+
+
+@pytest.mark.slow
+def test_hf_llama_with_torchtitans_plan_trains_in_fp8_like_one_process(tmp_path):
+    """HF Llama's attention and MLP split over two ranks: every product (the projections,
+    SDPA on each rank's heads) on the E5M2 grid, the ranks in step, per-layer scales and
+    losses those of the model on one process (sums in another order)."""
+    (tmp_path / "tp").mkdir()
+    (tmp_path / "one").mkdir()
+    ranks = run_ranks(train_llama, tmp_path / "tp", True, deadline=400).check()
+    one = run_ranks(train_llama, tmp_path / "one", False, world=1, deadline=400).check()[0]
+    for run in ranks:
+        assert run["products"] and all(on_grid for _, on_grid in run["products"]), run["products"]
+        assert run["losses"] == ranks[0]["losses"]
+        assert run["history"] == ranks[0]["history"]
+    assert ranks[0]["losses"] == pytest.approx(one["losses"], rel=0.01)
+    scales = {layer: [scale for _, scale, _ in h] for layer, h in one["history"].items()}
+    assert {layer: [scale for _, scale, _ in h] for layer, h in ranks[0]["history"].items()} == scales
+    assert any(len(h) > 1 for h in scales.values()), scales
+
+
 # options a graph of DTensors refuses -> what the error says
 REFUSED = [
-    ({"recipe": "fp8-e5m2-als"}, "loss_scale='adaptive' on a tensor-parallel model"),
     ({"recipe": "fp8-e5m2-sr", "saturation": "count"}, "saturation='count' on a tensor-parallel model"),
     ({"recipe": "fp8-rowwise"}, "scaling='rowwise_pow2' on a tensor-parallel model"),
     ({"recipe": "fp8-e5m2-sr", "wrapper": "cpp", "executor": "inductor"}, "cannot take the device mesh"),
@@ -218,29 +354,39 @@ def test_options_without_a_dtensor_rule_are_refused_naming_them(tmp_path):
             assert expected in error, (option, error)
 
 
-def train_2d(rank: int) -> dict:
+def train_2d(rank: int, adaptive: bool) -> dict:
     """The MLP trained (:func:`_steps`) on a 2×2 mesh, torchtitan's way: column/row-parallel
     over ``tp``, FSDP2 over ``dp``; stochastic rounding in the forward too (FSDP2 gives
-    both groups the mean gradient: only the forward's bits can tell their streams apart)."""
+    both groups the mean gradient: only the forward's bits can tell their streams apart);
+    with per-layer adaptive loss scaling where ``adaptive``."""
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     model = mlp3()
     parallelize_module(model, mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
     fully_shard(model, mesh=mesh["dp"])
     check = GridCheck()
-    losses = _steps(model, SR_EVERYWHERE, check)
+    if adaptive:
+        options = {**SR_EVERYWHERE, "loss_scale": "adaptive", "loss_scale_interval": 2}
+        losses = _steps(model, options, check, lpcompile.LossScaler("adaptive"), ADAPTIVE_FACTORS)
+    else:
+        losses = _steps(model, SR_EVERYWHERE, check)
     local = {name: p.to_local().detach() for name, p in model.named_parameters()}
-    return {"losses": losses, "local": local, "products": dict(check.products)}
+    history = {t.layer: t.history for t in lpcompile.stats(model)}
+    return {"losses": losses, "local": local, "products": dict(check.products), "history": history}
 
 
 @pytest.mark.slow
-def test_fsdp2_over_tensor_parallel_groups_trains_on_the_grid(tmp_path):
+@pytest.mark.parametrize("adaptive", [False, True], ids=["dynamic", "adaptive"])
+def test_fsdp2_over_tensor_parallel_groups_trains_on_the_grid(tmp_path, adaptive):
     """FSDP2 + tensor parallelism on four ranks: every product on the E5M2 grid; the two
     ranks of a tensor-parallel group draw the same bits (their losses and their shards of
     the replicated head are equal), the two groups different ones (their losses differ on
-    the same batches)."""
-    ranks = run_ranks(train_2d, tmp_path, world=4, deadline=400).check()
+    the same batches). Per-layer adaptive scales refresh alike on all four ranks."""
+    ranks = run_ranks(train_2d, tmp_path, adaptive, world=4, deadline=400).check()
+    steps = len(ADAPTIVE_FACTORS) if adaptive else STEPS
     for run in ranks:
-        assert sum(run["products"].values()) == STEPS * 8, run["products"]
+        assert sum(run["products"].values()) == steps * 8, run["products"]
+        assert run["history"] == ranks[0]["history"]
+        assert not adaptive or len(run["history"]["0"]) > 2, run["history"]
         assert all(on_grid for _, on_grid in run["products"]), run["products"]
     for first, second in ((0, 1), (2, 3)):  # the tensor-parallel groups
         assert ranks[first]["losses"] == ranks[second]["losses"]
