@@ -54,6 +54,7 @@ from lpcompile.passes.dynamo.regions import has_regions, write_out_regions
 from lpcompile.passes.graph import (
     ROOT_PATH,
     SUBMODULE_FRAME,
+    WRAPPER_PATH,
     find_calls,
     is_layer_call,
     layer_name,
@@ -123,7 +124,8 @@ def set_root_path(gm: torch.fx.GraphModule, model: torch.nn.Module | None) -> No
     (Dynamo compiled it apart after a graph break): its parameters, found in ``model``, give
     the FQN of the frame's module. Not where that module's class occurs more than once in
     ``model``: Dynamo may run the one graph for each of them. Either way, mark the graph as
-    a submodule's frame, whose own calls are named after the submodule."""
+    a submodule's frame, whose own calls are named after the submodule. Where the frame's
+    module holds ``model`` instead (DDP's ``forward`` traced whole), mark the path to drop."""
     if model is None:
         return
     names: dict[int, list[str]] = {}
@@ -135,6 +137,7 @@ def set_root_path(gm: torch.fx.GraphModule, model: torch.nn.Module | None) -> No
             if (parameter := unsharded.get((id(module), name))) is not None:
                 names.setdefault(id(parameter), []).append(qualified_name(path, name))
     roots: set[str] | None = None
+    wrappers: set[str] | None = None  # where the frame's module holds the model
     for node in gm.graph.find_nodes(op="placeholder"):
         if (parameter := parameter_of(node)) is None or (path := relative_state_name(node)) is None:
             continue
@@ -144,6 +147,15 @@ def set_root_path(gm: torch.fx.GraphModule, model: torch.nn.Module | None) -> No
             if name == path or name.endswith("." + path)
         }
         roots = found if roots is None else roots & found
+        above = {
+            path.removesuffix("." + name)
+            for name in names.get(id(parameter), ())
+            if path.endswith("." + name)
+        }
+        wrappers = above if wrappers is None else wrappers & above
+    if not roots and wrappers is not None and len(wrappers) == 1:
+        for graph in with_bodies(gm):
+            graph.meta[WRAPPER_PATH] = next(iter(wrappers))
     if not roots or len(roots) > 1 or "" in roots:
         return
     (root,) = roots

@@ -92,6 +92,10 @@ ROOT_PATH = "lowprec_root_path"
 # of the compiled model (with or without ROOT_PATH): the calls its own ``forward`` makes
 # are named after it, as a submodule's calls are in the model's graph
 SUBMODULE_FRAME = "lowprec_submodule_frame"
+# GraphModule.meta key: the FQN of the compiled model in the module a graph's frame calls
+# ``self``, where that frame is a wrapper's around the model (``DistributedDataParallel.forward``
+# traced whole, with ``optimize_ddp="python_reducer"``: ``module``)
+WRAPPER_PATH = "lowprec_wrapper_path"
 ATTENTION = "lowprec_attention"  # node.meta key: a product inside attention (option `attention`)
 SCALE_GRAD = torch.ops.lowprec.scale_grad.default
 LOWPREC_OPS = {
@@ -219,9 +223,12 @@ def module_path(node: torch.fx.Node) -> str:
 
 def _in_model(graph: torch.fx.Graph, path: str) -> str:
     """``path``, from the module the graph's frame calls ``self``, from the compiled model:
-    a frame Dynamo compiled apart (after a graph break) starts lower (:data:`ROOT_PATH`)."""
-    root = graph.owning_module.meta.get(ROOT_PATH) if graph.owning_module is not None else None
-    return qualified_name(root or "", path)
+    a frame Dynamo compiled apart (after a graph break) starts lower (:data:`ROOT_PATH`), a
+    wrapper's frame higher (:data:`WRAPPER_PATH`)."""
+    meta = graph.owning_module.meta if graph.owning_module is not None else {}
+    if (above := meta.get(WRAPPER_PATH)) and path.startswith(above + "."):
+        path = path.removeprefix(above + ".")
+    return qualified_name(meta.get(ROOT_PATH) or "", path)
 
 
 def relative_state_name(node: torch.fx.Node) -> str | None:

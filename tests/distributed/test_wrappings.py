@@ -14,7 +14,7 @@ import torch.distributed as dist
 from grid import GridCheck, on_e5m2_grid, on_scaled_fp8_grid, on_scaled_fp8_rows, watched_backend
 from ranks import EAGER_ALS, EAGER_SR, Blocks, mlp3, run_ranks, wide_mlp
 from torch import nn
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from lpcompile.backend import coverage
@@ -63,6 +63,15 @@ def _fsdp_blocks_compiled_whole(model: Blocks, backend) -> nn.Module:
     return torch.compile(model, backend=backend)
 
 
+def _fsdp_blocks_bf16_compiled_whole(model: Blocks, backend) -> nn.Module:
+    """FSDP2's mixed precision: bf16 parameters in the forward and backward, FP32 gradients."""
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for block in model.layers:
+        fully_shard(block, mp_policy=policy)
+    fully_shard(model, mp_policy=policy)
+    return torch.compile(model, backend=backend)
+
+
 def _fsdp_per_block(model: Blocks, backend) -> nn.Module:
     """torchtitan's order: each block compiled (fullgraph) in place, then sharded, then the
     root. The head is compiled too: torch.compile never sees a layer outside the compiled
@@ -104,9 +113,24 @@ WRAPPINGS = {
         EAGER_ALS,
         {"optimize_ddp": False},
     ),
+    # the backward compiled by compiled autograd, DDP's gradients reduced in its graph
+    "torch.compile(DDP(model)), compiled autograd (python_reducer)": (
+        mlp3,
+        _compile_ddp,
+        8,
+        EAGER_SR,
+        {"optimize_ddp": "python_reducer", "compiled_autograd": True},
+    ),
     "FSDP2 per layer and root, compiled whole": (mlp3, _fsdp_layers_compiled_whole, 8, EAGER_SR, {}),
     "FSDP2 per block and root, compiled whole": (Blocks, _fsdp_blocks_compiled_whole, 8, EAGER_SR, {}),
     "FSDP2 per block and root, compiled per block": (Blocks, _fsdp_per_block, 8, EAGER_SR, {}),
+    "FSDP2 per block and root, compiled whole, bf16 mixed precision": (
+        Blocks,
+        _fsdp_blocks_bf16_compiled_whole,
+        8,
+        EAGER_SR,
+        {},
+    ),
     # each operand scaled whole: a weight sharded over the ranks has one scale, not one per shard
     "FSDP2 per block and root, compiled per block, fp8-tensorwise": (
         Blocks,
