@@ -11,10 +11,17 @@ import torch
 import torch.distributed as dist
 from grid import SR_EVERYWHERE, GridCheck, on_e5m2_grid, watched_backend
 from ranks import mlp3, run_ranks
+from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
 
 import lpcompile
 from examples.zoo import hf_model
@@ -326,6 +333,102 @@ def test_hf_llama_with_torchtitans_plan_trains_in_fp8_like_one_process(tmp_path)
     scales = {layer: [scale for _, scale, _ in h] for layer, h in one["history"].items()}
     assert {layer: [scale for _, scale, _ in h] for layer, h in ranks[0]["history"].items()} == scales
     assert any(len(h) > 1 for h in scales.values()), scales
+
+
+class NormedBlock(nn.Module):
+    """A pre-norm residual MLP block."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(16)
+        self.mlp = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 16))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.mlp(self.norm(x))
+
+
+class SequenceModel(nn.Module):
+    """An input projection, two :class:`NormedBlock` and a normed head, over (batch,
+    sequence, features)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(8, 16)
+        self.blocks = nn.ModuleList([NormedBlock(), NormedBlock()])
+        self.norm = nn.LayerNorm(16)
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        for block in self.blocks:
+            h = block(h)
+        return self.head(self.norm(h))
+
+
+def train_sequence_parallel(rank: int, parallel: bool) -> dict:
+    """:class:`SequenceModel` trained with ``fp8-e5m2`` and per-layer adaptive loss scaling;
+    where ``parallel``, torchtitan's way: norms and residuals split along the sequence
+    (``SequenceParallel``), gathered before each column-parallel layer and reduce-scattered
+    after each row-parallel one."""
+    torch.manual_seed(0)
+    model = SequenceModel()
+    if parallel:
+        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+        plan = {
+            "inp": ColwiseParallel(output_layouts=Shard(1)),
+            "norm": SequenceParallel(),
+            "head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
+        }
+        parallelize_module(model, mesh, plan)
+        for block in model.blocks:
+            plan = {
+                "norm": SequenceParallel(),
+                "mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+                "mlp.0": ColwiseParallel(),
+                "mlp.2": RowwiseParallel(output_layouts=Shard(1)),
+            }
+            parallelize_module(block, mesh, plan)
+    check = GridCheck()
+    torch._dynamo.reset()
+    options = {"recipe": "fp8-e5m2", "loss_scale": "adaptive", "executor": "eager", "loss_scale_interval": 2}
+    compiled = torch.compile(model, backend=watched_backend(options, check))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = lpcompile.LossScaler("adaptive")
+    losses = []
+    for step in range(4):
+        x = torch.randn(2, 8, 8, generator=torch.Generator().manual_seed(step))
+        loss = compiled(x).square().mean()
+        with check:
+            scaler.scale(loss).backward()
+        scaler.step(optimizer)
+        scaler.update()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    full = {
+        name: (p.full_tensor() if isinstance(p, DTensor) else p).detach()
+        for name, p in model.named_parameters()
+    }
+    history = {t.layer: t.history for t in lpcompile.stats(model)}
+    return {"losses": losses, "products": dict(check.products), "history": history, "full": full}
+
+
+@pytest.mark.slow
+def test_sequence_parallel_blocks_train_in_fp8_like_one_process(tmp_path):
+    """Sequence parallelism (norms on sequence shards, a gather before and a reduce-scatter
+    after each block's MLP): every product on the E5M2 grid, the same per-layer scales,
+    losses and weights as on one process (sums in another order)."""
+    (tmp_path / "tp").mkdir()
+    (tmp_path / "one").mkdir()
+    ranks = run_ranks(train_sequence_parallel, tmp_path / "tp", True).check()
+    one = run_ranks(train_sequence_parallel, tmp_path / "one", False, world=1).check()[0]
+    assert any(len(h) > 1 for h in one["history"].values()), one["history"]
+    for run in ranks:
+        assert sum(run["products"].values()) == sum(one["products"].values()), run["products"]
+        assert all(on_grid for _, on_grid in run["products"]), run["products"]
+        assert run["history"] == one["history"]
+        assert run["losses"] == pytest.approx(one["losses"], rel=1e-4)
+        for name, weight in one["full"].items():
+            assert torch.allclose(run["full"][name], weight, atol=1e-6), name
 
 
 # options a graph of DTensors refuses -> what the error says
