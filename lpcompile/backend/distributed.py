@@ -76,7 +76,6 @@ def check_dtensor_options(config: LowPrecConfig) -> None:
     specs = (config.weight, config.activation, config.error, config.weight_grad)
     rowwise = sorted({spec.scaling for spec in specs if spec.enabled and is_rowwise(spec.scaling)})
     refused = {
-        f"saturation={config.saturation!r}": config.saturation != "off",
         "pipeline": config.pipeline is not None,
         # the joint graph's per-matmul roundings see each rank's shard only
         f"scaling={'/'.join(rowwise)!r}": bool(rowwise),
@@ -84,9 +83,9 @@ def check_dtensor_options(config: LowPrecConfig) -> None:
     if found := [name for name, on in refused.items() if on]:
         raise NotImplementedError(
             f"lowprec: {', '.join(found)} on a tensor-parallel model (a graph of DTensors) is not "
-            "supported: saturation counts and stage boundaries have no rule for sharded tensors, and "
-            "per-row or per-block factors would be computed from each rank's shard. Leave "
-            "saturation='off', and scale per tensor (fp8-tensorwise) or not at all (fp8-e5m2-sr)"
+            "supported: stage boundaries have no rule for sharded tensors, and per-row or per-block "
+            "factors would be computed from each rank's shard. Scale per tensor (fp8-tensorwise) or "
+            "not at all (fp8-e5m2-sr)"
         )
 
 

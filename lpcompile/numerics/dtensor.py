@@ -137,3 +137,4 @@ def register_dtensor_rules() -> None:
     handlers[ops.quantize_grad.default] = _pass_through
     handlers[ops.realize.default] = _pass_through
     handlers[ops.scale_grad.default] = _pass_through
+    handlers[ops.count_grad.default] = _pass_through

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import torch
 
-from lpcompile.numerics.quantize import dynamic_scale, is_dtensor, scale_within
+from lpcompile.numerics.quantize import dynamic_scale, is_dtensor, scale_within, whole_tensor
 
 EXP_BINS = 256
 STATS_SIZE = EXP_BINS + 2
@@ -195,7 +195,8 @@ def _save_range(ctx, inputs, output):
 def _count_incoming(ctx, grad):
     probe_grad = None
     if ctx.needs_input_grad[1]:
-        counts = range_counts(grad, ctx.largest, ctx.smallest, ctx.scaling)
+        # (a DTensor's: the whole tensor's, on every rank)
+        counts = whole_tensor(range_counts(grad, ctx.largest, ctx.smallest, ctx.scaling))
         # (on the probe's device: a model spread over devices counts into one probe)
         probe_grad = torch.cat([counts, counts.new_ones(1)]).to(ctx.probe_device, ctx.probe_dtype)
     return grad, probe_grad, None, None, None

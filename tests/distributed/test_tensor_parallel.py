@@ -6,6 +6,8 @@ of the same model on one process."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -150,6 +152,7 @@ def train_parallel(rank: int, options: dict, parallel: bool) -> dict:
         "full": full,
         "local": local,
         "products": dict(check.products),
+        "saturation": [dataclasses.astuple(row) for row in lpcompile.saturation(model)],
     }
 
 
@@ -431,9 +434,23 @@ def test_sequence_parallel_blocks_train_in_fp8_like_one_process(tmp_path):
             assert torch.allclose(run["full"][name], weight, atol=1e-6), name
 
 
+def test_saturation_counts_of_a_tensor_parallel_model_are_the_whole_tensors(tmp_path):
+    """``saturation="count"`` on column- and row-parallel layers counts each site's whole
+    tensor on every rank, forward and backward: the counts of the same model on one process
+    (rounded to nearest, the same values up to the order of sums)."""
+    options = {"recipe": "fp8-e5m2", "executor": "eager", "saturation": "count"}
+    (tmp_path / "tp").mkdir()
+    (tmp_path / "one").mkdir()
+    ranks = run_ranks(train_parallel, tmp_path / "tp", options, True).check()
+    one = run_ranks(_single, tmp_path / "one", options, world=1).check()[0]
+    roles = {row[1] for row in one["saturation"]}
+    assert roles == {"weight", "activation", "error", "weight_grad"}, one["saturation"]
+    for run in ranks:
+        assert run["saturation"] == one["saturation"]
+
+
 # options a graph of DTensors refuses -> what the error says
 REFUSED = [
-    ({"recipe": "fp8-e5m2-sr", "saturation": "count"}, "saturation='count' on a tensor-parallel model"),
     ({"recipe": "fp8-rowwise"}, "scaling='rowwise_pow2' on a tensor-parallel model"),
     ({"recipe": "fp8-e5m2-sr", "wrapper": "cpp", "executor": "inductor"}, "cannot take the device mesh"),
 ]
