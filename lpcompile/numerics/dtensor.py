@@ -17,9 +17,9 @@ each rank's shard where they can:
 * A scaling that reads the whole tensor (tensorwise, NVFP4's), or a row or block split
   over the ranks, gathers the tensor, rounds it whole and keeps each rank's shard.
 
-The pass-through operators (``quantize_grad``'s and ``scale_grad``'s forwards,
-``realize``) run on the local tensors and keep the placements. ``scale_grad``'s
-backward measures a split error with :func:`whole_stats`.
+The pass-through operators (the forwards of ``quantize_grad``, ``scale_grad`` and
+``count_grad``, and ``realize``) run on the local tensors and keep the placements.
+``scale_grad``'s backward measures a split error with :func:`whole_stats`.
 """
 
 from __future__ import annotations
@@ -130,7 +130,8 @@ def whole_stats(grad: DTensor, measure: Callable[[torch.Tensor], torch.Tensor]) 
 
 
 def register_dtensor_rules() -> None:
-    """Give DTensor's dispatcher lowprec's handlers for its rounding operators (idempotent)."""
+    """Give DTensor's dispatcher lowprec's handlers for its rounding, scaling and counting
+    operators (idempotent)."""
     handlers = DTensor._op_dispatcher._custom_op_handlers
     ops = torch.ops.lowprec
     handlers[ops.quantize.default] = _quantize

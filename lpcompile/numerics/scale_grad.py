@@ -29,6 +29,8 @@ every backward (option ``saturation``).
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 
 from lpcompile.numerics.quantize import dynamic_scale, is_dtensor, scale_within, whole_tensor
@@ -123,9 +125,9 @@ def _scale_incoming(ctx, grad):
     probe_grad = None
     if ctx.needs_input_grad[2] and ctx.stats != "none":
         if record:
-            measure = lambda g: recorded_stats(g, ctx.stats, record[0])  # noqa: E731
+            measure = partial(recorded_stats, stats=ctx.stats, record=record[0])
         else:
-            measure = lambda g: gradient_stats(g, ctx.stats)  # noqa: E731
+            measure = partial(gradient_stats, stats=ctx.stats)
         if is_dtensor(grad):  # tensor parallelism: the whole gradient's statistics
             from lpcompile.numerics.dtensor import whole_stats
 

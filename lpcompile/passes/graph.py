@@ -226,8 +226,8 @@ def _in_model(graph: torch.fx.Graph, path: str) -> str:
     a frame Dynamo compiled apart (after a graph break) starts lower (:data:`ROOT_PATH`), a
     wrapper's frame higher (:data:`WRAPPER_PATH`)."""
     meta = graph.owning_module.meta if graph.owning_module is not None else {}
-    if (above := meta.get(WRAPPER_PATH)) and path.startswith(above + "."):
-        path = path.removeprefix(above + ".")
+    if (above := meta.get(WRAPPER_PATH)) and (path == above or path.startswith(above + ".")):
+        path = path.removeprefix(above).removeprefix(".")
     return qualified_name(meta.get(ROOT_PATH) or "", path)
 
 

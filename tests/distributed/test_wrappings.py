@@ -113,13 +113,13 @@ WRAPPINGS = {
         EAGER_ALS,
         {"optimize_ddp": False},
     ),
-    # the backward compiled by compiled autograd, DDP's gradients reduced in its graph
-    "torch.compile(DDP(model)), compiled autograd (python_reducer)": (
+    # Dynamo traces DDP's forward whole (no graph break), DDP's Python reducer reduces
+    "torch.compile(DDP(model)), optimize_ddp='python_reducer'": (
         mlp3,
         _compile_ddp,
         8,
         EAGER_SR,
-        {"optimize_ddp": "python_reducer", "compiled_autograd": True},
+        {"optimize_ddp": "python_reducer"},
     ),
     "FSDP2 per layer and root, compiled whole": (mlp3, _fsdp_layers_compiled_whole, 8, EAGER_SR, {}),
     "FSDP2 per block and root, compiled whole": (Blocks, _fsdp_blocks_compiled_whole, 8, EAGER_SR, {}),

@@ -19,7 +19,7 @@ import torch
 import torch.fx
 
 from lpcompile.numerics.formats import parse_format
-from lpcompile.numerics.quantize import is_dtensor, scaling_argument
+from lpcompile.numerics.quantize import scaling_argument, whole_tensor
 from lpcompile.numerics.scale_grad import count_probe, range_counts
 from lpcompile.passes.driver import CompileContext, Site
 from lpcompile.passes.dynamo.quantize import checkpoint_bodies, graph_input, nodes_in_run_order
@@ -115,9 +115,9 @@ def _forward_counts(gm: torch.fx.GraphModule, ctx: CompileContext) -> tuple[list
 
 def _whole_counts(x: torch.fx.Proxy, limits: tuple[float, float, str]) -> torch.fx.Proxy:
     """:func:`range_counts` of ``x``, of the whole tensor where ``x`` is a DTensor (tensor
-    parallelism: DTensor's sums of a split tensor hold each rank's part until then)."""
-    counts = range_counts(x, *limits)
-    return counts.full_tensor() if is_dtensor(x.node.meta.get("example_value")) else counts
+    parallelism: DTensor's sums of a split tensor hold each rank's part until then),
+    decided when AOT autograd traces the graph."""
+    return x.tracer.create_proxy("call_function", whole_tensor, (range_counts(x, *limits),), {})
 
 
 def _return_also(body: torch.fx.GraphModule, value: torch.fx.Node) -> int:
