@@ -7,6 +7,7 @@ of the same model on one process."""
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from functools import partial
 
 import pytest
@@ -124,24 +125,30 @@ def _parallel_mlp(mesh) -> torch.nn.Module:
     return parallelize_module(model, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
 
 
+def _mlp_loss(compiled: Callable, step: int) -> torch.Tensor:
+    """The loss of the MLP on the batch of ``step``."""
+    return compiled(torch.randn(16, 8, generator=torch.Generator().manual_seed(step))).square().mean()
+
+
 def _steps(
     model: torch.nn.Module,
     options: dict,
     check: GridCheck,
     scaler: lpcompile.LossScaler | None = None,
     factors: tuple[float, ...] = (1.0,) * STEPS,
+    loss_of: Callable[[Callable, int], torch.Tensor] = _mlp_loss,
+    lr: float = 0.5,
 ) -> list[float]:
     """SGD steps of ``model`` compiled with ``options``, every product watched by ``check``,
-    the loss times ``factors[step]`` scaled by ``scaler`` (``LossScaler("dynamic")``); the
-    same batches on every rank."""
+    the loss (``loss_of(compiled, step)``) times ``factors[step]`` scaled by ``scaler``
+    (``LossScaler("dynamic")``); the same batches on every rank."""
     torch._dynamo.reset()
     compiled = torch.compile(model, backend=watched_backend(options, check))
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
     scaler = scaler or lpcompile.LossScaler("dynamic", init_scale=2.0**10)
     losses = []
     for step, factor in enumerate(factors):
-        x = torch.randn(16, 8, generator=torch.Generator().manual_seed(step))
-        loss = compiled(x).square().mean()
+        loss = loss_of(compiled, step)
         with check:
             scaler.scale(loss * factor).backward()
         scaler.step(optimizer)
@@ -306,6 +313,20 @@ LLAMA_PLAN = {
 }
 
 
+# FP8 rounded to nearest (shards draw other random bits than one process), scaled per layer
+NEAREST_ADAPTIVE = {
+    "recipe": "fp8-e5m2",
+    "loss_scale": "adaptive",
+    "executor": "eager",
+    "loss_scale_interval": 2,
+}
+
+
+def _llama_loss(compiled: Callable, step: int) -> torch.Tensor:
+    ids = torch.randint(0, 100, (2, 8), generator=torch.Generator().manual_seed(step))
+    return compiled(input_ids=ids, labels=ids).loss
+
+
 def train_llama(rank: int, parallel: bool) -> dict:
     """HF Llama (tiny config) trained in FP8 with per-layer adaptive loss scaling, rounding to
     nearest (stochastic rounding in shards draws other bits than on one process), its
@@ -317,21 +338,8 @@ def train_llama(rank: int, parallel: bool) -> dict:
         for block in model.model.layers:
             parallelize_module(block, mesh, LLAMA_PLAN)
     check = GridCheck()
-    torch._dynamo.reset()
-    options = {"recipe": "fp8-e5m2", "loss_scale": "adaptive", "executor": "eager", "loss_scale_interval": 2}
-    compiled = torch.compile(model, backend=watched_backend(options, check))
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     scaler = lpcompile.LossScaler("adaptive")
-    losses = []
-    for step in range(4):
-        ids = torch.randint(0, 100, (2, 8), generator=torch.Generator().manual_seed(step))
-        loss = compiled(input_ids=ids, labels=ids).loss
-        with check:
-            scaler.scale(loss).backward()
-        scaler.step(optimizer)
-        scaler.update()
-        optimizer.zero_grad()
-        losses.append(loss.item())
+    losses = _steps(model, NEAREST_ADAPTIVE, check, scaler, (1.0,) * 4, _llama_loss, lr=0.1)
     history = {t.layer: t.history for t in lpcompile.stats(model)}
     return {"losses": losses, "products": dict(check.products), "history": history}
 
@@ -385,6 +393,10 @@ class SequenceModel(nn.Module):
         return self.head(self.norm(h))
 
 
+def _sequence_loss(compiled: Callable, step: int) -> torch.Tensor:
+    return compiled(torch.randn(2, 8, 8, generator=torch.Generator().manual_seed(step))).square().mean()
+
+
 def train_sequence_parallel(rank: int, parallel: bool) -> dict:
     """:class:`SequenceModel` trained with ``fp8-e5m2`` and per-layer adaptive loss scaling, a
     scaler deciding on each rank alone; where ``parallel``, torchtitan's way: norms and
@@ -409,21 +421,8 @@ def train_sequence_parallel(rank: int, parallel: bool) -> dict:
             }
             parallelize_module(block, mesh, plan)
     check = GridCheck()
-    torch._dynamo.reset()
-    options = {"recipe": "fp8-e5m2", "loss_scale": "adaptive", "executor": "eager", "loss_scale_interval": 2}
-    compiled = torch.compile(model, backend=watched_backend(options, check))
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     scaler = lpcompile.LossScaler("adaptive", process_group=None)  # each rank decides alone
-    losses = []
-    for step in range(4):
-        x = torch.randn(2, 8, 8, generator=torch.Generator().manual_seed(step))
-        loss = compiled(x).square().mean()
-        with check:
-            scaler.scale(loss).backward()
-        scaler.step(optimizer)
-        scaler.update()
-        optimizer.zero_grad()
-        losses.append(loss.item())
+    losses = _steps(model, NEAREST_ADAPTIVE, check, scaler, (1.0,) * 4, _sequence_loss, lr=0.1)
     full = {
         name: (p.full_tensor() if isinstance(p, DTensor) else p).detach()
         for name, p in model.named_parameters()
