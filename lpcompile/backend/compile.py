@@ -40,7 +40,13 @@ from lpcompile.backend.distributed import (
 )
 from lpcompile.backend.records import CompiledGraph
 from lpcompile.backend.state import REGISTRY
-from lpcompile.backend.watch import compiled_module, instance_of, outermost_module, warn_in_eager_function
+from lpcompile.backend.watch import (
+    compiled_module,
+    instance_of,
+    outermost_module,
+    warn_in_eager_function,
+    warn_past_recompile_limit,
+)
 from lpcompile.codegen import fuse_lowprec_kernels
 from lpcompile.config import LowPrecConfig, recipes
 from lpcompile.kernels.cpu import gemm
@@ -80,6 +86,9 @@ torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = True
 # when that forward is torch.nn's (nn.Sequential, nn.Linear); so does a frame Dynamo gave
 # up on with the layers it calls: see backend/distributed.py.
 trace_wrapped_forwards()
+# Past Dynamo's recompile limit, a frame compiled for lowprec runs uncompiled, in FP32:
+# warn, naming the model (backend/watch.py).
+warn_past_recompile_limit(REGISTRY.watches)
 
 # codegen="triton": after the AOT passes, each fusion group becomes one generated Triton kernel.
 CODEGEN_PASSES = (fuse_lowprec_kernels,)

@@ -184,10 +184,16 @@ def compiling_for_lowprec() -> bool:
     ``functools.partial`` of one)."""
     for _, owner in calling_selves(sys._getframe(1)):
         if hasattr(owner, "_torchdynamo_orig_backend"):
-            backend = torch._dynamo.eval_frame.innermost_backend(owner)
-            backend = getattr(backend, "compiler_fn", backend)  # torch.compile's wrapper
-            return getattr(getattr(backend, "func", backend), LOWPREC_BACKEND, False)
+            return is_lowprec_backend(owner)
     return False
+
+
+def is_lowprec_backend(compiler_fn: Any) -> bool:
+    """Whether Dynamo's ``compiler_fn`` (or its callback) wraps a backend function marked
+    :data:`LOWPREC_BACKEND`, through torch.compile's wrapper or a ``functools.partial``."""
+    backend = torch._dynamo.eval_frame.innermost_backend(compiler_fn)
+    backend = getattr(backend, "compiler_fn", backend)  # torch.compile's wrapper
+    return getattr(getattr(backend, "func", backend), LOWPREC_BACKEND, False)
 
 
 def ddp_optimizer_split() -> Any | None:

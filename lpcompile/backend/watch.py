@@ -13,23 +13,32 @@ module's forward (the first whose call starts with the watch's hook in place), o
 warning names every module with parameters none of those calls read, and another the
 sparse tensors the forward was called with or its modules hold: Dynamo does not trace
 them, so their products run uncompiled.
+
+Dynamo also runs a frame it compiled before uncompiled, in FP32, once that code has been
+compiled ``torch._dynamo.config.recompile_limit`` times: each new input shape and each
+``torch.compile`` with other options (a sweep over recipes in one process) compiles it
+anew. :func:`warn_past_recompile_limit` makes Dynamo's check warn, naming the model, where
+that frame was compiled for lowprec.
 """
 
 from __future__ import annotations
 
 import os
 import sys
+import types
 import warnings
 import weakref
 from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch._dynamo import convert_frame
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils.hooks import RemovableHandle
 
 from lpcompile.backend.distributed import (
     calling_selves,
+    is_lowprec_backend,
     product_parameters,
     unsharded_parameters,
     wrapper_kind,
@@ -265,6 +274,8 @@ class CoverageWatches:
         self._by_root: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         # weak: the watch of a root that died before its hook ran does not stay active
         self._active: weakref.WeakSet[CoverageWatch] = weakref.WeakSet()
+        # code that went past Dynamo's recompile limit -> weak references to its backends then
+        self._past_limit: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
     def start(self, root: torch.nn.Module) -> None:
         """Watch ``root``'s next forward, unless it has been watched already."""
@@ -286,3 +297,58 @@ class CoverageWatches:
             return run(*args)
 
         return call
+
+    def warn_past_limit(self, compiling: types.FrameType, limit_type: str) -> None:
+        """Warn where Dynamo, in ``compiling`` (its frame of ``_compile``), hit its
+        ``limit_type`` for a frame compiled for lowprec, which it then runs uncompiled; once
+        per backend and code."""
+        found = compiling.f_locals
+        code, compiler_fn = found.get("code"), found.get("compiler_fn")
+        if not isinstance(code, types.CodeType) or compiler_fn is None or not is_lowprec_backend(compiler_fn):
+            return
+        if found.get("one_graph") or torch._dynamo.config.fail_on_recompile_limit_hit:
+            return  # Dynamo raises instead
+        backend = torch._dynamo.eval_frame.innermost_backend(compiler_fn)
+        backends = self._past_limit.setdefault(code, [])
+        if any(seen() is backend for seen in backends):
+            return
+        backends.append(weakref.ref(backend))
+        frame = found.get("frame")  # the frame Dynamo compiles: a module's forward, or a wrapper of it
+        model = frame.f_locals.get("self") if isinstance(frame, types.FrameType) else None
+        if not isinstance(model, torch.nn.Module):
+            model = compiled_module()
+        what, where = code.co_qualname, code
+        if isinstance(model, torch.nn.Module):
+            what = f"{type(model).__name__}'s forward"
+            where = getattr(type(model).forward, "__code__", code)
+        options = getattr(backend, "kwargs", {}).get("options")  # torch.compile's wrapper's
+        warnings.warn(
+            f"lowprec: Dynamo hit torch._dynamo.config.{limit_type} "
+            f"({getattr(torch._dynamo.config, limit_type)}) compiling {what} "
+            f"({where.co_filename}:{where.co_firstlineno}) for lowprec"
+            f"{f' with options={options}' if options else ''}: it runs this call, and each later"
+            " one that none of the graphs it keeps fits, uncompiled, every product in FP32. Each"
+            " torch.compile of that code with other options (a sweep over recipes in one process)"
+            " and each new input shape counts against the limit. Call torch._dynamo.reset() between"
+            f" the runs of a sweep, raise torch._dynamo.config.{limit_type}, or set"
+            " torch._dynamo.config.fail_on_recompile_limit_hit = True to make this an error;"
+            ' TORCH_LOGS="recompiles" lists why it recompiled',
+            stacklevel=caller_level(),
+        )
+
+
+def warn_past_recompile_limit(watches: CoverageWatches) -> None:
+    """Make Dynamo's recompile-limit check call ``watches.warn_past_limit`` where a frame
+    goes past the limit (once per process)."""
+    if hasattr(convert_frame.exceeds_recompile_limit, "lowprec_original"):
+        return
+    original = convert_frame.exceeds_recompile_limit
+
+    def exceeds_recompile_limit(*args: Any, **kwargs: Any) -> tuple[bool, str]:
+        exceeded, limit_type = original(*args, **kwargs)
+        if exceeded:
+            watches.warn_past_limit(sys._getframe(1), limit_type)
+        return exceeded, limit_type
+
+    exceeds_recompile_limit.lowprec_original = original
+    convert_frame.exceeds_recompile_limit = exceeds_recompile_limit

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import copy
 import warnings
+from collections.abc import Callable
 
+import pytest
 import torch
 from grid import GridCheck, watched_backend
 from models import Records
@@ -346,3 +348,75 @@ def test_sparse_tensors_a_model_runs_with_are_named_once():
     assert _sparse_warnings(GraphConvolution(), adj=adj.to_dense()) == []
     jagged = torch.nested.nested_tensor([torch.randn(2, 8), torch.randn(3, 8)], layout=torch.jagged)
     assert sparse_tensors(GraphConvolution(), (jagged,), {}) == []  # Dynamo traces nested tensors
+
+
+class Sweep(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(self.fc(x))
+
+
+def _past_limit(
+    compiles: list[tuple[str, dict]],
+    shapes: tuple[int, ...] = (4,),
+    make: Callable[[], nn.Module] = Sweep,
+    **compile_kwargs,
+) -> tuple:
+    """Run a model from ``make`` compiled with each (backend, options) of ``compiles`` on
+    inputs of each batch size, with Dynamo's recompile limit at 2: whether each call gave
+    FP32 eager's bits, and lowprec's recompile-limit warnings."""
+    torch._dynamo.reset()
+    fp32 = []
+    with torch._dynamo.config.patch(recompile_limit=2), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for backend, options in compiles:
+            model = make()
+            run = torch.compile(model, backend=backend, options=options, **compile_kwargs)
+            for rows in shapes:
+                x = torch.randn(rows, 8)
+                fp32.append(torch.equal(run(x), model(x)))
+    return fp32, [w for w in caught if "lowprec: Dynamo hit" in str(w.message)]
+
+
+def test_a_recipe_sweep_past_dynamos_recompile_limit_is_named():
+    """Each torch.compile with other options compiles the model's forward anew; past the
+    limit Dynamo runs it uncompiled. One warning names the model, the limit and the options
+    of the first compile it ran in FP32, at the user's line."""
+    recipes = ("fp8-e5m2", "fp8-e5m2-sr", "fp8-hybrid", "bf16")
+    fp32, found = _past_limit([("lowprec", {"recipe": r, "executor": "eager"}) for r in recipes])
+    assert fp32 == [False, False, True, True]  # the last two sweeps ran unrounded
+    assert len(found) == 1
+    message = str(found[0].message)
+    assert "recompile_limit (2) compiling Sweep's forward" in message
+    assert "options={'recipe': 'fp8-hybrid', 'executor': 'eager'}" in message
+    assert found[0].filename == __file__
+
+
+def test_new_shapes_past_the_limit_are_named_once():
+    """An nn.Sequential: Dynamo compiles a wrapper of its call; the warning names its class
+    and its forward's source."""
+
+    def make() -> nn.Module:
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(8, 8), nn.ReLU())
+
+    fp32, found = _past_limit([("lowprec", EAGER_SR)], shapes=(1, 2, 3, 4), make=make, dynamic=False)
+    assert fp32 == [False, False, True, True]
+    assert len(found) == 1
+    assert f"Sequential's forward ({nn.Sequential.forward.__code__.co_filename}:" in str(found[0].message)
+
+
+def test_other_backends_and_hard_failures_past_the_limit_are_not_named():
+    fp32, found = _past_limit([("eager", None)] * 3)
+    assert fp32 == [True] * 3 and found == []
+    with pytest.raises(torch._dynamo.exc.FailOnRecompileLimitHit):
+        _past_limit([("lowprec", EAGER_SR)], shapes=(1, 2, 3), dynamic=False, fullgraph=True)
+    with (
+        torch._dynamo.config.patch(fail_on_recompile_limit_hit=True),
+        pytest.raises(torch._dynamo.exc.FailOnRecompileLimitHit),
+    ):
+        _past_limit([("lowprec", EAGER_SR)], shapes=(1, 2, 3), dynamic=False)
