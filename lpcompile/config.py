@@ -104,7 +104,9 @@ class QuantSpec:
     the dimension its matmul sums over (every matmul, forward and backward, rounds its
     operands so; a convolution's and fused attention's per tensor); the ``_pow2`` scalings
     round the factors down to powers of two; ``"mx"`` gives each block of 32 values of a
-    row a power-of-two factor (OCP microscaling's E8M0 scale), ``"nvfp4"`` each block of
+    row a power-of-two factor (OCP microscaling's E8M0 scale), ``"mx_ceil"`` and
+    ``"mx_rceil"`` the same rounded up (torchao's ``CEIL`` and cuBLAS's ``RCEIL`` scale
+    calculations), ``"nvfp4"`` each block of
     16 an E4M3 factor under an FP32 one per tensor (NVIDIA's NVFP4).
     """
 
@@ -182,6 +184,15 @@ _RECIPES: dict[str, tuple[str, dict[str, Any]]] = {
         " block of 32 values along a matmul's summed dimension scaled by a power of two"
         " (nearest even); weight gradients unrounded",
         _specs(QuantSpec("e4m3", scaling="mx"), QuantSpec("e4m3", overflow="inf", scaling="mx"), OFF),
+    ),
+    "mxfp8-rceil": (
+        "mxfp8 with each block's scale rounded up as cuBLAS rounds it: 2^ceil(log2(amax / 448))"
+        " (torchao's RCEIL, the default of its MXFP8 grouped-matmul training)",
+        _specs(
+            QuantSpec("e4m3", scaling="mx_rceil"),
+            QuantSpec("e4m3", overflow="inf", scaling="mx_rceil"),
+            OFF,
+        ),
     ),
     "nvfp4": (
         "NVIDIA's NVFP4 training: E2M1 weights, activations and errors, each block of 16 values"

@@ -26,8 +26,6 @@ Inductor itself is imported (a plain ``torch.compile`` of code that calls
 
 from __future__ import annotations
 
-import math
-
 import torch
 from torch._inductor import decomposition, ir
 from torch._inductor.decomposition import register_decomposition
@@ -43,6 +41,7 @@ from lpcompile.numerics.quantize import (
     E4M3_MAX,
     E4M3_TINY,
     FP32_MAX,
+    MX_MODES,
     check_args,
     dynamic_scale,
     is_rowwise,
@@ -161,7 +160,10 @@ def _lower_quantize(
         return _round(x, target, (rounding, overflow, load_key), load_scale, lambda index: index, strides)
     size = BLOCK_SCALINGS[scaling][0]
     blocks = _in_blocks(x, shape, size)
-    load_factor = {"mx": _mx_factors, "nvfp4": _nvfp4_factors}[scaling](blocks, target).make_loader()
+    if scaling in MX_MODES:
+        load_factor = _mx_factors(blocks, target, MX_MODES[scaling]).make_loader()
+    else:
+        load_factor = _nvfp4_factors(blocks, target).make_loader()
 
     def element(index):  # the element of x at an index of the blocks (past its end: padding)
         return [*index[:-2], index[-2] * size + index[-1]]
@@ -241,16 +243,15 @@ def _in_blocks(x: ir.TensorBox, shape: list, size: int) -> ir.TensorBox:
     return lowerings[aten.view.default](x, [*shape[:-1], blocks, size])
 
 
-def _mx_factors(blocks: ir.TensorBox, target) -> ir.TensorBox:
+def _mx_factors(blocks: ir.TensorBox, target, mode: str) -> ir.TensorBox:
     """:func:`lpcompile.numerics.quantize.mx_factor` of each block (the last dimension kept,
     as size 1), computed once into a buffer."""
     magnitude = lowerings[aten.abs.default](to_dtype(blocks, torch.float32))
     load_amax = lowerings[aten.amax.default](magnitude, [-1], True).make_loader()
-    max_exp = math.frexp(target.max)[1] - 1
     factors = ir.Pointwise.create(
         device=blocks.get_device(),
         dtype=torch.float32,
-        inner_fn=lambda index: mx_factor(load_amax(index), max_exp, ops),
+        inner_fn=lambda index: mx_factor(load_amax(index), target.max, mode, ops),
         ranges=[*blocks.get_size()[:-1], 1],
     )
     factors.realize()

@@ -44,17 +44,32 @@ OVERFLOWS = ("saturate", "inf")
 # (torchao's axiswise scaling: the backend rounds each matmul operand along the dimension
 # that matmul sums over, passes/joint/rowwise.py); "_pow2": the factors rounded down to
 # powers of two; "mx": OCP microscaling, a power-of-two factor per block of MX_BLOCK values
-# along the last dimension (along the summed dimension, as rowwise); "nvfp4": NVIDIA's
-# two-level scaling, an E4M3 factor per block of NVFP4_BLOCK values under an FP32 one per
-# tensor.
-SCALINGS = ("none", "tensorwise", "tensorwise_pow2", "rowwise", "rowwise_pow2", "mx", "nvfp4")
+# along the last dimension (along the summed dimension, as rowwise), "mx_ceil" and
+# "mx_rceil" the same with the scale rounded up (MX_MODES); "nvfp4": NVIDIA's two-level
+# scaling, an E4M3 factor per block of NVFP4_BLOCK values under an FP32 one per tensor.
+SCALINGS = (
+    "none",
+    "tensorwise",
+    "tensorwise_pow2",
+    "rowwise",
+    "rowwise_pow2",
+    "mx",
+    "mx_ceil",
+    "mx_rceil",
+    "nvfp4",
+)
+# MX scalings -> how the block's scale is computed (torchao's ScaleCalculationMode)
+MX_MODES = {"mx": "floor", "mx_ceil": "ceil", "mx_rceil": "rceil"}
 MX_BLOCK = 32
 NVFP4_BLOCK = 16
 # NVFP4's block scales are E4M3 values, at least its smallest normal one
 E4M3_MAX, E4M3_TINY = torch.finfo(torch.float8_e4m3fn).max, torch.finfo(torch.float8_e4m3fn).tiny
 # block scalings -> (values per block, the per-tensor scaling that stands in for them
 # where a product is no matmul)
-BLOCK_SCALINGS = {"mx": (MX_BLOCK, "tensorwise_pow2"), "nvfp4": (NVFP4_BLOCK, "tensorwise")}
+BLOCK_SCALINGS = {
+    **{mx: (MX_BLOCK, "tensorwise_pow2") for mx in MX_MODES},
+    "nvfp4": (NVFP4_BLOCK, "tensorwise"),
+}
 # The smallest largest-magnitude a factor is computed from (torchao's): an all-zero or
 # nearly zero tensor is not blown up to the format's range.
 AMAX_FLOOR = 1e-12
@@ -169,7 +184,7 @@ def round_value(xf, fmt: FloatFormat, rounding: str, overflow: str, random, ops=
 
 def is_rowwise(scaling: str) -> bool:
     """Whether ``scaling`` gives each row of the last dimension (or each block of a row)
-    factors of its own: ``"rowwise"``, ``"rowwise_pow2"``, ``"mx"``, ``"nvfp4"``."""
+    factors of its own: ``"rowwise"``, ``"rowwise_pow2"``, the MX scalings, ``"nvfp4"``."""
     return scaling.startswith("rowwise") or scaling in BLOCK_SCALINGS
 
 
@@ -188,23 +203,43 @@ def per_tensor(scaling: str) -> str:
     return scaling.replace("rowwise", "tensorwise")
 
 
-def mx_factor(amax, max_exp: int, ops=rng.TorchOps):
-    """The factor of an MX block whose largest magnitude is ``amax`` (FP32): one over the
-    OCP MX scale ``2^(floor(log2(amax)) - max_exp)`` (``max_exp``: the exponent of the
-    element format's largest value), the scale at least 2^-126 (torchao's ``FLOOR`` mode,
-    which clamps E8M0's exponent to FP32's normal range); NaN for an infinite or NaN
-    ``amax``. Read off ``amax``'s exponent bits, in ``ops``' terms (see :func:`round_bits`)."""
-    i32 = torch.int32
+def mx_factor(amax, largest: float, mode: str = "floor", ops=rng.TorchOps):
+    """The factor (one over the E8M0 scale) of an MX block whose largest magnitude is
+    ``amax`` (FP32), for an element format whose largest value is ``largest``, as torchao's
+    scale calculation ``mode`` computes it: ``"floor"`` (the OCP MX spec's) the scale
+    ``2^(floor(log2(amax)) - max_exp)`` (``max_exp``: the exponent of ``largest``), ``"ceil"``
+    ``2^(ceil(log2(amax)) - max_exp)``, both at least 2^-126; ``"rceil"`` (cuBLAS's and
+    TransformerEngine's) ``2^ceil(log2(amax / largest))``, the quotient rounded to FP32 and
+    its exponent clamped to [-127, 127], a quotient of at most 2^-127 (an all-zero block)
+    giving the factor 1. NaN for an infinite or NaN ``amax``. Read off exponent bits, in
+    ``ops``' terms (see :func:`round_bits`)."""
+    i32, f32 = torch.int32, torch.float32
 
     def const(value: int):
         return ops.constant(value, i32)
 
-    bits = ops.to_dtype_bitcast(amax, i32, torch.float32)
-    exponent = ops.bitwise_and(ops.bitwise_right_shift(bits, const(23)), const(0xFF))
-    biased = ops.sub(exponent, const(max_exp))  # the scale's biased exponent
-    biased = ops.where(ops.lt(biased, const(1)), const(1), biased)
-    factor = ops.to_dtype_bitcast(ops.mul(ops.sub(const(254), biased), const(1 << 23)), torch.float32, i32)
-    return ops.where(ops.gt(exponent, const(254)), ops.constant(float("nan"), torch.float32), factor)
+    def exponent_and_rest(value):  # the biased exponent, and whether any mantissa bit is set
+        bits = ops.to_dtype_bitcast(value, i32, f32)
+        exponent = ops.bitwise_and(ops.bitwise_right_shift(bits, const(23)), const(0xFF))
+        return exponent, ops.bitwise_and(bits, const(0x7FFFFF))
+
+    def power(biased):  # 2^(127 - biased), for biased in [1, 253]
+        return ops.to_dtype_bitcast(ops.mul(ops.sub(const(254), biased), const(1 << 23)), f32, i32)
+
+    if mode == "rceil":
+        exponent, mantissa = exponent_and_rest(ops.truediv(amax, ops.constant(largest, f32)))
+        # ceil(log2) of a subnormal quotient clamps to -127, or is -126 above 2^-127
+        subnormal = ops.to_dtype(ops.gt(mantissa, const(1 << 22)), i32)
+        biased = ops.add(exponent, ops.to_dtype(ops.gt(mantissa, const(0)), i32))
+        biased = ops.where(ops.lt(exponent, const(1)), subnormal, biased)
+        factor = ops.where(ops.lt(biased, const(1)), ops.constant(1.0, f32), power(biased))
+    else:
+        exponent, mantissa = exponent_and_rest(amax)
+        biased = ops.sub(exponent, const(math.frexp(largest)[1] - 1))  # the scale's biased exponent
+        if mode == "ceil":
+            biased = ops.add(biased, ops.to_dtype(ops.gt(mantissa, const(0)), i32))
+        factor = power(ops.where(ops.lt(biased, const(1)), const(1), biased))
+    return ops.where(ops.gt(exponent, const(254)), ops.constant(float("nan"), f32), factor)
 
 
 def _rank(x: torch.Tensor | torch.fx.Proxy) -> int:
@@ -234,12 +269,12 @@ def _per_value(factors: torch.Tensor, block: int, like: torch.Tensor) -> torch.T
     return factors[..., index].reshape(like.shape)
 
 
-def mx_factors(x: torch.Tensor, max_exp: int) -> torch.Tensor:
+def mx_factors(x: torch.Tensor, largest: float, mode: str) -> torch.Tensor:
     """:func:`mx_factor` of each block of :data:`MX_BLOCK` values along ``x``'s last
     dimension (the last block as if padded with zeros), repeated over its values."""
     magnitude = x.detach().abs().float()
     rows = magnitude.reshape(1) if _rank(x) == 0 else magnitude  # a 0-dim x: one block
-    return _per_value(mx_factor(_block_amax(rows, MX_BLOCK), max_exp), MX_BLOCK, x)
+    return _per_value(mx_factor(_block_amax(rows, MX_BLOCK), largest, mode), MX_BLOCK, x)
 
 
 def nvfp4_factors(x: torch.Tensor, largest: float) -> torch.Tensor:
@@ -261,7 +296,7 @@ def nvfp4_factors(x: torch.Tensor, largest: float) -> torch.Tensor:
 def dynamic_scale(x: torch.Tensor, largest: float, scaling: str) -> torch.Tensor:
     """The factors ``scaling`` rounds ``x`` with, in FP32: one (a 0-dim tensor) for a
     tensorwise scaling, one per row of the last dimension (keeping it, as size 1) for a
-    rowwise one, one per element for ``"mx"`` and ``"nvfp4"`` (its block's:
+    rowwise one, one per element for the MX scalings and ``"nvfp4"`` (its block's:
     :func:`mx_factors`, :func:`nvfp4_factors`). Each
     tensorwise or rowwise factor is ``largest`` (the format's largest finite value) over the largest
     magnitude it scales, that at least :data:`AMAX_FLOOR`, computed in float64 and rounded to
@@ -271,8 +306,8 @@ def dynamic_scale(x: torch.Tensor, largest: float, scaling: str) -> torch.Tensor
     them."""
     if not isinstance(x, torch.fx.Proxy) and x.numel() == 0:  # (a pass traces it with proxies)
         return torch.ones((), dtype=torch.float32, device=x.device)
-    if scaling == "mx":
-        return mx_factors(x, math.frexp(largest)[1] - 1)
+    if scaling in MX_MODES:
+        return mx_factors(x, largest, MX_MODES[scaling])
     if scaling == "nvfp4":
         return nvfp4_factors(x, largest)
     magnitude = x.detach().abs()
@@ -518,7 +553,8 @@ def quantize(
     finite value over ``x``'s largest magnitude (:func:`dynamic_scale`; ``x`` times it
     is clamped to the format's range), ``"rowwise"`` one such factor per row of the last
     dimension, and the ``_pow2`` scalings those rounded down to powers of two; ``"mx"`` a
-    power-of-two factor per block of 32 values of a row (:func:`mx_factor`); ``"nvfp4"``
+    power-of-two factor per block of 32 values of a row (:func:`mx_factor`; ``"mx_ceil"``
+    and ``"mx_rceil"`` its other scale calculations); ``"nvfp4"``
     an E4M3 factor per block of 16 under a per-tensor one (:func:`nvfp4_factors`); no
     ``scale`` goes with them.
     """

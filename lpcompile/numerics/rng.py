@@ -69,6 +69,7 @@ class TorchOps:
     add = staticmethod(torch.add)
     sub = staticmethod(torch.sub)
     mul = staticmethod(torch.mul)
+    truediv = staticmethod(torch.true_divide)
     lt = staticmethod(torch.lt)
     gt = staticmethod(torch.gt)
     where = staticmethod(torch.where)

@@ -257,8 +257,9 @@ def test_a_weight_read_along_its_first_dimension_is_scaled_per_column(executor):
 # -- MX: blocks of 32 along each matmul's summed dimension ---------------------------------
 
 
-def _torchao_mx_linear(x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
-    """torchao's MXFP8 training matmul (emulated: its casts in torch), the bias added after."""
+def _torchao_mx_linear(x: torch.Tensor, layer: nn.Linear, mode: str) -> torch.Tensor:
+    """torchao's MXFP8 training matmul (emulated: its casts in torch) with the scale
+    calculation ``mode``, the bias added after."""
     mxfp8 = pytest.importorskip("torchao.prototype.moe_training.mxfp8_linear")
     config = pytest.importorskip("torchao.prototype.mx_formats.config")
     kernels = pytest.importorskip("torchao.quantization.quantize_.common.kernel_preference")
@@ -273,29 +274,31 @@ def _torchao_mx_linear(x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
         kernels.KernelPreference.EMULATED,
         config.MXFP8Dim0CastKernelChoice.TORCH,
         torch_cast,
-        config.ScaleCalculationMode.FLOOR,
+        getattr(config.ScaleCalculationMode, mode),
         False,
     )
     return y + layer.bias
 
 
+@pytest.mark.parametrize("recipe, mode", [("mxfp8", "FLOOR"), ("mxfp8-rceil", "RCEIL")])
 @pytest.mark.parametrize("executor", ["inductor", "eager"])
-def test_mxfp8_step_equals_torchao_mxfp8_training(executor):
+def test_mxfp8_step_equals_torchao_mxfp8_training(executor, recipe, mode):
     x = _inputs(32)  # torchao's casts along the tokens need a multiple of 32 of them
-    model, out = _compiled({"recipe": "mxfp8", "executor": executor}, x)
+    model, out = _compiled({"recipe": recipe, "executor": executor}, x)
     peer = _mlp()
     x_peer = x.detach().requires_grad_()
-    expected = _torchao_mx_linear(torch.relu(_torchao_mx_linear(x_peer, peer[0])), peer[2])
+    expected = _torchao_mx_linear(torch.relu(_torchao_mx_linear(x_peer, peer[0], mode)), peer[2], mode)
     expected.square().mean().backward()
     assert torch.equal(out, expected.detach())
     assert torch.equal(x.grad, x_peer.grad)
     for i in (0, 2):
         assert torch.equal(model[i].weight.grad, peer[i].weight.grad), i
+    scaling = {"FLOOR": "mx", "RCEIL": "mx_rceil"}[mode]
     rows = {row.layer: row.quantized for row in lpcompile.coverage(model)}
     assert rows["0"] == {
-        "weight": "e4m3 nearest saturate mx",
-        "activation": "e4m3 nearest saturate mx",
-        "error": "e4m3 nearest inf mx",
+        "weight": f"e4m3 nearest saturate {scaling}",
+        "activation": f"e4m3 nearest saturate {scaling}",
+        "error": f"e4m3 nearest inf {scaling}",
     }
 
 
