@@ -107,7 +107,9 @@ class QuantSpec:
     row a power-of-two factor (OCP microscaling's E8M0 scale), ``"mx_ceil"`` and
     ``"mx_rceil"`` the same rounded up (torchao's ``CEIL`` and cuBLAS's ``RCEIL`` scale
     calculations), ``"nvfp4"`` each block of
-    16 an E4M3 factor under an FP32 one per tensor (NVIDIA's NVFP4).
+    16 an E4M3 factor under an FP32 one per tensor (NVIDIA's NVFP4), ``"nvfp4_2d"`` each
+    tile of 16 x 16 values of the last two dimensions (NVIDIA's NVFP4 weights: one rounding
+    for every matmul that reads it).
     """
 
     fmt: str | None = None
@@ -203,6 +205,18 @@ _RECIPES: dict[str, tuple[str, dict[str, Any]]] = {
             QuantSpec("e2m1-finite", "stochastic", "inf", scaling="nvfp4"),
             OFF,
         ),
+    ),
+    "nvfp4-2d": (
+        "nvfp4 with NVIDIA's weights: each tile of 16 x 16 weight values scaled by an E4M3 factor,"
+        " one rounding that the forward's and the input gradient's matmuls both read",
+        {
+            **_specs(
+                QuantSpec("e2m1-finite", scaling="nvfp4"),
+                QuantSpec("e2m1-finite", "stochastic", "inf", scaling="nvfp4"),
+                OFF,
+            ),
+            "weight": QuantSpec("e2m1-finite", scaling="nvfp4_2d"),
+        },
     ),
 }
 _ALS = {"loss_scale": "adaptive"}

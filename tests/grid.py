@@ -159,6 +159,22 @@ def torchao_nvfp4(t: torch.Tensor, dim: int = -1) -> tuple[torch.Tensor, torch.T
     return back(codes * block), back(1 / block)
 
 
+def torchao_nvfp4_tiles(t: torch.Tensor) -> torch.Tensor:
+    """``t`` (2-dim, each dimension a multiple of 16) rounded as NVIDIA's NVFP4 weights: an
+    E4M3 scale per tile of 16 x 16 values (the tile's largest magnitude over 6, over
+    torchao's per-tensor scale), the tile divided by it times the per-tensor scale, cast by
+    torchao's FP32 -> FP4 conversion, multiplied back."""
+    nvfp4 = pytest.importorskip("torchao.prototype.mx_formats.nvfp4_tensor")
+    kernels = pytest.importorskip("torchao.prototype.mx_formats.kernels")
+    per_tensor = nvfp4.per_tensor_amax_to_scale(t.abs().amax())
+    tiles = t.float().unflatten(-1, (-1, 16)).unflatten(0, (-1, 16))  # [rows / 16, 16, cols / 16, 16]
+    amax = tiles.abs().amax((1, 3), keepdim=True)
+    tiny, largest = torch.finfo(torch.float8_e4m3fn).tiny, torch.finfo(torch.float8_e4m3fn).max
+    scale = (amax / 6.0 / per_tensor).clamp(tiny, largest).to(torch.float8_e4m3fn).float() * per_tensor
+    codes = kernels.f4_unpacked_to_f32(kernels.f32_to_f4_unpacked((tiles / scale).clamp(-6.0, 6.0)))
+    return (codes * scale).flatten(2).flatten(0, 1)
+
+
 def on_nvfp4_blocks(func: Any, position: int, t: torch.Tensor) -> bool:
     """A matmul's operand: in each block of 16 values along the dimension the matmul sums
     over (the last one padded with zeros), every value times 6 (or 4, where stochastic

@@ -46,7 +46,9 @@ OVERFLOWS = ("saturate", "inf")
 # powers of two; "mx": OCP microscaling, a power-of-two factor per block of MX_BLOCK values
 # along the last dimension (along the summed dimension, as rowwise), "mx_ceil" and
 # "mx_rceil" the same with the scale rounded up (MX_MODES); "nvfp4": NVIDIA's two-level
-# scaling, an E4M3 factor per block of NVFP4_BLOCK values under an FP32 one per tensor.
+# scaling, an E4M3 factor per block of NVFP4_BLOCK values under an FP32 one per tensor;
+# "nvfp4_2d" the same per tile of NVFP4_BLOCK x NVFP4_BLOCK values of the last two
+# dimensions (NVIDIA's weights: one rounding that every matmul reading it sums alike).
 SCALINGS = (
     "none",
     "tensorwise",
@@ -57,6 +59,7 @@ SCALINGS = (
     "mx_ceil",
     "mx_rceil",
     "nvfp4",
+    "nvfp4_2d",
 )
 # MX scalings -> how the block's scale is computed (torchao's ScaleCalculationMode)
 MX_MODES = {"mx": "floor", "mx_ceil": "ceil", "mx_rceil": "rceil"}
@@ -191,7 +194,7 @@ def is_rowwise(scaling: str) -> bool:
 def reads_whole_tensor(scaling: str) -> bool:
     """Whether ``scaling``'s factors depend on the whole tensor's largest magnitude (a
     vmapped tensor's slices each get their own)."""
-    return scaling.startswith("tensorwise") or scaling == "nvfp4"
+    return scaling.startswith("tensorwise") or scaling.startswith("nvfp4")
 
 
 def per_tensor(scaling: str) -> str:
@@ -277,26 +280,46 @@ def mx_factors(x: torch.Tensor, largest: float, mode: str) -> torch.Tensor:
     return _per_value(mx_factor(_block_amax(rows, MX_BLOCK), largest, mode), MX_BLOCK, x)
 
 
-def nvfp4_factors(x: torch.Tensor, largest: float) -> torch.Tensor:
+def _tile_amax(magnitude: torch.Tensor, tile: int) -> torch.Tensor:
+    """The largest of each ``tile`` x ``tile`` tile of the last two dimensions of
+    ``magnitude`` (at least 2-dim), the last tiles as if padded with zeros."""
+    rows, cols = magnitude.shape[-2:]
+    down, across = -(-rows // tile), -(-cols // tile)
+    padded = torch.nn.functional.pad(magnitude, (0, across * tile - cols, 0, down * tile - rows))
+    return padded.unflatten(-1, (across, tile)).unflatten(-3, (down, tile)).amax((-3, -1))
+
+
+def nvfp4_factors(x: torch.Tensor, largest: float, tiles: bool = False) -> torch.Tensor:
     """NVIDIA's two-level NVFP4 factors of ``x``, one per element (its block's), as
     torchao's ``nvfp4_quantize`` computes them: a per-tensor scale ``amax / (448 *
     largest)`` (``amax`` at least :data:`AMAX_FLOOR`), and for each block of
     :data:`NVFP4_BLOCK` values along the last dimension (the last one as if padded with
     zeros) its largest magnitude over ``largest`` divided by that, clamped to E4M3's normal
     range and rounded to E4M3; the factor is one over the per-tensor scale, divided by the
-    block's. An infinite or NaN magnitude makes every factor 0 or NaN."""
+    block's. With ``tiles``, a block is a tile of :data:`NVFP4_BLOCK` x :data:`NVFP4_BLOCK`
+    values of the last two dimensions (a tensor of fewer is one row). An infinite or NaN
+    magnitude makes every factor 0 or NaN."""
     magnitude = x.detach().abs().float()
     rows = magnitude.reshape(1) if _rank(x) == 0 else magnitude  # a 0-dim x: one block
     tensor_scale = magnitude.amax().clamp(min=AMAX_FLOOR) / (E4M3_MAX * largest)
-    block_scale = _block_amax(rows, NVFP4_BLOCK) / largest / tensor_scale
+    if tiles:
+        rows = rows.reshape(1, -1) if _rank(x) < 2 else rows
+        block_amax = _tile_amax(rows, NVFP4_BLOCK)
+    else:
+        block_amax = _block_amax(rows, NVFP4_BLOCK)
+    block_scale = block_amax / largest / tensor_scale
     block_scale = block_scale.clamp(E4M3_TINY, E4M3_MAX).to(torch.float8_e4m3fn).float()
-    return _per_value((1.0 / tensor_scale) / block_scale, NVFP4_BLOCK, x)
+    factors = (1.0 / tensor_scale) / block_scale
+    if tiles and _rank(x) >= 2:  # each tile's factor over its rows first
+        index = torch.arange(x.shape[-2], device=factors.device) // NVFP4_BLOCK
+        factors = factors.index_select(-2, index)
+    return _per_value(factors, NVFP4_BLOCK, x)
 
 
 def dynamic_scale(x: torch.Tensor, largest: float, scaling: str) -> torch.Tensor:
     """The factors ``scaling`` rounds ``x`` with, in FP32: one (a 0-dim tensor) for a
     tensorwise scaling, one per row of the last dimension (keeping it, as size 1) for a
-    rowwise one, one per element for the MX scalings and ``"nvfp4"`` (its block's:
+    rowwise one, one per element for the MX and NVFP4 scalings (its block's or tile's:
     :func:`mx_factors`, :func:`nvfp4_factors`). Each
     tensorwise or rowwise factor is ``largest`` (the format's largest finite value) over the largest
     magnitude it scales, that at least :data:`AMAX_FLOOR`, computed in float64 and rounded to
@@ -308,8 +331,8 @@ def dynamic_scale(x: torch.Tensor, largest: float, scaling: str) -> torch.Tensor
         return torch.ones((), dtype=torch.float32, device=x.device)
     if scaling in MX_MODES:
         return mx_factors(x, largest, MX_MODES[scaling])
-    if scaling == "nvfp4":
-        return nvfp4_factors(x, largest)
+    if scaling.startswith("nvfp4"):
+        return nvfp4_factors(x, largest, tiles=scaling == "nvfp4_2d")
     magnitude = x.detach().abs()
     rows = is_rowwise(scaling) and _rank(x) > 0
     amax = (magnitude.amax(-1, keepdim=True) if rows else magnitude.amax()).to(torch.float64)
@@ -555,7 +578,8 @@ def quantize(
     dimension, and the ``_pow2`` scalings those rounded down to powers of two; ``"mx"`` a
     power-of-two factor per block of 32 values of a row (:func:`mx_factor`; ``"mx_ceil"``
     and ``"mx_rceil"`` its other scale calculations); ``"nvfp4"``
-    an E4M3 factor per block of 16 under a per-tensor one (:func:`nvfp4_factors`); no
+    an E4M3 factor per block of 16 under a per-tensor one (:func:`nvfp4_factors`),
+    ``"nvfp4_2d"`` per tile of 16 x 16 of the last two dimensions; no
     ``scale`` goes with them.
     """
     name = parse_format(fmt).name if isinstance(fmt, FloatFormat) else fmt

@@ -5,15 +5,20 @@ float8 training (its CPU emulation), and in the reports."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
-from grid import GridCheck, grid_step, on_scaled_fp8_rows, torchao_nvfp4
+from grid import GridCheck, grid_step, on_nvfp4_blocks, on_scaled_fp8_rows, torchao_nvfp4, torchao_nvfp4_tiles
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import lpcompile
 from lpcompile.backend.state import REGISTRY
 from lpcompile.config import LowPrecConfig
 from lpcompile.passes.joint import rowwise
+
+aten = torch.ops.aten
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 # Factors that are not powers of two, and E5M2 errors: not torchao's recipe, checked by hand
@@ -328,20 +333,22 @@ def _nvfp4(t: torch.Tensor, dim: int) -> torch.Tensor:
 
 
 class _NVFP4Linear(torch.autograd.Function):
-    """``F.linear`` with every GEMM's operands rounded by torchao along the dimension it sums over."""
+    """``F.linear`` with every GEMM's operands rounded by torchao along the dimension it sums
+    over; with ``tiles``, the weight rounded once per tile of 16 x 16, for both GEMMs."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias):
+    def forward(ctx, x, weight, bias, tiles):
         ctx.save_for_backward(x, weight)
-        return _nvfp4(x, -1) @ _nvfp4(weight, -1).T + bias
+        ctx.tiles = tiles
+        return _nvfp4(x, -1) @ (torchao_nvfp4_tiles(weight) if tiles else _nvfp4(weight, -1)).T + bias
 
     @staticmethod
     def backward(ctx, grad):
         x, weight = ctx.saved_tensors
         x2, grad2 = x.reshape(-1, x.shape[-1]), grad.reshape(-1, grad.shape[-1])
-        grad_x = _nvfp4(grad2, -1) @ _nvfp4(weight, 0)
+        grad_x = _nvfp4(grad2, -1) @ (torchao_nvfp4_tiles(weight) if ctx.tiles else _nvfp4(weight, 0))
         grad_w = _nvfp4(grad2, 0).T @ _nvfp4(x2, 0)
-        return grad_x.reshape(x.shape), grad_w, _nvfp4(grad2, -1).sum(0)
+        return grad_x.reshape(x.shape), grad_w, _nvfp4(grad2, -1).sum(0), None
 
 
 @pytest.mark.parametrize("executor", ["inductor", "eager"])
@@ -353,8 +360,8 @@ def test_nvfp4_step_equals_the_model_written_with_torchao_nvfp4_quantize(executo
     model, out = _compiled(options, x)
     peer = _mlp()
     x_peer = x.detach().requires_grad_()
-    h = torch.relu(_NVFP4Linear.apply(x_peer, peer[0].weight, peer[0].bias))
-    expected = _NVFP4Linear.apply(h, peer[2].weight, peer[2].bias)
+    h = torch.relu(_NVFP4Linear.apply(x_peer, peer[0].weight, peer[0].bias, False))
+    expected = _NVFP4Linear.apply(h, peer[2].weight, peer[2].bias, False)
     expected.square().mean().backward()
     close = {"rtol": 1e-5, "atol": 1e-7}
     torch.testing.assert_close(out, expected.detach(), **close)
@@ -363,6 +370,40 @@ def test_nvfp4_step_equals_the_model_written_with_torchao_nvfp4_quantize(executo
         torch.testing.assert_close(model[i].weight.grad, peer[i].weight.grad, **close)
     rows = {row.layer: row.quantized for row in lpcompile.coverage(model)}
     assert rows["0"]["error"] == "e2m1-finite nearest inf nvfp4"
+
+
+class _Operands(TorchDispatchMode):
+    """The operands of every ``mm`` and ``addmm`` that ran: (op, position, tensor)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[tuple[Any, int, torch.Tensor]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in (aten.mm.default, aten.addmm.default):
+            first = int(func == aten.addmm.default)
+            self.seen += [(func, first + i, args[first + i].detach().clone()) for i in range(2)]
+        return func(*args, **(kwargs or {}))
+
+
+def test_nvfp4_2d_weights_are_one_rounding_per_tile_for_both_gemms():
+    """``nvfp4-2d``: the forward's GEMM reads each weight as rounded per tile of 16 x 16
+    (checked against the tiles rounded with torchao's FP4 cast), and the input gradient's
+    GEMM reads the same values; the other operands are NVFP4 blocks along the summed
+    dimension. The eager executor: a dispatch mode sees its calls."""
+    x = _inputs()
+    seen = _Operands()
+    grid_step(_mlp(), {"input": x}, {"recipe": "nvfp4-2d", "executor": "eager"}, seen)
+    peer = _mlp()
+    for weight in (peer[0].weight, peer[2].weight):
+        tiles = torchao_nvfp4_tiles(weight.detach())
+        forward = [t for _, _, t in seen.seen if t.shape == weight.T.shape]  # x @ w.T
+        backward = [t for _, _, t in seen.seen if t.shape == weight.shape]  # grad_y @ w
+        assert len(forward) == 1 and len(backward) == 1
+        torch.testing.assert_close(forward[0].T, tiles, rtol=2.0**-22, atol=0.0)
+        assert torch.equal(backward[0], forward[0].T)
+    others = [(f, i, t) for f, i, t in seen.seen if 16 in t.shape]  # the tokens' operands
+    assert len(others) == 8 and all(on_nvfp4_blocks(f, i, t) for f, i, t in others)
 
 
 class _RowwiseLinearBF16(torch.autograd.Function):

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 from devices import TEST_DEVICE
-from grid import on_e2m1_values, torchao_nvfp4
+from grid import on_e2m1_values, torchao_nvfp4, torchao_nvfp4_tiles
 
 import lpcompile  # noqa: F401  (registers torch.ops.lowprec)
 from lpcompile import quantize
@@ -117,3 +117,52 @@ def test_block_factors_compile_to_their_eager_values_with_a_short_last_block(sca
     with torch._inductor.config.patch(fx_graph_cache=False):
         torch._dynamo.reset()
         assert torch.equal(torch.compile(scaled)(x), scaled(x))
+
+
+def test_tiles_equal_the_tiles_rounded_with_torchaos_fp4_cast():
+    """``"nvfp4_2d"``: an E4M3 factor per tile of 16 x 16 values of the last two dimensions."""
+    w = blocks((64, 48), seed=1)
+    w[16:32, 32:48] *= 1e-5  # a tile far below the others
+    out = quantize(w, FP4, scaling="nvfp4_2d")
+    expected = torchao_nvfp4_tiles(w)
+    torch.testing.assert_close(out, expected, rtol=2.0**-22, atol=0.0)
+    assert torch.equal(out == 0, expected == 0)
+    # per tensor instead of per tile flushes the small tiles' values
+    assert (quantize(w, FP4, scaling="tensorwise") == 0).sum() > (out == 0).sum()
+
+
+def test_a_tile_rounds_the_same_in_a_transposed_tensor():
+    """What makes NVIDIA's weights 2-D: the forward's matmul and the input gradient's read one
+    rounding (per row blocks of 16 along either dimension differ)."""
+    w = blocks((48, 80), seed=2)[:40, :75].contiguous()  # tiles cut short, as if padded with zeros
+    tiles = quantize(w, FP4, scaling="nvfp4_2d")
+    assert torch.equal(quantize(w.T.contiguous(), FP4, scaling="nvfp4_2d"), tiles.T)
+    by_rows = quantize(w, FP4, scaling="nvfp4")
+    assert not torch.equal(quantize(w.T.contiguous(), FP4, scaling="nvfp4").T, by_rows)
+    padded = torch.nn.functional.pad(w, (0, 5, 0, 8))
+    torch.testing.assert_close(tiles, torchao_nvfp4_tiles(padded)[:40, :75], rtol=2.0**-22, atol=0.0)
+    # leading dimensions: each slice's own tiles (40 rows: tiles of the rows of both would
+    # straddle them), under one tensor scale
+    stacked = quantize(torch.stack([w, 2 * w]), FP4, scaling="nvfp4_2d")
+    assert torch.equal(stacked[1] / 2, stacked[0])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_compiled_tiles_round_like_the_reference(dtype):
+    x = blocks((2, 48, 80))[:, :40, :70].contiguous().to(TEST_DEVICE, dtype)
+    seed = torch.tensor(5, device=TEST_DEVICE)
+
+    def both(x):
+        return (
+            q(x, FP4, "nearest", "saturate", None, 0, None, "nvfp4_2d"),
+            q(x, FP4, "stochastic", "inf", seed, 7, None, "nvfp4_2d"),
+        )
+
+    with (
+        torch._functorch.config.patch(enable_autograd_cache=False),
+        torch._inductor.config.patch(fx_graph_cache=False),
+    ):
+        torch._dynamo.reset()
+        compiled = torch.compile(both, fullgraph=True)(x)
+    for a, b in zip(compiled, both(x), strict=True):
+        assert torch.equal(a, b)
