@@ -17,7 +17,7 @@ from typing import Any
 from lpcompile.numerics.checks import is_real
 from lpcompile.numerics.formats import FloatFormat, parse_format
 from lpcompile.numerics.predict import PREDICTIONS
-from lpcompile.numerics.quantize import OVERFLOWS, ROUNDINGS, SCALINGS
+from lpcompile.numerics.quantize import OVERFLOWS, ROUNDINGS, SCALINGS, is_rowwise
 from lpcompile.numerics.scale_grad import STATS  # noqa: F401  (re-exported)
 from lpcompile.numerics.scale_rules import RULES, ScaleBounds
 
@@ -305,6 +305,10 @@ class LowPrecConfig:
     data-parallel ranks draw different bits (a graph of DTensors folds its device mesh's
     first rank, so that tensor-parallel replicas draw the same; ``PipelinedTrainer`` turns
     it off for its stages: its ranks hold different stages and draw the simulator's bits).
+    ``wgrad_hadamard`` applies NVIDIA's random Hadamard transform to both operands of each
+    layer's weight-gradient GEMM, along the tokens it sums over, in blocks of 16, before
+    they are rounded (it needs activations and errors scaled per row or block): the
+    transform cancels in the product, and spreads outliers over each block.
     """
 
     recipe: str = "fp32"
@@ -327,6 +331,7 @@ class LowPrecConfig:
     attention: str = "operands"
     saturation: str = "off"
     seed_per_rank: bool = True
+    wgrad_hadamard: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "pipeline", PipelineConfig.from_option(self.pipeline))
@@ -380,6 +385,17 @@ class LowPrecConfig:
             raise ValueError(f"seed must be an int in [0, 2**32), got {self.seed!r}")
         if not isinstance(self.seed_per_rank, bool):
             raise ValueError(f"seed_per_rank must be a bool, got {self.seed_per_rank!r}")
+        if not isinstance(self.wgrad_hadamard, bool):
+            raise ValueError(f"wgrad_hadamard must be a bool, got {self.wgrad_hadamard!r}")
+        if self.wgrad_hadamard and not all(
+            spec.enabled and is_rowwise(spec.scaling) for spec in (self.activation, self.error)
+        ):
+            raise ValueError(
+                "wgrad_hadamard=True transforms the weight gradient GEMM's operands before each is"
+                " rounded along the tokens it sums over: it needs activations and errors scaled per"
+                f" row or block (fp8-rowwise, mxfp8, nvfp4), got activation scaling="
+                f"{self.activation.scaling!r}, error scaling={self.error.scaling!r}"
+            )
         if not isinstance(self.keep_first_last, bool):
             raise ValueError(f"keep_first_last must be a bool, got {self.keep_first_last!r}")
         if not all(isinstance(p, str) for p in self.exclude):

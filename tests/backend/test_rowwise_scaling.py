@@ -16,6 +16,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import lpcompile
 from lpcompile.backend.state import REGISTRY
 from lpcompile.config import LowPrecConfig
+from lpcompile.numerics.rng import hadamard_signs
 from lpcompile.passes.joint import rowwise
 
 aten = torch.ops.aten
@@ -503,3 +504,91 @@ def test_a_matmul_reading_a_rounding_through_another_op_is_named():
     ctx.sites[0] = Site(0, "activation", "proj", "e4m3", "nearest", "saturate", "rowwise", "quantize")
     with pytest.warns(UserWarning, match=r"'proj' \(through aten.mul.Tensor\)"):
         rowwise.round_operands_per_matmul(gm, ctx)
+
+
+def _hadamard_along_rows(t: torch.Tensor, seed: int) -> torch.Tensor:
+    """``t`` (rows a multiple of 16) with each block of 16 rows mixed by the random
+    Hadamard transform: Sylvester's 16 x 16 Hadamard matrix over 4 times the signs."""
+    h = torch.ones(1, 1)
+    for _ in range(4):
+        h = torch.kron(torch.tensor([[1.0, 1.0], [1.0, -1.0]]), h)
+    signs = torch.tensor(hadamard_signs(seed), dtype=torch.float32)
+    transform = h * signs / 4  # columns times the signs: H @ diag(signs)
+    return (transform @ t.unflatten(0, (-1, 16))).flatten(0, 1)
+
+
+class _Quantized(_Operands):
+    """Also the input of every ``lowprec::quantize`` call."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.lowprec.quantize.default:
+            self.seen.append((func, 0, args[0].detach().clone()))
+        return super().__torch_dispatch__(func, types, args, kwargs)
+
+
+def _hadamard_inputs(tokens: int) -> torch.Tensor:
+    x = torch.randn(tokens, 64, generator=torch.Generator().manual_seed(3))
+    x[0, :8] *= 50.0  # an outlier token
+    return x
+
+
+def _hadamard_step(tokens: int, hadamard: bool) -> tuple[nn.Module, _Quantized]:
+    options = {"recipe": "nvfp4-2d", "executor": "eager", "wgrad_hadamard": hadamard}
+    seen = _Quantized()
+    model = _mlp()
+    grid_step(model, {"input": _hadamard_inputs(tokens)}, options, seen)
+    return model, seen
+
+
+def test_wgrad_hadamard_transforms_the_weight_gradients_operands_alone():
+    """NVIDIA's random Hadamard transform of the weight gradient's operands, along the
+    tokens: the first layer's input, transformed by hand (Sylvester's matrix), is what gets
+    rounded for its weight gradient; the weight gradient's GEMM reads NVFP4 blocks along the
+    tokens; the other GEMMs read what they read without it; and the transform cancels in
+    the product (the weight gradients stay near FP32's, as without it)."""
+    torch._dynamo.reset()
+    model, seen = _hadamard_step(48, True)
+    _, plain = _hadamard_step(48, False)
+    x = _hadamard_inputs(48)
+    expected = _hadamard_along_rows(x, 0).T  # [features, tokens]: the tokens summed, last
+    quantize = torch.ops.lowprec.quantize.default
+    rounded = [t for f, _, t in seen.seen if f is quantize and t.shape == (64, 48)]
+    assert sum(torch.allclose(t, expected, rtol=1e-5, atol=1e-5) for t in rounded) == 1
+    products = [(f, i, t) for f, i, t in seen.seen if f is not quantize]
+    before = [(f, i, t) for f, i, t in plain.seen if f is not quantize]
+    # mm(grad_y.T, x): the tokens are the first operand's columns and the second's rows
+    wgrad = [(f, i, t) for f, i, t in products if f is aten.mm.default and t.shape[1 - i] == 48]
+    assert len(wgrad) == 4 and all(on_nvfp4_blocks(f, i, t) for f, i, t in wgrad)
+    same = [torch.equal(a[2], b[2]) for a, b in zip(products, before, strict=True)]
+    assert sum(same) == len(products) - 4  # the forward's and the input gradients' GEMMs
+    peer = _mlp()
+    peer(x).square().mean().backward()
+    for i in (0, 2):
+        exact = peer[i].weight.grad
+        assert (model[i].weight.grad - exact).norm() < 0.5 * exact.norm(), i
+
+
+def test_wgrad_hadamard_names_the_layers_whose_tokens_no_transform_fits():
+    torch._dynamo.reset()
+    with pytest.warns(UserWarning, match=r"weight gradients of '0' \(24 tokens\), '2' \(24 tokens\)"):
+        model, _ = _hadamard_step(24, True)
+    torch._dynamo.reset()
+    plain, _ = _hadamard_step(24, False)
+    assert all(
+        torch.equal(a.grad, b.grad) for a, b in zip(model.parameters(), plain.parameters(), strict=True)
+    )
+
+
+def test_wgrad_hadamard_compiles_to_the_eager_executors_bits():
+    """The weight gradients bit for bit (the bias gradients' sums over the tokens add in
+    another order under Inductor)."""
+    grads = []
+    for executor in ("eager", "inductor"):
+        torch._dynamo.reset()
+        model = _mlp()
+        options = {"recipe": "nvfp4-2d", "executor": executor, "wgrad_hadamard": True}
+        torch.compile(model, backend="lowprec", options=options)(
+            _hadamard_inputs(48)
+        ).square().mean().backward()
+        grads.append([model[0].weight.grad, model[2].weight.grad])
+    assert all(torch.equal(a, b) for a, b in zip(*grads, strict=True))

@@ -95,6 +95,13 @@ def test_unknown_option_key_names_it_and_lists_valid_ones():
         ("fp8-e5m2-sr", "'fp8-e5m2-sr'", "options={'recipe': name}"),
         ({"recipe": "fp8-e5m2-als", "loss_scale_underflow": "0.01"}, "'0.01'", "(0, 1)"),
         ({"recipe": "fp8-e5m2-als", "loss_scale_interval": True}, "True", "positive int"),
+        ({"recipe": "nvfp4", "wgrad_hadamard": 1}, "1", "bool"),
+        ({"recipe": "fp8-tensorwise", "wgrad_hadamard": True}, "'tensorwise'", "per row or block"),
+        (
+            {"recipe": "nvfp4", "activation": {"scaling": "nvfp4_2d"}, "wgrad_hadamard": True},
+            "nvfp4_2d",
+            "row",
+        ),
     ],
 )
 def test_bad_values_name_the_value_and_what_is_valid(options, named, listed):

@@ -17,6 +17,14 @@ need the same one; the forward's usually is the site's own node.
 Products that are not matmuls (a convolution, a fused attention kernel) read one rounding
 of a tensor in both passes, and a row of it is no slice they sum over: they get the
 tensorwise counterpart. Other readers (a bias gradient's sum) read the site's node as it is.
+
+With ``wgrad_hadamard``, a layer's weight-gradient matmul (one operand an error site's, the
+other an activation site's of the same layer, which has a weight site) reads both operands
+transformed along the tokens it sums over before they are rounded: in blocks of 16, each
+multiplied by the random signs of :func:`lpcompile.numerics.rng.hadamard_signs` and by the
+16 x 16 Hadamard matrix over 4 (orthonormal), as NVIDIA's NVFP4 recipe does. The transform
+is the same for both, so it cancels in the product; written as four butterfly steps of
+additions, not as a matmul.
 """
 
 from __future__ import annotations
@@ -30,10 +38,12 @@ import torch
 import torch.fx
 
 from lpcompile.numerics.quantize import is_rowwise, per_tensor, scale_arguments
+from lpcompile.numerics.rng import hadamard_signs
 from lpcompile.passes.driver import CompileContext
 
 aten = torch.ops.aten
 QUANTIZE = torch.ops.lowprec.quantize.default
+HADAMARD_BLOCK = 16  # the values a Hadamard transform of the weight gradient's operands mixes
 CONVERT = torch.ops.prims.convert_element_type.default
 # matmuls: target -> (position of an operand, the dimension the matmul sums it over)
 MATMULS: dict[object, tuple[tuple[int, int], ...]] = {
@@ -106,16 +116,18 @@ def round_operands_per_matmul(gm: torch.fx.GraphModule, ctx: CompileContext) -> 
     roundings = _Roundings(gm, ctx)
     replaced: list[torch.fx.Node] = []  # the site nodes and copies read before
     unfollowed: dict[str, str] = {}  # layer -> the op between its site and a matmul
+    short: dict[str, int] = {}  # layer -> the tokens of a weight gradient no Hadamard transform fits
     for node in list(graph.nodes):
         if node.op != "call_function":
             continue
         if node.target in MATMULS:
-            for index, dim in MATMULS[node.target]:
-                if index >= len(node.args):
-                    continue
-                if found := _rowwise_source(node.args[index], ctx):
+            operands = [(i, dim) for i, dim in MATMULS[node.target] if i < len(node.args)]
+            sources = {i: _rowwise_source(node.args[i], ctx) for i, _ in operands}
+            hadamard = ctx.config.wgrad_hadamard and _transforms(node, operands, sources, ctx, short)
+            for index, dim in operands:
+                if found := sources[index]:
                     replaced += [found[0], *found[1]]
-                    node.update_arg(index, roundings.along(node, *found, dim))
+                    node.update_arg(index, roundings.along(node, *found, dim, hadamard))
                 elif found := _read_through(node.args[index], ctx):
                     unfollowed[ctx.sites[found[0].args[5]].layer] = str(found[1].target)
         elif node.target in WHOLE_TENSOR_PRODUCTS:
@@ -134,6 +146,35 @@ def round_operands_per_matmul(gm: torch.fx.GraphModule, ctx: CompileContext) -> 
             " the dimension they sum over",
             stacklevel=1,
         )
+    if short:
+        found = ", ".join(f"{layer!r} ({tokens} tokens)" for layer, tokens in sorted(short.items()))
+        warnings.warn(
+            f"lowprec: wgrad_hadamard: the weight gradients of {found} sum over a number of tokens"
+            " that is no multiple of 16: their operands are rounded without the Hadamard transform",
+            stacklevel=1,
+        )
+
+
+def _transforms(
+    product: torch.fx.Node, operands: list[tuple[int, int]], sources: dict, ctx: CompileContext, short: dict
+) -> bool:
+    """Whether ``product`` is a layer's weight-gradient matmul whose operands take the
+    Hadamard transform: an error site's and an activation site's operand of one layer that
+    has a weight site, summed over a multiple of 16 tokens (else noted in ``short``)."""
+    if len(operands) != 2 or not all(sources.values()):
+        return False
+    sites = [ctx.sites[source[0].args[5]] for source in sources.values()]
+    layer = sites[0].layer
+    if {site.role for site in sites} != {"error", "activation"} or sites[1].layer != layer:
+        return False
+    if not any(site.role == "weight" and site.layer == layer for site in ctx.sites.values()):
+        return False
+    index, dim = operands[0]
+    tokens = product.args[index].meta["val"].shape[dim]
+    if tokens % HADAMARD_BLOCK:
+        short[layer] = tokens
+        return False
+    return True
 
 
 def _read_through(operand: Any, ctx: CompileContext) -> tuple[torch.fx.Node, torch.fx.Node] | None:
@@ -183,15 +224,21 @@ class _Roundings:
     made: dict[tuple, torch.fx.Node] = field(default_factory=dict)
 
     def along(
-        self, product: torch.fx.Node, site_node: torch.fx.Node, chain: list[torch.fx.Node], dim: int
+        self,
+        product: torch.fx.Node,
+        site_node: torch.fx.Node,
+        chain: list[torch.fx.Node],
+        dim: int,
+        hadamard: bool = False,
     ) -> torch.fx.Node:
         """The operand ``site_node`` and ``chain`` give ``product``, rounded along its
         dimension ``dim`` (a factor per row of it, or per MX block): the site's own rounding
-        where that is the site's last dimension."""
+        where that is the site's last dimension; with ``hadamard``, transformed along
+        ``dim`` first (:func:`_hadamard`)."""
         dim %= _ndim(chain[-1] if chain else site_node)
-        if _source_dim(chain, dim) == _ndim(site_node) - 1:
+        if not hadamard and _source_dim(chain, dim) == _ndim(site_node) - 1:
             return chain[-1] if chain else site_node
-        key = (site_node, *chain, dim)
+        key = (site_node, *chain, dim, hadamard)
         if key not in self.made:
             graph = self.gm.graph
             with graph.inserting_before(product):
@@ -201,6 +248,9 @@ class _Roundings:
                 if dim != swap[dim]:
                     value = _call(graph, product, aten.permute.default, (value, swap))
                 how = ("rows", *_signature(chain), dim)
+                if hadamard:
+                    value = _hadamard(graph, product, value, hadamard_signs(self.ctx.config.seed))
+                    how += ("hadamard",)
                 value = _rounding(graph, self.ctx, product, site_node, value, how)
                 if dim != swap[dim]:
                     value = _call(graph, product, aten.permute.default, (value, swap))
@@ -221,6 +271,49 @@ class _Roundings:
                 )
                 self.made[key] = _replay(graph, product, value, chain)
         return self.made[key]
+
+
+def _hadamard(
+    graph: torch.fx.Graph, product: torch.fx.Node, value: torch.fx.Node, signs: list[int]
+) -> torch.fx.Node:
+    """``value`` (its last dimension a multiple of 16) with each block of 16 values of its
+    last dimension multiplied by ``signs``, then by the 16 x 16 Hadamard matrix (Sylvester's
+    order) over 4: four butterfly steps of sums and differences."""
+    shape = list(value.meta["val"].shape)
+    value = _call(graph, product, aten.clone.default, (value,), {"memory_format": torch.contiguous_format})
+    blocks = [*shape[:-1], shape[-1] // HADAMARD_BLOCK]
+    device = value.meta["val"].device
+    flips = [i for i, sign in enumerate(signs) if sign < 0]
+    value = _call(graph, product, aten.view.default, (value, [*blocks, HADAMARD_BLOCK]))
+    if flips:  # 1 - 2 * (bit i of the flips' mask), from an iota (factories Inductor lowers)
+        iota = {"start": 0, "step": 1, "dtype": torch.int64, "device": device, "requires_grad": False}
+        index = _call(graph, product, torch.ops.prims.iota.default, (HADAMARD_BLOCK,), iota)
+        flipped = _call(graph, product, aten.bitwise_right_shift.Scalar_Tensor, (_mask(flips), index))
+        flipped = _call(graph, product, aten.bitwise_and.Scalar, (flipped, 1))
+        sign_row = _call(graph, product, aten.mul.Tensor, (flipped, -2))
+        sign_row = _call(graph, product, aten.add.Tensor, (sign_row, 1))
+        value = _call(graph, product, aten.mul.Tensor, (value, sign_row))
+    half = 1
+    while half < HADAMARD_BLOCK:  # pairs (j, j + half) in groups of 2 * half
+        pairs = _call(
+            graph, product, aten.view.default, (value, [*blocks, HADAMARD_BLOCK // (2 * half), 2, half])
+        )
+        first = _call(graph, product, aten.select.int, (pairs, -2, 0))
+        second = _call(graph, product, aten.select.int, (pairs, -2, 1))
+        both = [
+            _call(graph, product, aten.unsqueeze.default, (_call(graph, product, op, (first, second)), -2))
+            for op in (aten.add.Tensor, aten.sub.Tensor)
+        ]
+        value = _call(graph, product, aten.cat.default, (both, -2))
+        value = _call(graph, product, aten.view.default, (value, [*blocks, HADAMARD_BLOCK]))
+        half *= 2
+    value = _call(graph, product, aten.mul.Tensor, (value, 1.0 / 4))
+    return _call(graph, product, aten.view.default, (value, shape))
+
+
+def _mask(positions: list[int]) -> int:
+    """The int with the bits at ``positions`` set."""
+    return sum(1 << i for i in positions)
 
 
 def _rounding(
@@ -271,7 +364,8 @@ def _call(
     node = graph.call_function(target, args, kwargs or {})
     node.meta = {k: v for k, v in product.meta.items() if k not in ("val", "tensor_meta")}
     values = torch.fx.node.map_arg((args, kwargs or {}), lambda n: n.meta["val"])
-    fake_mode = next(v.fake_mode for v in torch.utils._pytree.tree_leaves(values) if hasattr(v, "fake_mode"))
+    leaves = [*torch.utils._pytree.tree_leaves(values), product.meta["val"]]  # (a factory: the product's)
+    fake_mode = next(v.fake_mode for v in leaves if hasattr(v, "fake_mode"))
     with fake_mode:
         node.meta["val"] = target(*values[0], **values[1])
     return node
