@@ -592,3 +592,27 @@ def test_wgrad_hadamard_compiles_to_the_eager_executors_bits():
         ).square().mean().backward()
         grads.append([model[0].weight.grad, model[2].weight.grad])
     assert all(torch.equal(a, b) for a, b in zip(*grads, strict=True))
+
+
+def test_wgrad_hadamard_under_dynamic_shapes_guards_the_tokens():
+    """A symbolic number of tokens: the graph compiled for a multiple of 16 transforms, and
+    gives a static compile's bits (errors rounded to nearest: the second call would draw
+    other bits); a length that is none recompiles, without it."""
+    options = {
+        "recipe": "nvfp4-2d",
+        "executor": "eager",
+        "wgrad_hadamard": True,
+        "error": {"rounding": "nearest"},
+    }
+    torch._dynamo.reset()
+    static = _mlp()
+    torch.compile(static, backend="lowprec", options=options)(_hadamard_inputs(48)).square().mean().backward()
+    torch._dynamo.reset()
+    model = _mlp()
+    run = torch.compile(model, backend="lowprec", options=options, dynamic=True)
+    run(_hadamard_inputs(32)).square().mean().backward()
+    model.zero_grad()
+    run(_hadamard_inputs(48)).square().mean().backward()
+    assert torch.equal(model[0].weight.grad, static[0].weight.grad)
+    with pytest.warns(UserWarning, match=r"'0' \(40 tokens\)"):
+        run(_hadamard_inputs(40)).square().mean().backward()

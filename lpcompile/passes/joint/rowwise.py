@@ -36,6 +36,7 @@ from typing import Any
 
 import torch
 import torch.fx
+from torch.fx.experimental.symbolic_shapes import guard_or_false
 
 from lpcompile.numerics.quantize import is_rowwise, per_tensor, scale_arguments
 from lpcompile.numerics.rng import hadamard_signs
@@ -171,8 +172,8 @@ def _transforms(
         return False
     index, dim = operands[0]
     tokens = product.args[index].meta["val"].shape[dim]
-    if tokens % HADAMARD_BLOCK:
-        short[layer] = tokens
+    if not guard_or_false(tokens % HADAMARD_BLOCK == 0):  # (a symbolic length: guarded)
+        short[layer] = tokens if isinstance(tokens, int) else tokens.node.hint
         return False
     return True
 
@@ -278,13 +279,15 @@ def _hadamard(
 ) -> torch.fx.Node:
     """``value`` (its last dimension a multiple of 16) with each block of 16 values of its
     last dimension multiplied by ``signs``, then by the 16 x 16 Hadamard matrix (Sylvester's
-    order) over 4: four butterfly steps of sums and differences."""
-    shape = list(value.meta["val"].shape)
+    order) over 4: four butterfly steps of sums and differences. Its sizes may be symbolic."""
+    shape = [
+        size if isinstance(size, int) else _call(graph, product, aten.sym_size.int, (value, i))
+        for i, size in enumerate(value.meta["val"].shape)
+    ]
     value = _call(graph, product, aten.clone.default, (value,), {"memory_format": torch.contiguous_format})
-    blocks = [*shape[:-1], shape[-1] // HADAMARD_BLOCK]
     device = value.meta["val"].device
     flips = [i for i, sign in enumerate(signs) if sign < 0]
-    value = _call(graph, product, aten.view.default, (value, [*blocks, HADAMARD_BLOCK]))
+    value = _call(graph, product, aten.view.default, (value, [-1, HADAMARD_BLOCK]))
     if flips:  # 1 - 2 * (bit i of the flips' mask), from an iota (factories Inductor lowers)
         iota = {"start": 0, "step": 1, "dtype": torch.int64, "device": device, "requires_grad": False}
         index = _call(graph, product, torch.ops.prims.iota.default, (HADAMARD_BLOCK,), iota)
@@ -295,9 +298,7 @@ def _hadamard(
         value = _call(graph, product, aten.mul.Tensor, (value, sign_row))
     half = 1
     while half < HADAMARD_BLOCK:  # pairs (j, j + half) in groups of 2 * half
-        pairs = _call(
-            graph, product, aten.view.default, (value, [*blocks, HADAMARD_BLOCK // (2 * half), 2, half])
-        )
+        pairs = _call(graph, product, aten.view.default, (value, [-1, HADAMARD_BLOCK // (2 * half), 2, half]))
         first = _call(graph, product, aten.select.int, (pairs, -2, 0))
         second = _call(graph, product, aten.select.int, (pairs, -2, 1))
         both = [
@@ -305,7 +306,7 @@ def _hadamard(
             for op in (aten.add.Tensor, aten.sub.Tensor)
         ]
         value = _call(graph, product, aten.cat.default, (both, -2))
-        value = _call(graph, product, aten.view.default, (value, [*blocks, HADAMARD_BLOCK]))
+        value = _call(graph, product, aten.view.default, (value, [-1, HADAMARD_BLOCK]))
         half *= 2
     value = _call(graph, product, aten.mul.Tensor, (value, 1.0 / 4))
     return _call(graph, product, aten.view.default, (value, shape))
