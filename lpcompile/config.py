@@ -106,8 +106,8 @@ class QuantSpec:
     round the factors down to powers of two; ``"mx"`` gives each block of 32 values of a
     row a power-of-two factor (OCP microscaling's E8M0 scale), ``"mx_ceil"`` and
     ``"mx_rceil"`` the same rounded up (torchao's ``CEIL`` and cuBLAS's ``RCEIL`` scale
-    calculations), ``"nvfp4"`` each block of
-    16 an E4M3 factor under an FP32 one per tensor (NVIDIA's NVFP4), ``"nvfp4_2d"`` each
+    calculations), ``"nvfp4"`` each block of 16 an E4M3 factor under an FP32 one per
+    tensor (NVIDIA's NVFP4), ``"nvfp4_2d"`` each
     tile of 16 x 16 values of the last two dimensions (NVIDIA's NVFP4 weights: one rounding
     for every matmul that reads it).
     """
@@ -387,6 +387,11 @@ class LowPrecConfig:
             raise ValueError(f"seed_per_rank must be a bool, got {self.seed_per_rank!r}")
         if not isinstance(self.wgrad_hadamard, bool):
             raise ValueError(f"wgrad_hadamard must be a bool, got {self.wgrad_hadamard!r}")
+        if self.wgrad_hadamard and not self.weight.enabled:
+            raise ValueError(
+                "wgrad_hadamard=True transforms the operands of each layer's weight-gradient GEMM,"
+                " which it finds by the layer's rounded weight: the weight role needs a format"
+            )
         if self.wgrad_hadamard and not all(
             spec.enabled and is_rowwise(spec.scaling) for spec in (self.activation, self.error)
         ):

@@ -202,9 +202,10 @@ class JointPasses(SourceStamp):
     """Inductor's joint-graph hook: runs :data:`JOINT_PASSES` before AOT partitions.
 
     Its uuid is SourceStamp's plus what the passes decide from outside the graph
-    (whether matmuls go to the bf16 kernel) and what the rounding rules compile into it
-    (the rank's device-mesh coordinates): AOT autograd's cache keys on the graph before
-    the passes.
+    (whether matmuls go to the bf16 kernel, whether and with which signs the weight
+    gradients' operands take a Hadamard transform) and what the rounding rules compile
+    into it (the rank's device-mesh coordinates): AOT autograd's cache keys on the graph
+    before the passes.
     """
 
     def __init__(self, ctx: CompileContext, tag: str, on_cpu: bool, positions: str = "") -> None:
@@ -213,7 +214,9 @@ class JointPasses(SourceStamp):
     def uuid(self) -> str:
         bf16 = uses_bf16_kernel(self.ctx.config, self.on_cpu)
         mesh = f"-mesh-positions-{self.positions}" if self.positions else ""
-        return f"{package_hash()}-bf16-matmuls-{bf16}{mesh}"
+        config = self.ctx.config
+        hadamard = f"-wgrad-hadamard-{config.seed}" if config.wgrad_hadamard else ""
+        return f"{package_hash()}-bf16-matmuls-{bf16}{mesh}{hadamard}"
 
     def __call__(self, graph: torch.fx.Graph) -> None:
         # Inductor runs its joint-graph passes on inference graphs too; the backend runs

@@ -197,12 +197,20 @@ def reads_whole_tensor(scaling: str) -> bool:
     return scaling.startswith("tensorwise") or scaling.startswith("nvfp4")
 
 
+def is_tiled(scaling: str) -> bool:
+    """Whether ``scaling`` gives each tile of the last two dimensions factors of its own
+    (``"nvfp4_2d"``): one rounding for the matmuls that sum over either dimension."""
+    return scaling == "nvfp4_2d"
+
+
 def per_tensor(scaling: str) -> str:
-    """The tensorwise counterpart of ``scaling`` (itself if it is not rowwise; a block
-    scaling's from :data:`BLOCK_SCALINGS`: MX's power-of-two factors give
-    ``"tensorwise_pow2"``, NVFP4's ``"tensorwise"``)."""
+    """The tensorwise counterpart of ``scaling`` (itself if it is neither rowwise nor
+    tiled; a block scaling's from :data:`BLOCK_SCALINGS`: MX's power-of-two factors give
+    ``"tensorwise_pow2"``, NVFP4's ``"tensorwise"``, and so do NVFP4's tiles)."""
     if scaling in BLOCK_SCALINGS:
         return BLOCK_SCALINGS[scaling][1]
+    if is_tiled(scaling):
+        return "tensorwise"
     return scaling.replace("rowwise", "tensorwise")
 
 
@@ -230,7 +238,10 @@ def mx_factor(amax, largest: float, mode: str = "floor", ops=rng.TorchOps):
         return ops.to_dtype_bitcast(ops.mul(ops.sub(const(254), biased), const(1 << 23)), f32, i32)
 
     if mode == "rceil":
-        exponent, mantissa = exponent_and_rest(ops.truediv(amax, ops.constant(largest, f32)))
+        # FP32's correctly rounded quotient, through float64, on every device (not Triton's)
+        f64 = torch.float64
+        quotient = ops.to_dtype(ops.truediv(ops.to_dtype(amax, f64), ops.constant(largest, f64)), f32)
+        exponent, mantissa = exponent_and_rest(quotient)
         # ceil(log2) of a subnormal quotient clamps to -127, or is -126 above 2^-127
         subnormal = ops.to_dtype(ops.gt(mantissa, const(1 << 22)), i32)
         biased = ops.add(exponent, ops.to_dtype(ops.gt(mantissa, const(0)), i32))
@@ -280,6 +291,13 @@ def mx_factors(x: torch.Tensor, largest: float, mode: str) -> torch.Tensor:
     return _per_value(mx_factor(_block_amax(rows, MX_BLOCK), largest, mode), MX_BLOCK, x)
 
 
+def _quotient(a, b):
+    """``a / b`` rounded to FP32, computed in float64 (the same bits: the quotient of two
+    FP32 values rounds to FP32 alike through float64), so that a compiled graph gets FP32's
+    correctly rounded quotient on every device (Triton's FP32 division is not)."""
+    return ((a.double() if hasattr(a, "double") else a) / (b.double() if hasattr(b, "double") else b)).float()
+
+
 def _tile_amax(magnitude: torch.Tensor, tile: int) -> torch.Tensor:
     """The largest of each ``tile`` x ``tile`` tile of the last two dimensions of
     ``magnitude`` (at least 2-dim), the last tiles as if padded with zeros."""
@@ -301,15 +319,15 @@ def nvfp4_factors(x: torch.Tensor, largest: float, tiles: bool = False) -> torch
     magnitude makes every factor 0 or NaN."""
     magnitude = x.detach().abs().float()
     rows = magnitude.reshape(1) if _rank(x) == 0 else magnitude  # a 0-dim x: one block
-    tensor_scale = magnitude.amax().clamp(min=AMAX_FLOOR) / (E4M3_MAX * largest)
+    tensor_scale = _quotient(magnitude.amax().clamp(min=AMAX_FLOOR), E4M3_MAX * largest)
     if tiles:
         rows = rows.reshape(1, -1) if _rank(x) < 2 else rows
         block_amax = _tile_amax(rows, NVFP4_BLOCK)
     else:
         block_amax = _block_amax(rows, NVFP4_BLOCK)
-    block_scale = block_amax / largest / tensor_scale
+    block_scale = _quotient(_quotient(block_amax, largest), tensor_scale)
     block_scale = block_scale.clamp(E4M3_TINY, E4M3_MAX).to(torch.float8_e4m3fn).float()
-    factors = (1.0 / tensor_scale) / block_scale
+    factors = _quotient(_quotient(1.0, tensor_scale), block_scale)
     if tiles and _rank(x) >= 2:  # each tile's factor over its rows first
         index = torch.arange(x.shape[-2], device=factors.device) // NVFP4_BLOCK
         factors = factors.index_select(-2, index)
@@ -621,8 +639,14 @@ def quantize(
             rng.check_numel(x.numel())
         scale_dtype = None if scale_t is None else scale_t.dtype
         kernel = _compiled_kernel(name, rounding, overflow, x.dtype, scale_dtype, scaling)
-        # the elements in row-major order, as the reference indexes them (rowwise: in rows)
-        view = x.reshape(-1, x.shape[-1]) if is_rowwise(scaling) and x.dim() > 0 else x.reshape(-1)
+        # the elements in row-major order, as the reference indexes them (rowwise: in rows;
+        # tiled: in matrices)
+        if is_tiled(scaling) and x.dim() > 1:
+            view = x.reshape(-1, *x.shape[-2:])
+        elif is_rowwise(scaling) and x.dim() > 0:
+            view = x.reshape(-1, x.shape[-1])
+        else:
+            view = x.reshape(-1)
         return _StraightThrough.apply(view, kernel, seed_t, offset, scale_t).view(x.shape)
     scaled = scaling_argument(scaling)
     return torch.ops.lowprec.quantize(x, name, rounding, overflow, seed_t, offset, scale_t, *scaled)
@@ -668,7 +692,7 @@ def _compiled_kernel(
     scaling: str,
 ):
     """``lowprec::quantize`` over a 1-D tensor of any length (a 2-D one, for a rowwise
-    ``scaling``), compiled; the offset is symbolic too."""
+    ``scaling``; a 3-D one, for a tiled one), compiled; the offset is symbolic too."""
     import lpcompile.numerics.lowering  # noqa: F401  (Inductor fuses the operator)
 
     def kernel(flat, seed, offset, scale):

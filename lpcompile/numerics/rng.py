@@ -34,8 +34,10 @@ MIX_STEPS: tuple[tuple[str, int], ...] = (
     ("xorshr", 16),
 )
 SEED_HI_SALT = 0x9E3779B9
-# Salt of the random signs of the weight gradient's Hadamard transform (hadamard_signs).
+# Salt of the random signs of the weight gradient's Hadamard transform (hadamard_signs),
+# and the values one transform mixes.
 HADAMARD_SALT = 0x2545F491
+HADAMARD_BLOCK = 16
 
 
 def to_int32(value: int) -> int:
@@ -55,11 +57,11 @@ def mix_int(x: int) -> int:
     return x
 
 
-def hadamard_signs(seed: int, size: int = 16) -> list[int]:
-    """The random signs (+1 or -1) of a random Hadamard transform of ``size`` values
-    (at most 32), drawn from ``seed``: the same for every tensor and step."""
+def hadamard_signs(seed: int) -> list[int]:
+    """The random signs (+1 or -1) of a random Hadamard transform of
+    :data:`HADAMARD_BLOCK` values, drawn from ``seed``: the same for every tensor and step."""
     bits = mix_int(seed ^ HADAMARD_SALT)
-    return [1 - 2 * ((bits >> i) & 1) for i in range(size)]
+    return [1 - 2 * ((bits >> i) & 1) for i in range(HADAMARD_BLOCK)]
 
 
 class TorchOps:

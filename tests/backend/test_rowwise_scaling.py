@@ -313,6 +313,8 @@ def test_mxfp8_step_equals_torchao_mxfp8_training(executor, recipe, mode):
     [
         ("mxfp8", "e4m3 nearest saturate tensorwise_pow2", "e4m3 nearest saturate mx"),
         ("nvfp4", "e2m1-finite nearest saturate tensorwise", "e2m1-finite nearest saturate nvfp4"),
+        # tiles of a convolution's weight would split the channels it sums over
+        ("nvfp4-2d", "e2m1-finite nearest saturate tensorwise", "e2m1-finite nearest saturate nvfp4_2d"),
     ],
 )
 def test_block_scaled_recipes_round_convolutions_and_fused_attention_per_tensor(recipe, per_tensor, blocks):
@@ -570,7 +572,8 @@ def test_wgrad_hadamard_transforms_the_weight_gradients_operands_alone():
 
 def test_wgrad_hadamard_names_the_layers_whose_tokens_no_transform_fits():
     torch._dynamo.reset()
-    with pytest.warns(UserWarning, match=r"weight gradients of '0' \(24 tokens\), '2' \(24 tokens\)"):
+    short = r"\(24 tokens, no multiple of 16\)"
+    with pytest.warns(UserWarning, match=f"'0' {short}, '2' {short}"):
         model, _ = _hadamard_step(24, True)
     torch._dynamo.reset()
     plain, _ = _hadamard_step(24, False)
@@ -614,5 +617,37 @@ def test_wgrad_hadamard_under_dynamic_shapes_guards_the_tokens():
     model.zero_grad()
     run(_hadamard_inputs(48)).square().mean().backward()
     assert torch.equal(model[0].weight.grad, static[0].weight.grad)
-    with pytest.warns(UserWarning, match=r"'0' \(40 tokens\)"):
+    with pytest.warns(UserWarning, match=r"'0' \(40 tokens, no multiple of 16\)"):
         run(_hadamard_inputs(40)).square().mean().backward()
+
+
+def test_wgrad_hadamard_and_its_seed_are_in_the_joint_passes_cache_key():
+    """AOT autograd's cache keys on the graph before the joint passes, which the transform
+    and its signs leave no trace in."""
+    from lpcompile.backend.compile import JointPasses
+    from lpcompile.passes.driver import CompileContext
+
+    def key(**options) -> str:
+        config = LowPrecConfig.from_options({"recipe": "nvfp4-2d", **options})
+        return JointPasses(CompileContext(config, graph_id=0, stream=0), "", True).uuid()
+
+    keys = {key(), key(wgrad_hadamard=True), key(wgrad_hadamard=True, seed=1), key(seed=1)}
+    assert len(keys) == 3  # the seed alone changes no joint pass
+
+
+def test_wgrad_hadamard_sums_in_fp32_under_bfloat16_autocast():
+    """The transform's sums of 16 values run in FP32 (in bfloat16 each of its four steps
+    would round, and the transform would no longer cancel in the product): the first
+    layer's input, as autocast casts it, transformed by hand in FP32, is what gets rounded."""
+    torch._dynamo.reset()
+    x = _hadamard_inputs(48)
+    seen = _Quantized()
+    options = {"recipe": "nvfp4-2d", "executor": "eager", "wgrad_hadamard": True}
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        grid_step(_mlp(), {"input": x}, options, seen)
+    expected = _hadamard_along_rows(x.bfloat16().float(), 0).T
+    rounded = [t for f, _, t in seen.seen if f is torch.ops.lowprec.quantize.default and t.shape == (64, 48)]
+    assert [t.dtype for t in rounded].count(torch.float32) == 1
+    assert any(
+        t.dtype == torch.float32 and torch.allclose(t, expected, rtol=1e-6, atol=1e-6) for t in rounded
+    )

@@ -96,6 +96,7 @@ def test_unknown_option_key_names_it_and_lists_valid_ones():
         ({"recipe": "fp8-e5m2-als", "loss_scale_underflow": "0.01"}, "'0.01'", "(0, 1)"),
         ({"recipe": "fp8-e5m2-als", "loss_scale_interval": True}, "True", "positive int"),
         ({"recipe": "nvfp4", "wgrad_hadamard": 1}, "1", "bool"),
+        ({"recipe": "nvfp4", "weight": None, "wgrad_hadamard": True}, "weight", "format"),
         ({"recipe": "fp8-tensorwise", "wgrad_hadamard": True}, "'tensorwise'", "per row or block"),
         (
             {"recipe": "nvfp4", "activation": {"scaling": "nvfp4_2d"}, "wgrad_hadamard": True},

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch._functorch.config
 from devices import TEST_DEVICE
 
 import lpcompile  # noqa: F401  (registers torch.ops.lowprec)
@@ -28,7 +29,7 @@ MODES = {"mx": "FLOOR", "mx_ceil": "CEIL", "mx_rceil": "RCEIL"}
 
 
 def ceil_log2(value: torch.Tensor) -> torch.Tensor:
-    """ceil(log2(value)), exactly, of positive finite FP32 values (-149 and below for 0)."""
+    """ceil(log2(value)), exactly, of positive finite FP32 values (-200 for 0)."""
     mantissa, exponent = torch.frexp(value)  # value = mantissa * 2^exponent, mantissa in [0.5, 1)
     return torch.where(mantissa == 0.5, exponent - 1, exponent).masked_fill(value == 0, -200)
 
@@ -136,6 +137,8 @@ def test_the_compiled_operator_rounds_like_the_reference(dtype, length, scaling)
     x[2, 0, :32] = 0.0
     x[2, 1, :32] = 1e-38  # a quotient below 2^-127
     x[2, 2, 1] = 448 * 2.0**7 * (1 + 2.0**-7)  # one bfloat16 step above a power of two
+    x[2, 3, 1] = 448 * 2.0**5  # a quotient that is a power of two (Triton's FP32 division is inexact)
+    x[2, 4, :32] = 448 * 2.0**-126.5  # a subnormal quotient above 2^-127
     seed = torch.tensor(5, device=TEST_DEVICE)
 
     def both(x):

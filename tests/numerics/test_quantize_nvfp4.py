@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch._functorch.config
 from devices import TEST_DEVICE
 from grid import on_e2m1_values, torchao_nvfp4, torchao_nvfp4_tiles
 
@@ -166,3 +167,16 @@ def test_compiled_tiles_round_like_the_reference(dtype):
         compiled = torch.compile(both, fullgraph=True)(x)
     for a, b in zip(compiled, both(x), strict=True):
         assert torch.equal(a, b)
+
+
+def test_a_large_tensor_keeps_its_tiles_in_the_direct_apis_compiled_kernel(monkeypatch):
+    """``lpcompile.quantize`` rounds large CPU tensors with a compiled kernel over a view of
+    them: for tiles, a stack of matrices."""
+    from lpcompile.numerics import quantize as module
+
+    w = blocks((2, 48, 80), seed=4)
+    expected = quantize(w, FP4, scaling="nvfp4_2d")
+    monkeypatch.setattr(module, "COMPILED_NUMEL", 1024)
+    assert module._runs_compiled(w, None)
+    with torch._inductor.config.patch(fx_graph_cache=False):
+        assert torch.equal(quantize(w, FP4, scaling="nvfp4_2d"), expected)

@@ -30,7 +30,7 @@ import torch.fx
 import torch.nn.functional as F
 
 from lpcompile.config import QuantSpec, Role
-from lpcompile.numerics.quantize import FLOAT_DTYPES, is_rowwise, per_tensor, scaling_argument
+from lpcompile.numerics.quantize import FLOAT_DTYPES, is_rowwise, is_tiled, per_tensor, scaling_argument
 from lpcompile.passes.driver import CompileContext, KeptProduct, Site
 from lpcompile.passes.dynamo.functions import (
     BACKWARD,
@@ -626,13 +626,15 @@ WHOLE_TENSOR_TARGETS = (
 
 
 def spec_for(call: torch.fx.Node, spec: QuantSpec) -> QuantSpec:
-    """How ``call``'s operands of a role with ``spec`` are rounded: a rowwise spec per tensor
-    for a product that is not a matmul (:data:`WHOLE_TENSOR_TARGETS`, other libraries'
-    operators) and in a ``torch.cond`` branch (a subgraph of the joint graph, which the
-    rounding per matmul does not enter)."""
+    """How ``call``'s operands of a role with ``spec`` are rounded: a rowwise or tiled spec
+    per tensor for a product that is not a matmul (:data:`WHOLE_TENSOR_TARGETS`, other
+    libraries' operators: a convolution's tiles would split the channels it sums over),
+    and a rowwise one in a ``torch.cond`` branch too (a subgraph of the joint graph, which
+    the rounding per matmul does not enter)."""
     library = isinstance(call.target, torch._ops.OpOverload | torch._ops.OpOverloadPacket)
     branch = COND_PARENT in call.graph.owning_module.meta
-    if is_rowwise(spec.scaling) and (call.target in WHOLE_TENSOR_TARGETS or library or branch):
+    not_matmul = call.target in WHOLE_TENSOR_TARGETS or library
+    if (is_rowwise(spec.scaling) and (not_matmul or branch)) or (is_tiled(spec.scaling) and not_matmul):
         return dataclasses.replace(spec, scaling=per_tensor(spec.scaling))
     return spec
 

@@ -39,12 +39,11 @@ import torch.fx
 from torch.fx.experimental.symbolic_shapes import guard_or_false
 
 from lpcompile.numerics.quantize import is_rowwise, per_tensor, scale_arguments
-from lpcompile.numerics.rng import hadamard_signs
+from lpcompile.numerics.rng import HADAMARD_BLOCK, hadamard_signs
 from lpcompile.passes.driver import CompileContext
 
 aten = torch.ops.aten
 QUANTIZE = torch.ops.lowprec.quantize.default
-HADAMARD_BLOCK = 16  # the values a Hadamard transform of the weight gradient's operands mixes
 CONVERT = torch.ops.prims.convert_element_type.default
 # matmuls: target -> (position of an operand, the dimension the matmul sums it over)
 MATMULS: dict[object, tuple[tuple[int, int], ...]] = {
@@ -117,14 +116,14 @@ def round_operands_per_matmul(gm: torch.fx.GraphModule, ctx: CompileContext) -> 
     roundings = _Roundings(gm, ctx)
     replaced: list[torch.fx.Node] = []  # the site nodes and copies read before
     unfollowed: dict[str, str] = {}  # layer -> the op between its site and a matmul
-    short: dict[str, int] = {}  # layer -> the tokens of a weight gradient no Hadamard transform fits
+    untransformed: dict[str, str] = {}  # layer -> why its weight gradient takes no Hadamard transform
     for node in list(graph.nodes):
         if node.op != "call_function":
             continue
         if node.target in MATMULS:
             operands = [(i, dim) for i, dim in MATMULS[node.target] if i < len(node.args)]
             sources = {i: _rowwise_source(node.args[i], ctx) for i, _ in operands}
-            hadamard = ctx.config.wgrad_hadamard and _transforms(node, operands, sources, ctx, short)
+            hadamard = ctx.config.wgrad_hadamard and _transforms(node, operands, sources, ctx, untransformed)
             for index, dim in operands:
                 if found := sources[index]:
                     replaced += [found[0], *found[1]]
@@ -147,21 +146,26 @@ def round_operands_per_matmul(gm: torch.fx.GraphModule, ctx: CompileContext) -> 
             " the dimension they sum over",
             stacklevel=1,
         )
-    if short:
-        found = ", ".join(f"{layer!r} ({tokens} tokens)" for layer, tokens in sorted(short.items()))
+    if untransformed:
+        found = ", ".join(f"{layer!r} ({why})" for layer, why in sorted(untransformed.items()))
         warnings.warn(
-            f"lowprec: wgrad_hadamard: the weight gradients of {found} sum over a number of tokens"
-            " that is no multiple of 16: their operands are rounded without the Hadamard transform",
+            f"lowprec: wgrad_hadamard: the operands of the weight gradients of {found} are rounded"
+            " without the Hadamard transform",
             stacklevel=1,
         )
 
 
 def _transforms(
-    product: torch.fx.Node, operands: list[tuple[int, int]], sources: dict, ctx: CompileContext, short: dict
+    product: torch.fx.Node,
+    operands: list[tuple[int, int]],
+    sources: dict,
+    ctx: CompileContext,
+    untransformed: dict[str, str],
 ) -> bool:
     """Whether ``product`` is a layer's weight-gradient matmul whose operands take the
     Hadamard transform: an error site's and an activation site's operand of one layer that
-    has a weight site, summed over a multiple of 16 tokens (else noted in ``short``)."""
+    has a weight site, summed over a multiple of 16 tokens, and no grouped matmul of
+    experts (else noted, with why, in ``untransformed``)."""
     if len(operands) != 2 or not all(sources.values()):
         return False
     sites = [ctx.sites[source[0].args[5]] for source in sources.values()]
@@ -170,10 +174,14 @@ def _transforms(
         return False
     if not any(site.role == "weight" and site.layer == layer for site in ctx.sites.values()):
         return False
+    if product.target is aten._grouped_mm.default:
+        untransformed[layer] = "a grouped matmul of experts: a block of 16 tokens may span two"
+        return False
     index, dim = operands[0]
     tokens = product.args[index].meta["val"].shape[dim]
     if not guard_or_false(tokens % HADAMARD_BLOCK == 0):  # (a symbolic length: guarded)
-        short[layer] = tokens if isinstance(tokens, int) else tokens.node.hint
+        hint = tokens if isinstance(tokens, int) else tokens.node.hint
+        untransformed[layer] = f"{tokens if hint is None else hint} tokens, no multiple of 16"
         return False
     return True
 
@@ -249,10 +257,15 @@ class _Roundings:
                 if dim != swap[dim]:
                     value = _call(graph, product, aten.permute.default, (value, swap))
                 how = ("rows", *_signature(chain), dim)
-                if hadamard:
+                dtype = value.meta["val"].dtype
+                if hadamard:  # in FP32: the sums of 16 values, exact enough to cancel in the product
+                    if dtype != torch.float32:
+                        value = _call(graph, product, CONVERT, (value, torch.float32))
                     value = _hadamard(graph, product, value, hadamard_signs(self.ctx.config.seed))
                     how += ("hadamard",)
                 value = _rounding(graph, self.ctx, product, site_node, value, how)
+                if value.meta["val"].dtype != dtype:
+                    value = _call(graph, product, CONVERT, (value, dtype))
                 if dim != swap[dim]:
                     value = _call(graph, product, aten.permute.default, (value, swap))
             self.made[key] = value
@@ -375,10 +388,7 @@ def _call(
 def _signature(chain: list[torch.fx.Node]) -> tuple:
     """``chain`` in plain values (its ops and their non-tensor arguments), the same in every
     compile of the graph."""
-    return tuple(
-        (str(op.target), *(a if not isinstance(a, torch.fx.Node) else "tensor" for a in op.args[1:]))
-        for op in chain
-    )
+    return tuple((str(op.target), *torch.fx.node.map_arg(op.args[1:], lambda _: "tensor")) for op in chain)
 
 
 def _ndim(node: torch.fx.Node) -> int:
