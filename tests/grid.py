@@ -233,6 +233,26 @@ class GridCheck(TorchDispatchMode):
         return sum(self.products.values())
 
 
+class Calls(TorchDispatchMode):
+    """Every call of one of ``ops`` that ran, in order: (op, its arguments, its output), the
+    tensors among them cloned."""
+
+    def __init__(self, *ops: Any) -> None:
+        super().__init__()
+        self.ops = ops
+        self.calls: list[tuple[Any, tuple, Any]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func in self.ops:
+
+            def clone(value: Any) -> Any:
+                return value.detach().clone() if isinstance(value, torch.Tensor) else value
+
+            self.calls.append((func, tuple(map(clone, args)), torch.utils._pytree.tree_map(clone, out)))
+        return out
+
+
 def watched_backend(options: dict[str, Any], check: TorchDispatchMode) -> Callable:
     """The lowprec backend (``options``) with the mode ``check`` watching every call of its
     graphs (Dynamo runs no compiled code under a mode entered outside)."""

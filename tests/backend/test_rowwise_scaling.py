@@ -9,9 +9,16 @@ from typing import Any
 
 import pytest
 import torch
-from grid import GridCheck, grid_step, on_nvfp4_blocks, on_scaled_fp8_rows, torchao_nvfp4, torchao_nvfp4_tiles
+from grid import (
+    Calls,
+    GridCheck,
+    grid_step,
+    on_nvfp4_blocks,
+    on_scaled_fp8_rows,
+    torchao_nvfp4,
+    torchao_nvfp4_tiles,
+)
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import lpcompile
 from lpcompile.backend.state import REGISTRY
@@ -375,18 +382,14 @@ def test_nvfp4_step_equals_the_model_written_with_torchao_nvfp4_quantize(executo
     assert rows["0"]["error"] == "e2m1-finite nearest inf nvfp4"
 
 
-class _Operands(TorchDispatchMode):
-    """The operands of every ``mm`` and ``addmm`` that ran: (op, position, tensor)."""
+QUANTIZE = torch.ops.lowprec.quantize.default
+# op -> the positions of its operands a test reads: the matmuls' factors, quantize's input
+OPERANDS = {aten.mm.default: (0, 1), aten.addmm.default: (1, 2), QUANTIZE: (0,)}
 
-    def __init__(self) -> None:
-        super().__init__()
-        self.seen: list[tuple[Any, int, torch.Tensor]] = []
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func in (aten.mm.default, aten.addmm.default):
-            first = int(func == aten.addmm.default)
-            self.seen += [(func, first + i, args[first + i].detach().clone()) for i in range(2)]
-        return func(*args, **(kwargs or {}))
+def _operands(calls: Calls) -> list[tuple[Any, int, torch.Tensor]]:
+    """(op, position, tensor) of each operand :data:`OPERANDS` names, in call order."""
+    return [(func, i, args[i]) for func, args, _ in calls.calls for i in OPERANDS[func]]
 
 
 def test_nvfp4_2d_weights_are_one_rounding_per_tile_for_both_gemms():
@@ -395,17 +398,18 @@ def test_nvfp4_2d_weights_are_one_rounding_per_tile_for_both_gemms():
     GEMM reads the same values; the other operands are NVFP4 blocks along the summed
     dimension. The eager executor: a dispatch mode sees its calls."""
     x = _inputs()
-    seen = _Operands()
-    grid_step(_mlp(), {"input": x}, {"recipe": "nvfp4-2d", "executor": "eager"}, seen)
+    calls = Calls(aten.mm.default, aten.addmm.default)
+    grid_step(_mlp(), {"input": x}, {"recipe": "nvfp4-2d", "executor": "eager"}, calls)
+    seen = _operands(calls)
     peer = _mlp()
     for weight in (peer[0].weight, peer[2].weight):
         tiles = torchao_nvfp4_tiles(weight.detach())
-        forward = [t for _, _, t in seen.seen if t.shape == weight.T.shape]  # x @ w.T
-        backward = [t for _, _, t in seen.seen if t.shape == weight.shape]  # grad_y @ w
+        forward = [t for _, _, t in seen if t.shape == weight.T.shape]  # x @ w.T
+        backward = [t for _, _, t in seen if t.shape == weight.shape]  # grad_y @ w
         assert len(forward) == 1 and len(backward) == 1
         torch.testing.assert_close(forward[0].T, tiles, rtol=2.0**-22, atol=0.0)
         assert torch.equal(backward[0], forward[0].T)
-    others = [(f, i, t) for f, i, t in seen.seen if 16 in t.shape]  # the tokens' operands
+    others = [(f, i, t) for f, i, t in seen if 16 in t.shape]  # the tokens' operands
     assert len(others) == 8 and all(on_nvfp4_blocks(f, i, t) for f, i, t in others)
 
 
@@ -519,27 +523,19 @@ def _hadamard_along_rows(t: torch.Tensor, seed: int) -> torch.Tensor:
     return (transform @ t.unflatten(0, (-1, 16))).flatten(0, 1)
 
 
-class _Quantized(_Operands):
-    """Also the input of every ``lowprec::quantize`` call."""
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func is torch.ops.lowprec.quantize.default:
-            self.seen.append((func, 0, args[0].detach().clone()))
-        return super().__torch_dispatch__(func, types, args, kwargs)
-
-
 def _hadamard_inputs(tokens: int) -> torch.Tensor:
     x = torch.randn(tokens, 64, generator=torch.Generator().manual_seed(3))
     x[0, :8] *= 50.0  # an outlier token
     return x
 
 
-def _hadamard_step(tokens: int, hadamard: bool) -> tuple[nn.Module, _Quantized]:
+def _hadamard_step(tokens: int, hadamard: bool) -> tuple[nn.Module, list[tuple[Any, int, torch.Tensor]]]:
+    """A step with ``tokens`` tokens: the model, and the operands of its products and roundings."""
     options = {"recipe": "nvfp4-2d", "executor": "eager", "wgrad_hadamard": hadamard}
-    seen = _Quantized()
+    calls = Calls(*OPERANDS)
     model = _mlp()
-    grid_step(model, {"input": _hadamard_inputs(tokens)}, options, seen)
-    return model, seen
+    grid_step(model, {"input": _hadamard_inputs(tokens)}, options, calls)
+    return model, _operands(calls)
 
 
 def test_wgrad_hadamard_transforms_the_weight_gradients_operands_alone():
@@ -553,11 +549,10 @@ def test_wgrad_hadamard_transforms_the_weight_gradients_operands_alone():
     _, plain = _hadamard_step(48, False)
     x = _hadamard_inputs(48)
     expected = _hadamard_along_rows(x, 0).T  # [features, tokens]: the tokens summed, last
-    quantize = torch.ops.lowprec.quantize.default
-    rounded = [t for f, _, t in seen.seen if f is quantize and t.shape == (64, 48)]
+    rounded = [t for f, _, t in seen if f is QUANTIZE and t.shape == (64, 48)]
     assert sum(torch.allclose(t, expected, rtol=1e-5, atol=1e-5) for t in rounded) == 1
-    products = [(f, i, t) for f, i, t in seen.seen if f is not quantize]
-    before = [(f, i, t) for f, i, t in plain.seen if f is not quantize]
+    products = [(f, i, t) for f, i, t in seen if f is not QUANTIZE]
+    before = [(f, i, t) for f, i, t in plain if f is not QUANTIZE]
     # mm(grad_y.T, x): the tokens are the first operand's columns and the second's rows
     wgrad = [(f, i, t) for f, i, t in products if f is aten.mm.default and t.shape[1 - i] == 48]
     assert len(wgrad) == 4 and all(on_nvfp4_blocks(f, i, t) for f, i, t in wgrad)
@@ -641,12 +636,12 @@ def test_wgrad_hadamard_sums_in_fp32_under_bfloat16_autocast():
     layer's input, as autocast casts it, transformed by hand in FP32, is what gets rounded."""
     torch._dynamo.reset()
     x = _hadamard_inputs(48)
-    seen = _Quantized()
+    calls = Calls(QUANTIZE)
     options = {"recipe": "nvfp4-2d", "executor": "eager", "wgrad_hadamard": True}
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        grid_step(_mlp(), {"input": x}, options, seen)
+        grid_step(_mlp(), {"input": x}, options, calls)
     expected = _hadamard_along_rows(x.bfloat16().float(), 0).T
-    rounded = [t for f, _, t in seen.seen if f is torch.ops.lowprec.quantize.default and t.shape == (64, 48)]
+    rounded = [t for _, (t, *_), _ in calls.calls if t.shape == (64, 48)]
     assert [t.dtype for t in rounded].count(torch.float32) == 1
     assert any(
         t.dtype == torch.float32 and torch.allclose(t, expected, rtol=1e-6, atol=1e-6) for t in rounded

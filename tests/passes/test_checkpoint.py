@@ -7,12 +7,11 @@ from collections import defaultdict
 
 import pytest
 import torch
-from grid import SR_EVERYWHERE, grid_step, watched_backend
+from grid import SR_EVERYWHERE, Calls, grid_step, watched_backend
 from models import Records, ResidualBlock, aot_cache_counts
 from torch import nn
 from torch._higher_order_ops.map import map as map_over
 from torch.nn import functional as F
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import checkpoint
 
 import lpcompile
@@ -124,27 +123,16 @@ def test_random_operators_in_bodies_compile_with_inductors_python_wrapper():
             run(x)
 
 
-class QuantizeCalls(TorchDispatchMode):
-    """Every lowprec::quantize output, by its site's offset, in call order."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.outputs: dict[int, list[torch.Tensor]] = defaultdict(list)
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        if func is torch.ops.lowprec.quantize.default:
-            self.outputs[args[5]].append(out.clone())
-        return out
-
-
 def test_the_recomputation_rounds_as_the_forward_did():
-    calls = QuantizeCalls()
+    calls = Calls(torch.ops.lowprec.quantize.default)
     torch._dynamo.reset()
     out = torch.compile(Checkpointed(), backend=watched_backend(SR_EVERYWHERE, calls))(torch.randn(4, 8))
     with calls:
         out.square().sum().backward()
-    recomputed = {offset: seen for offset, seen in calls.outputs.items() if len(seen) == 2}
+    outputs = defaultdict(list)  # each site's outputs, by its offset, in call order
+    for _, args, rounded in calls.calls:
+        outputs[args[5]].append(rounded)
+    recomputed = {offset: seen for offset, seen in outputs.items() if len(seen) == 2}
     assert len(recomputed) >= 8, "the bodies' forward quantizes did not run again in the backward"
     for offset, (forward, again) in recomputed.items():
         assert torch.equal(forward, again), f"site {offset:#x} rounded differently when recomputed"
