@@ -50,6 +50,8 @@ LISTED = 12
 SPARSE_LAYOUTS = (torch.sparse_coo, torch.sparse_csr, torch.sparse_csc, torch.sparse_bsr, torch.sparse_bsc)
 # Where torch's and lpcompile's own frames come from.
 INTERNAL = tuple(os.path.dirname(path) + os.sep for path in (torch.__file__, os.path.dirname(__file__)))
+# Where Dynamo's own code lives (torch.compile's wrapper of a module's call among it)
+DYNAMO_DIR = os.path.dirname(torch._dynamo.__file__) + os.sep
 # The code of ``torch.autograd.Function.apply``: a frame of it on the stack runs a Function uncompiled.
 FUNCTION_APPLY = torch.autograd.Function.apply.__func__.__code__
 
@@ -301,7 +303,8 @@ class CoverageWatches:
     def warn_past_limit(self, compiling: types.FrameType, limit_type: str) -> None:
         """Warn where Dynamo, in ``compiling`` (its frame of ``_compile``), hit its
         ``limit_type`` for a frame compiled for lowprec, which it then runs uncompiled; once
-        per backend and code."""
+        per backend and code (a new torch.compile after ``torch._dynamo.reset()`` may hit
+        it again)."""
         found = compiling.f_locals
         code, compiler_fn = found.get("code"), found.get("compiler_fn")
         if not isinstance(code, types.CodeType) or compiler_fn is None or not is_lowprec_backend(compiler_fn):
@@ -313,12 +316,15 @@ class CoverageWatches:
         if any(seen() is backend for seen in backends):
             return
         backends.append(weakref.ref(backend))
-        frame = found.get("frame")  # the frame Dynamo compiles: a module's forward, or a wrapper of it
-        model = frame.f_locals.get("self") if isinstance(frame, types.FrameType) else None
-        if not isinstance(model, torch.nn.Module):
+        # the frame Dynamo compiles: a module's forward, or torch.compile's wrapper of its call
+        owner = getattr(found.get("frame"), "f_locals", {}).get("self")
+        model = None
+        if isinstance(owner, torch.nn.Module) and getattr(type(owner).forward, "__code__", None) is code:
+            model = owner
+        elif code.co_filename.startswith(DYNAMO_DIR):
             model = compiled_module()
         what, where = code.co_qualname, code
-        if isinstance(model, torch.nn.Module):
+        if model is not None:
             what = f"{type(model).__name__}'s forward"
             where = getattr(type(model).forward, "__code__", code)
         options = getattr(backend, "kwargs", {}).get("options")  # torch.compile's wrapper's
@@ -326,12 +332,13 @@ class CoverageWatches:
             f"lowprec: Dynamo hit torch._dynamo.config.{limit_type} "
             f"({getattr(torch._dynamo.config, limit_type)}) compiling {what} "
             f"({where.co_filename}:{where.co_firstlineno}) for lowprec"
-            f"{f' with options={options}' if options else ''}: it runs this call, and each later"
-            " one that none of the graphs it keeps fits, uncompiled, every product in FP32. Each"
-            " torch.compile of that code with other options (a sweep over recipes in one process)"
-            " and each new input shape counts against the limit. Call torch._dynamo.reset() between"
-            f" the runs of a sweep, raise torch._dynamo.config.{limit_type}, or set"
-            " torch._dynamo.config.fail_on_recompile_limit_hit = True to make this an error;"
+            f"{f' with options={options}' if options else ''}: until torch._dynamo.reset(), it runs"
+            " this call, and each later one that none of the graphs it keeps fits (every later"
+            " torch.compile of that code too), uncompiled, its products in the model's own precision."
+            " Each torch.compile of that code with other options (a sweep over recipes in one"
+            " process) and each new input shape counts against the limit. Call"
+            f" torch._dynamo.reset() between the runs of a sweep, raise torch._dynamo.config.{limit_type},"
+            " or set torch._dynamo.config.fail_on_recompile_limit_hit = True to make this an error;"
             ' TORCH_LOGS="recompiles" lists why it recompiled',
             stacklevel=caller_level(),
         )

@@ -577,19 +577,19 @@ def test_wgrad_hadamard_names_the_layers_whose_tokens_no_transform_fits():
     )
 
 
-def test_wgrad_hadamard_compiles_to_the_eager_executors_bits():
-    """The weight gradients bit for bit (the bias gradients' sums over the tokens add in
-    another order under Inductor)."""
-    grads = []
+@pytest.mark.parametrize("hadamard", [False, True])
+def test_nvfp4_2d_compiles_to_the_eager_executors_bits(hadamard):
+    """The outputs and the weight gradients bit for bit (the bias gradients' sums over the
+    tokens add in another order under Inductor)."""
+    results = []
     for executor in ("eager", "inductor"):
         torch._dynamo.reset()
         model = _mlp()
-        options = {"recipe": "nvfp4-2d", "executor": executor, "wgrad_hadamard": True}
-        torch.compile(model, backend="lowprec", options=options)(
-            _hadamard_inputs(48)
-        ).square().mean().backward()
-        grads.append([model[0].weight.grad, model[2].weight.grad])
-    assert all(torch.equal(a, b) for a, b in zip(*grads, strict=True))
+        options = {"recipe": "nvfp4-2d", "executor": executor, "wgrad_hadamard": hadamard}
+        out = torch.compile(model, backend="lowprec", options=options)(_hadamard_inputs(48))
+        out.square().mean().backward()
+        results.append([out.detach(), model[0].weight.grad, model[2].weight.grad])
+    assert all(torch.equal(a, b) for a, b in zip(*results, strict=True))
 
 
 def test_wgrad_hadamard_under_dynamic_shapes_guards_the_tokens():

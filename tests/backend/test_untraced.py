@@ -420,3 +420,16 @@ def test_other_backends_and_hard_failures_past_the_limit_are_not_named():
         pytest.raises(torch._dynamo.exc.FailOnRecompileLimitHit),
     ):
         _past_limit([("lowprec", EAGER_SR)], shapes=(1, 2, 3), dynamic=False)
+
+
+def test_a_layer_compiled_as_a_frame_of_its_own_past_the_limit_is_named():
+    """The root's forward gives up at its graph break and its layers compile as frames of
+    their own, one graph per batch size: the warning names the layer's class and source."""
+
+    def make() -> nn.Module:
+        return LoopBreak()
+
+    fp32, found = _past_limit([("lowprec", EAGER_SR)], shapes=(1, 2, 3), make=make, dynamic=False)
+    assert fp32[0] is False and fp32[-1] is True  # (three layers, one code: the limit comes soon)
+    assert len(found) == 1
+    assert f"Linear's forward ({nn.Linear.forward.__code__.co_filename}:" in str(found[0].message)

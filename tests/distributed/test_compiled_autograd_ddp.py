@@ -1,7 +1,7 @@
 """Compiled autograd under DDP (``optimize_ddp="python_reducer"``, the setting DDP needs
 for it): on two gloo ranks, the backward traced by compiled autograd, compiled with
 lowprec or with torchtitan's Inductor context, trains bit for bit as autograd's does,
-stochastic rounding included."""
+stochastic rounding included; and not as the FP32 recipe does."""
 
 from __future__ import annotations
 
@@ -16,11 +16,11 @@ STEPS = 2
 COMPILERS = (None, "lowprec", "inductor")  # None: autograd
 
 
-def _train(rank: int, compiler: str | None) -> dict:
+def _train(rank: int, compiler: str | None, options: dict = EAGER_SR) -> dict:
     torch._dynamo.reset()
     counters.clear()
     model = mlp3()
-    run = torch.compile(DDP(model), backend="lowprec", options=EAGER_SR)
+    run = torch.compile(DDP(model), backend="lowprec", options=options)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     losses = []
     for step in range(STEPS):
@@ -28,7 +28,7 @@ def _train(rank: int, compiler: str | None) -> dict:
         loss = run(x).square().mean()
         losses.append(loss.item())
         if compiler == "lowprec":
-            context = compiled_autograd._enable(torch.compile(backend="lowprec", options=EAGER_SR))
+            context = compiled_autograd._enable(torch.compile(backend="lowprec", options=options))
         else:
             context = maybe_enable_compiled_autograd(compiler == "inductor")
         with context:
@@ -44,7 +44,9 @@ def _train(rank: int, compiler: str | None) -> dict:
 
 def train_with_compiled_autograd(rank: int) -> dict:
     with torch._dynamo.config.patch(optimize_ddp="python_reducer"):
-        return {compiler: _train(rank, compiler) for compiler in COMPILERS}
+        runs = {compiler: _train(rank, compiler) for compiler in COMPILERS}
+        runs["fp32"] = _train(rank, None, {"recipe": "fp32", "executor": "eager"})
+        return runs
 
 
 @pytest.fixture(scope="module")
@@ -62,3 +64,5 @@ def test_compiled_autograd_under_ddp_trains_as_autograd(runs, compiler):
     # DDP averaged the gradients: the ranks, fed different data, hold the same parameters
     first, second = (by_compiler[compiler]["params"] for by_compiler in runs)
     assert all(torch.equal(a, b) for a, b in zip(first, second, strict=True))
+    # it rounds: the FP32 recipe trains otherwise
+    assert not all(torch.equal(a, b) for a, b in zip(first, runs[0]["fp32"]["params"], strict=True))
