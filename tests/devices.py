@@ -8,9 +8,10 @@ runs in Triton's interpreter.
 from __future__ import annotations
 
 import os
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import torch
+import torch._functorch.config
 
 _NAME = os.environ.get("LOWPREC_TEST_DEVICE", "cpu")
 if _NAME not in ("cpu", "cuda"):
@@ -26,3 +27,14 @@ def on_test_device(value: T) -> T:
         return value
     out = torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device=TEST_DEVICE)
     return out.copy_(value.detach()).requires_grad_(value.requires_grad)
+
+
+def compiled_afresh(fn: Any, *args: Any) -> Any:
+    """``fn(*args)`` compiled whole by Inductor afresh: no FX graph or AOT autograd cache
+    hit, so that its lowering (not a cached kernel) is what runs."""
+    with (
+        torch._functorch.config.patch(enable_autograd_cache=False),
+        torch._inductor.config.patch(fx_graph_cache=False),
+    ):
+        torch._dynamo.reset()
+        return torch.compile(fn, fullgraph=True)(*args)

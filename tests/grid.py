@@ -253,6 +253,15 @@ class Calls(TorchDispatchMode):
         return out
 
 
+def backward_compiler(compiler: str | None, options: dict[str, Any]) -> Any:
+    """A context around ``backward()``: compiled autograd compiling the backward with
+    lowprec (``options``), with torchtitan's Inductor context (``"inductor"``), or, for
+    None, none (autograd)."""
+    if compiler == "lowprec":
+        return torch._dynamo.compiled_autograd._enable(torch.compile(backend="lowprec", options=options))
+    return torch._dynamo.utils.maybe_enable_compiled_autograd(compiler == "inductor")
+
+
 def watched_backend(options: dict[str, Any], check: TorchDispatchMode) -> Callable:
     """The lowprec backend (``options``) with the mode ``check`` watching every call of its
     graphs (Dynamo runs no compiled code under a mode entered outside)."""

@@ -8,10 +8,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from grid import SR_EVERYWHERE, GridCheck, watched_backend
+from grid import SR_EVERYWHERE, GridCheck, backward_compiler, watched_backend
 from torch import nn
-from torch._dynamo import compiled_autograd
-from torch._dynamo.utils import counters, maybe_enable_compiled_autograd
+from torch._dynamo.utils import counters
 
 from lpcompile import LossScaler
 from lpcompile.backend.state import REGISTRY
@@ -72,11 +71,7 @@ def _train(options: dict, compiler: str | None) -> tuple[list[torch.Tensor], lis
             loss = loss * 2.0**-14  # errors small enough that the per-layer scales rise
         losses.append(loss.item())
         scaled = scaler.scale(loss) if scaler else loss
-        if compiler == "lowprec":
-            context = compiled_autograd._enable(torch.compile(backend="lowprec", options=options))
-        else:
-            context = maybe_enable_compiled_autograd(compiler == "inductor")
-        with context:
+        with backward_compiler(compiler, options):
             scaled.backward()
         if scaler:
             scaler.step(optimizer)

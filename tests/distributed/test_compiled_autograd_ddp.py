@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from grid import backward_compiler
 from ranks import EAGER_SR, mlp3, run_ranks
-from torch._dynamo import compiled_autograd
-from torch._dynamo.utils import counters, maybe_enable_compiled_autograd
+from torch._dynamo.utils import counters
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 STEPS = 2
@@ -27,11 +27,7 @@ def _train(rank: int, compiler: str | None, options: dict = EAGER_SR) -> dict:
         x = torch.randn(4, 8, generator=torch.Generator().manual_seed(10 * rank + step))
         loss = run(x).square().mean()
         losses.append(loss.item())
-        if compiler == "lowprec":
-            context = compiled_autograd._enable(torch.compile(backend="lowprec", options=options))
-        else:
-            context = maybe_enable_compiled_autograd(compiler == "inductor")
-        with context:
+        with backward_compiler(compiler, options):
             loss.backward()
         optimizer.step()
         optimizer.zero_grad()

@@ -15,7 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch._functorch.config
-from devices import TEST_DEVICE
+from devices import TEST_DEVICE, compiled_afresh
 
 import lpcompile  # noqa: F401  (registers torch.ops.lowprec)
 from lpcompile import quantize
@@ -147,12 +147,7 @@ def test_the_compiled_operator_rounds_like_the_reference(dtype, length, scaling)
             q(x, "e5m2", "stochastic", "inf", seed, 7, None, scaling),
         )
 
-    with (
-        torch._functorch.config.patch(enable_autograd_cache=False),
-        torch._inductor.config.patch(fx_graph_cache=False),
-    ):
-        torch._dynamo.reset()
-        compiled = torch.compile(both, fullgraph=True)(x)
+    compiled = compiled_afresh(both, x)
     for a, b in zip(compiled, both(x), strict=True):
         assert torch.equal(a.nan_to_num(), b.nan_to_num()) and torch.equal(a.isnan(), b.isnan())
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch._functorch.config
-from devices import TEST_DEVICE
+from devices import TEST_DEVICE, compiled_afresh
 from grid import on_e2m1_values, torchao_nvfp4, torchao_nvfp4_tiles
 
 import lpcompile  # noqa: F401  (registers torch.ops.lowprec)
@@ -76,12 +76,7 @@ def test_the_compiled_operator_rounds_like_the_reference(dtype, length):
             q(overflowed, FP4, "nearest", "saturate", None, 0, None, "nvfp4"),
         )
 
-    with (
-        torch._functorch.config.patch(enable_autograd_cache=False),
-        torch._inductor.config.patch(fx_graph_cache=False),
-    ):
-        torch._dynamo.reset()
-        compiled = torch.compile(both, fullgraph=True)(x, overflowed)
+    compiled = compiled_afresh(both, x, overflowed)
     for a, b in zip(compiled, both(x, overflowed), strict=True):
         assert torch.equal(a.nan_to_num(), b.nan_to_num()) and torch.equal(a.isnan(), b.isnan())
     assert compiled[2].isnan().all()
@@ -159,12 +154,7 @@ def test_compiled_tiles_round_like_the_reference(dtype):
             q(x, FP4, "stochastic", "inf", seed, 7, None, "nvfp4_2d"),
         )
 
-    with (
-        torch._functorch.config.patch(enable_autograd_cache=False),
-        torch._inductor.config.patch(fx_graph_cache=False),
-    ):
-        torch._dynamo.reset()
-        compiled = torch.compile(both, fullgraph=True)(x)
+    compiled = compiled_afresh(both, x)
     for a, b in zip(compiled, both(x), strict=True):
         assert torch.equal(a, b)
 
