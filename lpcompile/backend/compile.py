@@ -86,7 +86,7 @@ torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = True
 # when that forward is torch.nn's (nn.Sequential, nn.Linear); so does a frame Dynamo gave
 # up on with the layers it calls: see backend/distributed.py.
 trace_wrapped_forwards()
-# Past Dynamo's recompile limit, a frame compiled for lowprec runs uncompiled, in FP32:
+# Past Dynamo's recompile limit, a frame compiled for lowprec runs uncompiled, unrounded:
 # warn, naming the model (backend/watch.py).
 warn_past_recompile_limit(REGISTRY.watches)
 

@@ -14,7 +14,7 @@ warning names every module with parameters none of those calls read, and another
 sparse tensors the forward was called with or its modules hold: Dynamo does not trace
 them, so their products run uncompiled.
 
-Dynamo also runs a frame it compiled before uncompiled, in FP32, once that code has been
+Dynamo also runs a frame it compiled before uncompiled, unrounded, once that code has been
 compiled ``torch._dynamo.config.recompile_limit`` times: each new input shape and each
 ``torch.compile`` with other options (a sweep over recipes in one process) compiles it
 anew. :func:`warn_past_recompile_limit` makes Dynamo's check warn, naming the model, where
