@@ -108,7 +108,9 @@ class QuantSpec:
     ``"mx_rceil"`` the same rounded up (torchao's ``CEIL`` and cuBLAS's ``RCEIL`` scale
     calculations), ``"nvfp4"`` each block of 16 an E4M3 factor under an FP32 one per
     tensor (NVIDIA's NVFP4), ``"nvfp4_2d"`` each tile of 16 x 16 values of the last two
-    dimensions (NVIDIA's NVFP4 weights: one rounding for every matmul that reads it).
+    dimensions (NVIDIA's NVFP4 weights: one rounding for every matmul that reads it);
+    ``"blockwise"`` a tensorwise factor per block of 128 values of a row, ``"blockwise_2d"``
+    per tile of 128 x 128 values (DeepSeek-V3's activations and weights).
     """
 
     fmt: str | None = None
@@ -215,6 +217,19 @@ _RECIPES: dict[str, tuple[str, dict[str, Any]]] = {
                 OFF,
             ),
             "weight": QuantSpec("e2m1-finite", scaling="nvfp4_2d"),
+        },
+    ),
+    "fp8-blockwise": (
+        "DeepSeek-V3's FP8 training (torchao's blockwise_fp8_training): E4M3 weights per tile of"
+        " 128 x 128 values, activations and errors per block of 128 along a matmul's summed"
+        " dimension, each scaled to E4M3's range (nearest even); weight gradients unrounded",
+        {
+            **_specs(
+                QuantSpec("e4m3", scaling="blockwise"),
+                QuantSpec("e4m3", overflow="inf", scaling="blockwise"),
+                OFF,
+            ),
+            "weight": QuantSpec("e4m3", scaling="blockwise_2d"),
         },
     ),
 }

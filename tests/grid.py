@@ -175,6 +175,31 @@ def torchao_nvfp4_tiles(t: torch.Tensor) -> torch.Tensor:
     return (codes * scale).flatten(2).flatten(0, 1)
 
 
+def torchao_blockwise(t: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """``t`` rounded by torchao's ``blockwise_fp8_training`` cast of activations (DeepSeek-V3's)
+    in blocks of 128 along ``dim`` (a last block shorter than 128 padded with zeros): E4M3
+    codes times the reciprocal scale it returns."""
+    kernels = pytest.importorskip("torchao.prototype.blockwise_fp8_training.kernels")
+    rows = t.float().movedim(dim, -1)
+    length = rows.shape[-1]
+    flat = torch.nn.functional.pad(rows, (0, -length % 128)).reshape(-1, length + -length % 128)
+    codes, inverse = kernels.torch_blockwise_scale_act_quant_lhs(flat.contiguous(), 128)
+    values = codes.float() * inverse.repeat_interleave(128, -1)
+    return values.reshape(*rows.shape[:-1], -1)[..., :length].movedim(-1, dim)
+
+
+def torchao_blockwise_tiles(w: torch.Tensor) -> torch.Tensor:
+    """``w`` (2-dim) rounded by torchao's ``blockwise_fp8_training`` cast of weights (the last
+    tiles padded with zeros): an FP32 scale per tile of 128 x 128 values, E4M3 codes times its
+    reciprocal."""
+    kernels = pytest.importorskip("torchao.prototype.blockwise_fp8_training.kernels")
+    rows, cols = w.shape
+    padded = torch.nn.functional.pad(w.float(), (0, -cols % 128, 0, -rows % 128))
+    codes, inverse = kernels.torch_blockwise_scale_weight_quant(padded.contiguous(), 128)
+    values = codes.float() * inverse.repeat_interleave(128, 0).repeat_interleave(128, 1)
+    return values[:rows, :cols]
+
+
 def on_nvfp4_blocks(func: Any, position: int, t: torch.Tensor) -> bool:
     """A matmul's operand: in each block of 16 values along the dimension the matmul sums
     over (the last one padded with zeros), every value times 6 (or 4, where stochastic

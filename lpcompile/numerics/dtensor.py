@@ -14,8 +14,8 @@ each rank's shard where they can:
   rounding follow each element's index in the shard, from a stream of the shard's own:
   the seed is folded with the shard's position on the mesh (:func:`shard_fold`), so
   that shards draw different bits, and replicas of one tensor the same.
-* A scaling that reads the whole tensor (tensorwise, NVFP4's), or a row or block split
-  over the ranks, gathers the tensor, rounds it whole and keeps each rank's shard.
+* A scaling that reads the whole tensor (tensorwise, NVFP4's), or a row, block or tile
+  split over the ranks, gathers the tensor, rounds it whole and keeps each rank's shard.
 
 The pass-through operators (the forwards of ``quantize_grad``, ``scale_grad`` and
 ``count_grad``, and ``realize``) run on the local tensors and keep the placements.
@@ -33,7 +33,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor._redistribute import redistribute_local_tensor
 
-from lpcompile.numerics.quantize import is_rowwise, reads_whole_tensor
+from lpcompile.numerics.quantize import is_rowwise, is_tiled, reads_whole_tensor
 
 # Multiplier of a shard's position into the high 32 bits of the seed (the user seed's
 # half; the rank's multiplier is another, so that folds of ranks and of shards differ).
@@ -81,7 +81,8 @@ def _needs_whole(spec: DTensorSpec, ndim: int, scaling: str) -> bool:
     split = {p.dim % max(ndim, 1) for p in spec.placements if p.is_shard()}
     if not split:
         return False
-    return reads_whole_tensor(scaling) or (is_rowwise(scaling) and ndim - 1 in split)
+    tiles = is_tiled(scaling) and bool(split & {ndim - 1, ndim - 2})
+    return reads_whole_tensor(scaling) or tiles or (is_rowwise(scaling) and ndim - 1 in split)
 
 
 def _quantize(op: Any, args: tuple, kwargs: dict) -> DTensor:

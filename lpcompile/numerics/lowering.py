@@ -12,10 +12,10 @@ Inductor itself is imported (a plain ``torch.compile`` of code that calls
   re-traced once per read: an E5M2 rounding cost Inductor hundreds of op calls
   per kernel body, a stochastic one's key thousands, and compile time grew with
   them. A scaled quantize decomposes into an unscaled one between the multiply
-  and the divide; a tensorwise one computes its scale first (a reduction). A rowwise or
-  MX or NVFP4 one is lowered, its factors a reduction per row or per block of 32 or 16
-  (the tensor viewed as blocks, padded; NVFP4's also one over the tensor): it stays one
-  node in the joint graph,
+  and the divide; a tensorwise (or tiled) one computes its scale first (a reduction). A
+  rowwise, MX, NVFP4 or blockwise one is lowered, its factors a reduction per row or per
+  block of 32, 16 or 128 (the tensor viewed as blocks, padded; NVFP4's also one over the
+  tensor): it stays one node in the joint graph,
   where the backend reads which tensor each matmul's operand rounds
   (:mod:`lpcompile.passes.joint.rowwise`).
 * ``predict_weight``: its reference implementation, traced into Inductor's kernels.
@@ -134,10 +134,10 @@ def _stream_key(seed: ir.TensorBox, offset) -> ir.TensorBox:
 def _lower_quantize(
     x: ir.TensorBox, fmt, rounding, overflow, seed, offset, scale, scaling="none"
 ) -> ir.TensorBox:
-    """An unscaled, rowwise, MX or NVFP4 quantize as one pointwise node, each op of
+    """An unscaled, rowwise or block-scaled quantize as one pointwise node, each op of
     :func:`round_value` (and, for stochastic rounding, of the generator) issued once per
-    kernel body; a rowwise one reads its rows' factors (:func:`_row_scales`), an MX or
-    NVFP4 one rounds ``x`` viewed as blocks (:func:`_in_blocks`)."""
+    kernel body; a rowwise one reads its rows' factors (:func:`_row_scales`), an MX, NVFP4
+    or blockwise one rounds ``x`` viewed as blocks (:func:`_in_blocks`)."""
     if scale is not None or not (scaling == "none" or is_rowwise(scaling)):  # decomposed first
         raise NotImplementedError(
             "a scaled lowprec::quantize reached Inductor's lowering: Inductor's decomposition table"
@@ -161,9 +161,12 @@ def _lower_quantize(
     size = BLOCK_SCALINGS[scaling][0]
     blocks = _in_blocks(x, shape, size)
     if scaling in MX_MODES:
-        load_factor = _mx_factors(blocks, target, MX_MODES[scaling]).make_loader()
-    else:
+        mode = MX_MODES[scaling]
+        load_factor = _block_factors(blocks, lambda amax: mx_factor(amax, target.max, mode, ops))
+    elif scaling == "nvfp4":
         load_factor = _nvfp4_factors(blocks, target).make_loader()
+    else:
+        load_factor = _block_factors(blocks, lambda amax: _amax_factor(amax, target.max))
 
     def element(index):  # the element of x at an index of the blocks (past its end: padding)
         return [*index[:-2], index[-2] * size + index[-1]]
@@ -211,21 +214,18 @@ def _row_scales(x: ir.TensorBox, target, scaling: str):
     """A loader, by ``x``'s index, of :func:`lpcompile.numerics.quantize.dynamic_scale`'s
     factor of that element's row (of the last dimension), the factors computed once into a
     buffer."""
-    f32, f64 = torch.float32, torch.float64
     shape = list(x.get_size())
-    magnitude = lowerings[aten.abs.default](to_dtype(x, f32))
+    magnitude = lowerings[aten.abs.default](to_dtype(x, torch.float32))
     load_amax = lowerings[aten.amax.default](magnitude, [-1] if shape else [], True).make_loader()
 
     def inner_fn(index):
-        floored = ops.maximum(ops.to_dtype(load_amax(index), f64), ops.constant(AMAX_FLOOR, f64))
-        scale = ops.minimum(ops.truediv(ops.constant(target.max, f64), floored), ops.constant(FP32_MAX, f64))
-        scale = ops.to_dtype(scale, f32)
+        scale = _amax_factor(load_amax(index), target.max)
         if scaling.endswith("_pow2"):
             scale = ops.exp2(ops.floor(ops.log2(scale)))
         return scale
 
     size = [*shape[:-1], 1] if shape else []
-    scales = ir.Pointwise.create(device=x.get_device(), dtype=f32, inner_fn=inner_fn, ranges=size)
+    scales = ir.Pointwise.create(device=x.get_device(), dtype=torch.float32, inner_fn=inner_fn, ranges=size)
     scales.realize()
     load = scales.make_loader()
     return lambda index: load([*index[:-1], 0] if index else [])
@@ -243,19 +243,27 @@ def _in_blocks(x: ir.TensorBox, shape: list, size: int) -> ir.TensorBox:
     return lowerings[aten.view.default](x, [*shape[:-1], blocks, size])
 
 
-def _mx_factors(blocks: ir.TensorBox, target, mode: str) -> ir.TensorBox:
-    """:func:`lpcompile.numerics.quantize.mx_factor` of each block (the last dimension kept,
-    as size 1), computed once into a buffer."""
+def _amax_factor(amax, largest: float):
+    """:func:`lpcompile.numerics.quantize.amax_factor` of an FP32 ``amax``, in Inductor's ops."""
+    f32, f64 = torch.float32, torch.float64
+    floored = ops.maximum(ops.to_dtype(amax, f64), ops.constant(AMAX_FLOOR, f64))
+    scale = ops.minimum(ops.truediv(ops.constant(largest, f64), floored), ops.constant(FP32_MAX, f64))
+    return ops.to_dtype(scale, f32)
+
+
+def _block_factors(blocks: ir.TensorBox, factor_of):
+    """A loader of ``factor_of`` each block's largest magnitude (the last dimension kept, as
+    size 1), the factors computed once into a buffer."""
     magnitude = lowerings[aten.abs.default](to_dtype(blocks, torch.float32))
     load_amax = lowerings[aten.amax.default](magnitude, [-1], True).make_loader()
     factors = ir.Pointwise.create(
         device=blocks.get_device(),
         dtype=torch.float32,
-        inner_fn=lambda index: mx_factor(load_amax(index), target.max, mode, ops),
+        inner_fn=lambda index: factor_of(load_amax(index)),
         ranges=[*blocks.get_size()[:-1], 1],
     )
     factors.realize()
-    return factors
+    return factors.make_loader()
 
 
 def _nvfp4_factors(blocks: ir.TensorBox, target) -> ir.TensorBox:

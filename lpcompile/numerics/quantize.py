@@ -48,7 +48,10 @@ OVERFLOWS = ("saturate", "inf")
 # "mx_rceil" the same with the scale rounded up (MX_MODES); "nvfp4": NVIDIA's two-level
 # scaling, an E4M3 factor per block of NVFP4_BLOCK values under an FP32 one per tensor;
 # "nvfp4_2d" the same per tile of NVFP4_BLOCK x NVFP4_BLOCK values of the last two
-# dimensions (NVIDIA's weights: one rounding that every matmul reading it sums alike).
+# dimensions (NVIDIA's weights: one rounding that every matmul reading it sums alike);
+# "blockwise" a tensorwise factor per block of BLOCKWISE_BLOCK values along the last
+# dimension, "blockwise_2d" per tile of BLOCKWISE_BLOCK x BLOCKWISE_BLOCK values
+# (DeepSeek-V3's FP8 training, torchao's blockwise_fp8_training).
 SCALINGS = (
     "none",
     "tensorwise",
@@ -60,11 +63,14 @@ SCALINGS = (
     "mx_rceil",
     "nvfp4",
     "nvfp4_2d",
+    "blockwise",
+    "blockwise_2d",
 )
 # MX scalings -> how the block's scale is computed (torchao's ScaleCalculationMode)
 MX_MODES = {"mx": "floor", "mx_ceil": "ceil", "mx_rceil": "rceil"}
 MX_BLOCK = 32
 NVFP4_BLOCK = 16
+BLOCKWISE_BLOCK = 128
 # NVFP4's block scales are E4M3 values, at least its smallest normal one
 E4M3_MAX, E4M3_TINY = torch.finfo(torch.float8_e4m3fn).max, torch.finfo(torch.float8_e4m3fn).tiny
 # block scalings -> (values per block, the per-tensor scaling that stands in for them
@@ -72,7 +78,11 @@ E4M3_MAX, E4M3_TINY = torch.finfo(torch.float8_e4m3fn).max, torch.finfo(torch.fl
 BLOCK_SCALINGS = {
     **{mx: (MX_BLOCK, "tensorwise_pow2") for mx in MX_MODES},
     "nvfp4": (NVFP4_BLOCK, "tensorwise"),
+    "blockwise": (BLOCKWISE_BLOCK, "tensorwise"),
 }
+# tiled scalings -> the side of their square tiles (per tensor where a product is no matmul:
+# "tensorwise")
+TILED_SCALINGS = {"nvfp4_2d": NVFP4_BLOCK, "blockwise_2d": BLOCKWISE_BLOCK}
 # The smallest largest-magnitude a factor is computed from (torchao's): an all-zero or
 # nearly zero tensor is not blown up to the format's range.
 AMAX_FLOOR = 1e-12
@@ -187,7 +197,8 @@ def round_value(xf, fmt: FloatFormat, rounding: str, overflow: str, random, ops=
 
 def is_rowwise(scaling: str) -> bool:
     """Whether ``scaling`` gives each row of the last dimension (or each block of a row)
-    factors of its own: ``"rowwise"``, ``"rowwise_pow2"``, the MX scalings, ``"nvfp4"``."""
+    factors of its own: ``"rowwise"``, ``"rowwise_pow2"``, the block scalings of
+    :data:`BLOCK_SCALINGS` (MX, ``"nvfp4"``, ``"blockwise"``)."""
     return scaling.startswith("rowwise") or scaling in BLOCK_SCALINGS
 
 
@@ -199,14 +210,14 @@ def reads_whole_tensor(scaling: str) -> bool:
 
 def is_tiled(scaling: str) -> bool:
     """Whether ``scaling`` gives each tile of the last two dimensions factors of its own
-    (``"nvfp4_2d"``): one rounding for the matmuls that sum over either dimension."""
-    return scaling == "nvfp4_2d"
+    (:data:`TILED_SCALINGS`): one rounding for the matmuls that sum over either dimension."""
+    return scaling in TILED_SCALINGS
 
 
 def per_tensor(scaling: str) -> str:
     """The tensorwise counterpart of ``scaling`` (itself if it is neither rowwise nor
     tiled; a block scaling's from :data:`BLOCK_SCALINGS`: MX's power-of-two factors give
-    ``"tensorwise_pow2"``, NVFP4's ``"tensorwise"``, and so do NVFP4's tiles)."""
+    ``"tensorwise_pow2"``, NVFP4's and blockwise's ``"tensorwise"``, and so do tiles)."""
     if scaling in BLOCK_SCALINGS:
         return BLOCK_SCALINGS[scaling][1]
     if is_tiled(scaling):
@@ -283,12 +294,47 @@ def _per_value(factors: torch.Tensor, block: int, like: torch.Tensor) -> torch.T
     return factors[..., index].reshape(like.shape)
 
 
+def _per_tile(factors: torch.Tensor, tile: int, like: torch.Tensor) -> torch.Tensor:
+    """The factors of tiles of ``tile`` x ``tile`` values of the last two dimensions (of
+    blocks along the last, for a ``like`` of fewer dimensions), one per value of ``like``."""
+    if _rank(like) >= 2:  # each tile's factor over its rows first
+        index = torch.arange(like.shape[-2], device=factors.device) // tile
+        factors = factors.index_select(-2, index)
+    return _per_value(factors, tile, like)
+
+
+def _local_amax(x: torch.Tensor, size: int, tiles: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x``'s magnitudes in FP32, and the largest of each block of ``size`` values along its
+    last dimension, or with ``tiles`` of each tile of ``size`` x ``size`` values of its last
+    two (a tensor of fewer dimensions: one row), the last ones as if padded with zeros."""
+    magnitude = x.detach().abs().float()
+    if tiles:
+        return magnitude, _tile_amax(magnitude.reshape(1, -1) if _rank(x) < 2 else magnitude, size)
+    return magnitude, _block_amax(magnitude.reshape(1) if _rank(x) == 0 else magnitude, size)
+
+
 def mx_factors(x: torch.Tensor, largest: float, mode: str) -> torch.Tensor:
     """:func:`mx_factor` of each block of :data:`MX_BLOCK` values along ``x``'s last
     dimension (the last block as if padded with zeros), repeated over its values."""
-    magnitude = x.detach().abs().float()
-    rows = magnitude.reshape(1) if _rank(x) == 0 else magnitude  # a 0-dim x: one block
-    return _per_value(mx_factor(_block_amax(rows, MX_BLOCK), largest, mode), MX_BLOCK, x)
+    return _per_value(mx_factor(_local_amax(x, MX_BLOCK)[1], largest, mode), MX_BLOCK, x)
+
+
+def amax_factor(amax: torch.Tensor, largest: float) -> torch.Tensor:
+    """The tensorwise factor of values whose largest magnitude is ``amax``: ``largest`` over
+    it (at least :data:`AMAX_FLOOR`), computed in float64 and rounded to FP32 as torchao
+    does, so that every executor gets the same bits."""
+    amax = amax.to(torch.float64).clamp(min=AMAX_FLOOR)
+    return (largest / amax).clamp(max=FP32_MAX).to(torch.float32)
+
+
+def blockwise_factors(x: torch.Tensor, largest: float, tiles: bool = False) -> torch.Tensor:
+    """DeepSeek-V3's FP8 factors of ``x``, one per element: :func:`amax_factor` of each
+    block of :data:`BLOCKWISE_BLOCK` values along the last dimension, or with ``tiles`` of
+    each tile of :data:`BLOCKWISE_BLOCK` x :data:`BLOCKWISE_BLOCK` values of the last two
+    (the last ones as if padded with zeros), as torchao's ``blockwise_fp8_training``
+    computes them."""
+    factors = amax_factor(_local_amax(x, BLOCKWISE_BLOCK, tiles)[1], largest)
+    return _per_tile(factors, BLOCKWISE_BLOCK, x) if tiles else _per_value(factors, BLOCKWISE_BLOCK, x)
 
 
 def _quotient(a, b):
@@ -317,31 +363,21 @@ def nvfp4_factors(x: torch.Tensor, largest: float, tiles: bool = False) -> torch
     block's. With ``tiles``, a block is a tile of :data:`NVFP4_BLOCK` x :data:`NVFP4_BLOCK`
     values of the last two dimensions (a tensor of fewer is one row). An infinite or NaN
     magnitude makes every factor 0 or NaN."""
-    magnitude = x.detach().abs().float()
-    rows = magnitude.reshape(1) if _rank(x) == 0 else magnitude  # a 0-dim x: one block
+    magnitude, block_amax = _local_amax(x, NVFP4_BLOCK, tiles)
     tensor_scale = _quotient(magnitude.amax().clamp(min=AMAX_FLOOR), E4M3_MAX * largest)
-    if tiles:
-        rows = rows.reshape(1, -1) if _rank(x) < 2 else rows
-        block_amax = _tile_amax(rows, NVFP4_BLOCK)
-    else:
-        block_amax = _block_amax(rows, NVFP4_BLOCK)
     block_scale = _quotient(_quotient(block_amax, largest), tensor_scale)
     block_scale = block_scale.clamp(E4M3_TINY, E4M3_MAX).to(torch.float8_e4m3fn).float()
     factors = _quotient(_quotient(1.0, tensor_scale), block_scale)
-    if tiles and _rank(x) >= 2:  # each tile's factor over its rows first
-        index = torch.arange(x.shape[-2], device=factors.device) // NVFP4_BLOCK
-        factors = factors.index_select(-2, index)
-    return _per_value(factors, NVFP4_BLOCK, x)
+    return _per_tile(factors, NVFP4_BLOCK, x) if tiles else _per_value(factors, NVFP4_BLOCK, x)
 
 
 def dynamic_scale(x: torch.Tensor, largest: float, scaling: str) -> torch.Tensor:
     """The factors ``scaling`` rounds ``x`` with, in FP32: one (a 0-dim tensor) for a
     tensorwise scaling, one per row of the last dimension (keeping it, as size 1) for a
-    rowwise one, one per element for the MX and NVFP4 scalings (its block's or tile's:
-    :func:`mx_factors`, :func:`nvfp4_factors`). Each
-    tensorwise or rowwise factor is ``largest`` (the format's largest finite value) over the largest
-    magnitude it scales, that at least :data:`AMAX_FLOOR`, computed in float64 and rounded to
-    FP32 as torchao does (so that every executor gets the same bits), rounded down to a
+    rowwise one, one per element for the MX, NVFP4 and blockwise scalings (its block's or
+    tile's: :func:`mx_factors`, :func:`nvfp4_factors`, :func:`blockwise_factors`). Each
+    tensorwise, rowwise or blockwise factor is ``largest`` (the format's largest finite
+    value) over the largest magnitude it scales (:func:`amax_factor`), rounded down to a
     power of two for the ``_pow2`` scalings. An empty tensor's is 1; an infinite magnitude
     gives 0 and a NaN gives NaN, so that the rounded values are NaN and a loss scaler sees
     them."""
@@ -350,11 +386,12 @@ def dynamic_scale(x: torch.Tensor, largest: float, scaling: str) -> torch.Tensor
     if scaling in MX_MODES:
         return mx_factors(x, largest, MX_MODES[scaling])
     if scaling.startswith("nvfp4"):
-        return nvfp4_factors(x, largest, tiles=scaling == "nvfp4_2d")
+        return nvfp4_factors(x, largest, tiles=is_tiled(scaling))
+    if scaling.startswith("blockwise"):
+        return blockwise_factors(x, largest, tiles=is_tiled(scaling))
     magnitude = x.detach().abs()
     rows = is_rowwise(scaling) and _rank(x) > 0
-    amax = (magnitude.amax(-1, keepdim=True) if rows else magnitude.amax()).to(torch.float64)
-    scale = (largest / amax.clamp(min=AMAX_FLOOR)).clamp(max=FP32_MAX).to(torch.float32)
+    scale = amax_factor(magnitude.amax(-1, keepdim=True) if rows else magnitude.amax(), largest)
     if scaling.endswith("_pow2"):
         scale = torch.exp2(torch.floor(torch.log2(scale)))
     return scale
@@ -597,8 +634,9 @@ def quantize(
     power-of-two factor per block of 32 values of a row (:func:`mx_factor`; ``"mx_ceil"``
     and ``"mx_rceil"`` its other scale calculations); ``"nvfp4"``
     an E4M3 factor per block of 16 under a per-tensor one (:func:`nvfp4_factors`),
-    ``"nvfp4_2d"`` per tile of 16 x 16 of the last two dimensions; no
-    ``scale`` goes with them.
+    ``"nvfp4_2d"`` per tile of 16 x 16 of the last two dimensions; ``"blockwise"`` a
+    tensorwise factor per block of 128 values of a row, ``"blockwise_2d"`` per tile of
+    128 x 128 (:func:`blockwise_factors`); no ``scale`` goes with them.
     """
     name = parse_format(fmt).name if isinstance(fmt, FloatFormat) else fmt
     if not isinstance(x, torch.Tensor):

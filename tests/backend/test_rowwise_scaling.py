@@ -15,6 +15,8 @@ from grid import (
     grid_step,
     on_nvfp4_blocks,
     on_scaled_fp8_rows,
+    torchao_blockwise,
+    torchao_blockwise_tiles,
     torchao_nvfp4,
     torchao_nvfp4_tiles,
 )
@@ -380,6 +382,66 @@ def test_nvfp4_step_equals_the_model_written_with_torchao_nvfp4_quantize(executo
         torch.testing.assert_close(model[i].weight.grad, peer[i].weight.grad, **close)
     rows = {row.layer: row.quantized for row in lpcompile.coverage(model)}
     assert rows["0"]["error"] == "e2m1-finite nearest inf nvfp4"
+
+
+# -- DeepSeek-V3's blockwise FP8: weights per tile of 128 x 128, other operands per block of 128 --
+
+
+class _BlockwiseLinear(torch.autograd.Function):
+    """``F.linear`` as torchao's blockwise FP8 training computes it: the weight rounded once
+    per tile of 128 x 128 for both GEMMs that read it, every other operand in blocks of 128
+    along the dimension its GEMM sums over."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias):
+        ctx.save_for_backward(x, weight)
+        return torchao_blockwise(x, -1) @ torchao_blockwise_tiles(weight).T + bias
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        x2, grad2 = x.reshape(-1, x.shape[-1]), grad.reshape(-1, grad.shape[-1])
+        error = torchao_blockwise(grad2, -1)
+        grad_x = error @ torchao_blockwise_tiles(weight)
+        grad_w = torchao_blockwise(grad2, 0).T @ torchao_blockwise(x2, 0)
+        return grad_x.reshape(x.shape), grad_w, error.sum(0)
+
+
+def _wide_mlp() -> nn.Sequential:
+    """Layers of several blocks and tiles, one tile far below the others."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(256, 384), nn.ReLU(), nn.Linear(384, 128))
+    with torch.no_grad():
+        model[0].weight[128:256, :128] *= 1e-3
+    return model
+
+
+@pytest.mark.parametrize("executor", ["inductor", "eager"])
+def test_blockwise_step_equals_the_model_written_with_torchaos_blockwise_casts(executor):
+    """``fp8-blockwise``; 160 tokens: the weight gradients' blocks along the tokens end short.
+    lowprec divides by its factors where torchao multiplies by the reciprocals, one FP32
+    rounding apart."""
+    x = torch.randn(2, 80, 256, generator=torch.Generator().manual_seed(1))
+    x[1, :, 128:] *= 1e-3  # blocks of a row far apart
+    x.requires_grad_()
+    torch._dynamo.reset()
+    model = _wide_mlp()
+    options = {"recipe": "fp8-blockwise", "executor": executor}
+    out = torch.compile(model, backend="lowprec", options=options)(x)
+    out.square().mean().backward()
+    peer = _wide_mlp()
+    x_peer = x.detach().requires_grad_()
+    h = torch.relu(_BlockwiseLinear.apply(x_peer, peer[0].weight, peer[0].bias))
+    expected = _BlockwiseLinear.apply(h, peer[2].weight, peer[2].bias)
+    expected.square().mean().backward()
+    pairs = [(out, expected), (x.grad, x_peer.grad)]
+    pairs += [(got.grad, want.grad) for got, want in zip(model.parameters(), peer.parameters(), strict=True)]
+    for got, want in pairs:  # FP32 sums of 256 and more products: their rounding, relative to the largest
+        largest = want.abs().max().item()
+        torch.testing.assert_close(got.detach(), want.detach(), rtol=1e-5, atol=1e-5 * largest)
+    rows = {row.layer: row.quantized for row in lpcompile.coverage(model)}
+    assert rows["0"]["weight"] == "e4m3 nearest saturate blockwise_2d"
+    assert rows["0"]["error"] == "e4m3 nearest inf blockwise"
 
 
 QUANTIZE = torch.ops.lowprec.quantize.default

@@ -109,6 +109,11 @@ def round_dtensors(rank: int) -> dict[str, bool]:
         "mx, rows split": torch.equal(
             gathered("e4m3", "nearest", [Shard(0)], scaling="mx"), alone(whole, "e4m3", "nearest", "mx")
         ),
+        # a tile of 128 x 128 holds both ranks' rows
+        "tiles, rows split": torch.equal(
+            gathered("e4m3", "nearest", [Shard(0)], scaling="blockwise_2d"),
+            alone(whole, "e4m3", "nearest", "blockwise_2d"),
+        ),
     }
 
 
