@@ -69,20 +69,23 @@ FP8_LARGEST = (448.0, 57344.0)
 AMAX_FLOOR = 1e-12
 
 
-def on_scaled_fp8_grid(t: torch.Tensor) -> bool:
-    """Every value, times the factor that takes the largest magnitude (at least
-    :data:`AMAX_FLOOR`) to E4M3's or to E5M2's largest value, has at most E4M3's 4
-    significant bits (to within that factor's FP32 rounding): what a tensor rounded with
-    tensorwise scaling and divided back holds."""
-    t = t.detach().float()
-    amax = t.abs().max()
-    if amax == 0:
-        return True
+def _on_scaled_lines(lines: torch.Tensor) -> torch.Tensor:
+    """Whether each line (of the last dimension of FP32 ``lines``), times the factor that takes
+    its largest magnitude (at least :data:`AMAX_FLOOR`) to E4M3's or to E5M2's largest value,
+    has at most E4M3's 4 significant bits (to within that factor's FP32 rounding)."""
+    amax = lines.abs().amax(-1, keepdim=True)
+    on_grid = torch.zeros(lines.shape[:-1], dtype=torch.bool)
     for largest in FP8_LARGEST:
-        mantissa = torch.frexp(t * (largest / amax.clamp(min=AMAX_FLOOR))).mantissa.abs() * 16  # [8, 16)
-        if ((mantissa - mantissa.round()).abs() <= 2.0**-16).all():
-            return True
-    return False
+        mantissa = torch.frexp(lines * (largest / amax.clamp(min=AMAX_FLOOR))).mantissa.abs() * 16  # [8, 16)
+        on_grid |= ((mantissa - mantissa.round()).abs() <= 2.0**-16).all(-1)
+    return on_grid
+
+
+def on_scaled_fp8_grid(t: torch.Tensor) -> bool:
+    """Every value is on the scaled grid of :func:`_on_scaled_lines`, with the factor of the
+    tensor's largest magnitude: what a tensor rounded with tensorwise scaling and divided back
+    holds."""
+    return bool(_on_scaled_lines(t.detach().float().reshape(-1)))
 
 
 # Matmuls: op -> {position of an operand: the dimension the matmul sums it over}
@@ -101,14 +104,27 @@ def on_scaled_fp8_rows(func: Any, position: int, t: torch.Tensor) -> bool:
     dim = SUMMED.get(func, {}).get(position)
     if dim is None or t.dim() == 0:
         return on_scaled_fp8_grid(t)
-    rows = t.detach().float().movedim(dim, -1).reshape(-1, t.shape[dim])
-    amax = rows.abs().amax(-1, keepdim=True)
-    rows, amax = rows[amax[:, 0] > 0], amax[amax[:, 0] > 0]
-    on_grid = torch.zeros(len(rows), dtype=torch.bool)
-    for largest in FP8_LARGEST:
-        mantissa = torch.frexp(rows * (largest / amax.clamp(min=AMAX_FLOOR))).mantissa.abs() * 16
-        on_grid |= ((mantissa - mantissa.round()).abs() <= 2.0**-16).all(-1)
-    return bool(on_grid.all())
+    return bool(_on_scaled_lines(t.detach().float().movedim(dim, -1).reshape(-1, t.shape[dim])).all())
+
+
+def on_blockwise(func: Any, position: int, t: torch.Tensor) -> bool:
+    """A matmul's operand: each block of 128 values along the dimension the matmul sums over
+    (the last one padded with zeros), or else each tile of 128 x 128 values of its last two
+    dimensions (a weight's), is on the scaled grid of :func:`_on_scaled_lines` with its own
+    factor: what DeepSeek-V3's blockwise FP8 holds; any other product's operand as a whole."""
+    dim = SUMMED.get(func, {}).get(position)
+    t = t.detach().float()
+    if dim is None or t.dim() == 0:
+        return on_scaled_fp8_grid(t)
+    rows = t.movedim(dim, -1)
+    blocks = torch.nn.functional.pad(rows, (0, -rows.shape[-1] % 128)).unflatten(-1, (-1, 128))
+    if _on_scaled_lines(blocks).all():
+        return True
+    if t.dim() < 2:
+        return False
+    tiles = torch.nn.functional.pad(t, (0, -t.shape[-1] % 128, 0, -t.shape[-2] % 128))
+    tiles = tiles.unflatten(-1, (-1, 128)).unflatten(-3, (-1, 128)).movedim(-3, -2).flatten(-2)
+    return bool(_on_scaled_lines(tiles).all())
 
 
 def on_mx_blocks(func: Any, position: int, t: torch.Tensor) -> bool:

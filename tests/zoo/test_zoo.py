@@ -13,6 +13,7 @@ import torch
 from grid import (
     GridCheck,
     grid_step,
+    on_blockwise,
     on_e5m2_grid,
     on_mx_blocks,
     on_nvfp4_blocks,
@@ -292,16 +293,19 @@ def test_rowwise_scaling_step_of_every_zoo_model_on_the_row_grid(name):
     rowwise_step_on_the_row_grid(*(diffusers_model(name) if name in DIFFUSERS_MODELS else zoo_model(name)))
 
 
-@pytest.mark.parametrize("recipe", ["mxfp8", "nvfp4"])
+BLOCK_CHECKS = {"mxfp8": on_mx_blocks, "nvfp4": on_nvfp4_blocks, "fp8-blockwise": on_blockwise}
+
+
+@pytest.mark.parametrize("recipe", list(BLOCK_CHECKS))
 @pytest.mark.parametrize("name", ["gpt2", "llama", "lstm_lm", "mixtral"])
 def test_block_scaled_step_runs_every_matmul_on_its_blocks(name, recipe):
-    """Each matmul's operands in MX blocks of 32, or NVFP4 blocks of 16, along the dimension
-    it sums over, forward and backward (the experts' grouped matmuls too); unrounded
-    operands are not on them."""
+    """Each matmul's operands in MX blocks of 32, NVFP4 blocks of 16 or DeepSeek's blocks of
+    128 (its weights in tiles of 128 x 128) along the dimension it sums over, forward and
+    backward (the experts' grouped matmuls too); unrounded operands are not on them."""
     torch.manual_seed(0)
     model, inputs = zoo_model(name)
     options = {"recipe": recipe, "executor": "eager", "attention": "full"}
-    on_blocks = on_mx_blocks if recipe == "mxfp8" else on_nvfp4_blocks
+    on_blocks = BLOCK_CHECKS[recipe]
     check = grid_step(model, inputs, options, GridCheck(on_operand=on_blocks))
     assert check.count > 0 and check.off_grid == {}, check.products
     assert not check.unknown, check.unknown
