@@ -412,7 +412,7 @@ class LowPrecConfig:
             raise ValueError(
                 "wgrad_hadamard=True transforms the weight gradient GEMM's operands before each is"
                 " rounded along the tokens it sums over: it needs activations and errors scaled per"
-                f" row or block (fp8-rowwise, mxfp8, nvfp4), got activation scaling="
+                f" row or block (fp8-rowwise, mxfp8, nvfp4, fp8-blockwise), got activation scaling="
                 f"{self.activation.scaling!r}, error scaling={self.error.scaling!r}"
             )
         if not isinstance(self.keep_first_last, bool):

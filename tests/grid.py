@@ -107,24 +107,31 @@ def on_scaled_fp8_rows(func: Any, position: int, t: torch.Tensor) -> bool:
     return bool(_on_scaled_lines(t.detach().float().movedim(dim, -1).reshape(-1, t.shape[dim])).all())
 
 
-def on_blockwise(func: Any, position: int, t: torch.Tensor) -> bool:
-    """A matmul's operand: each block of 128 values along the dimension the matmul sums over
-    (the last one padded with zeros), or else each tile of 128 x 128 values of its last two
-    dimensions (a weight's), is on the scaled grid of :func:`_on_scaled_lines` with its own
-    factor: what DeepSeek-V3's blockwise FP8 holds; any other product's operand as a whole."""
-    dim = SUMMED.get(func, {}).get(position)
-    t = t.detach().float()
-    if dim is None or t.dim() == 0:
-        return on_scaled_fp8_grid(t)
-    rows = t.movedim(dim, -1)
-    blocks = torch.nn.functional.pad(rows, (0, -rows.shape[-1] % 128)).unflatten(-1, (-1, 128))
-    if _on_scaled_lines(blocks).all():
-        return True
-    if t.dim() < 2:
-        return False
-    tiles = torch.nn.functional.pad(t, (0, -t.shape[-1] % 128, 0, -t.shape[-2] % 128))
-    tiles = tiles.unflatten(-1, (-1, 128)).unflatten(-3, (-1, 128)).movedim(-3, -2).flatten(-2)
-    return bool(_on_scaled_lines(tiles).all())
+def on_blockwise(model: torch.nn.Module) -> Callable[[Any, int, torch.Tensor], bool]:
+    """A check of a matmul's operand, for ``model`` under DeepSeek-V3's blockwise FP8: each
+    block of 128 values along the dimension the matmul sums over (the last one padded with
+    zeros) is on the scaled grid of :func:`_on_scaled_lines` with its own factor, or, for an
+    operand shaped as one of the model's matrices (or its transpose), each tile of 128 x 128
+    values of its last two dimensions; any other product's operand as a whole."""
+    weights = {tuple(p.shape) for p in model.parameters() if p.dim() == 2}
+    weights |= {shape[::-1] for shape in weights}
+
+    def check(func: Any, position: int, t: torch.Tensor) -> bool:
+        dim = SUMMED.get(func, {}).get(position)
+        t = t.detach().float()
+        if dim is None or t.dim() == 0:
+            return on_scaled_fp8_grid(t)
+        rows = t.movedim(dim, -1)
+        blocks = torch.nn.functional.pad(rows, (0, -rows.shape[-1] % 128)).unflatten(-1, (-1, 128))
+        if _on_scaled_lines(blocks).all():
+            return True
+        if tuple(t.shape) not in weights:
+            return False
+        tiles = torch.nn.functional.pad(t, (0, -t.shape[-1] % 128, 0, -t.shape[-2] % 128))
+        tiles = tiles.unflatten(-1, (-1, 128)).unflatten(-3, (-1, 128)).movedim(-3, -2).flatten(-2)
+        return bool(_on_scaled_lines(tiles).all())
+
+    return check
 
 
 def on_mx_blocks(func: Any, position: int, t: torch.Tensor) -> bool:

@@ -26,6 +26,8 @@ Inductor itself is imported (a plain ``torch.compile`` of code that calls
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch._inductor import decomposition, ir
 from torch._inductor.decomposition import register_decomposition
@@ -40,8 +42,8 @@ from lpcompile.numerics.quantize import (
     BLOCK_SCALINGS,
     E4M3_MAX,
     E4M3_TINY,
-    FP32_MAX,
     MX_MODES,
+    amax_factor,
     check_args,
     dynamic_scale,
     is_rowwise,
@@ -164,9 +166,11 @@ def _lower_quantize(
         mode = MX_MODES[scaling]
         load_factor = _block_factors(blocks, lambda amax: mx_factor(amax, target.max, mode, ops))
     elif scaling == "nvfp4":
-        load_factor = _nvfp4_factors(blocks, target).make_loader()
+        load_factor = _nvfp4_factors(blocks, target)
+    elif scaling == "blockwise":
+        load_factor = _block_factors(blocks, lambda amax: amax_factor(amax, target.max, ops))
     else:
-        load_factor = _block_factors(blocks, lambda amax: _amax_factor(amax, target.max))
+        raise NotImplementedError(f"lowprec::quantize: no lowering of the block scaling {scaling!r}")
 
     def element(index):  # the element of x at an index of the blocks (past its end: padding)
         return [*index[:-2], index[-2] * size + index[-1]]
@@ -219,7 +223,7 @@ def _row_scales(x: ir.TensorBox, target, scaling: str):
     load_amax = lowerings[aten.amax.default](magnitude, [-1] if shape else [], True).make_loader()
 
     def inner_fn(index):
-        scale = _amax_factor(load_amax(index), target.max)
+        scale = amax_factor(load_amax(index), target.max, ops)
         if scaling.endswith("_pow2"):
             scale = ops.exp2(ops.floor(ops.log2(scale)))
         return scale
@@ -243,15 +247,7 @@ def _in_blocks(x: ir.TensorBox, shape: list, size: int) -> ir.TensorBox:
     return lowerings[aten.view.default](x, [*shape[:-1], blocks, size])
 
 
-def _amax_factor(amax, largest: float):
-    """:func:`lpcompile.numerics.quantize.amax_factor` of an FP32 ``amax``, in Inductor's ops."""
-    f32, f64 = torch.float32, torch.float64
-    floored = ops.maximum(ops.to_dtype(amax, f64), ops.constant(AMAX_FLOOR, f64))
-    scale = ops.minimum(ops.truediv(ops.constant(largest, f64), floored), ops.constant(FP32_MAX, f64))
-    return ops.to_dtype(scale, f32)
-
-
-def _block_factors(blocks: ir.TensorBox, factor_of):
+def _block_factors(blocks: ir.TensorBox, factor_of: Callable) -> Callable:
     """A loader of ``factor_of`` each block's largest magnitude (the last dimension kept, as
     size 1), the factors computed once into a buffer."""
     magnitude = lowerings[aten.abs.default](to_dtype(blocks, torch.float32))
@@ -266,9 +262,10 @@ def _block_factors(blocks: ir.TensorBox, factor_of):
     return factors.make_loader()
 
 
-def _nvfp4_factors(blocks: ir.TensorBox, target) -> ir.TensorBox:
-    """:func:`lpcompile.numerics.quantize.nvfp4_factors` of each block (the last dimension
-    kept, as size 1), its operations in the same order, computed once into a buffer."""
+def _nvfp4_factors(blocks: ir.TensorBox, target) -> Callable:
+    """A loader of :func:`lpcompile.numerics.quantize.nvfp4_factors` of each block (the last
+    dimension kept, as size 1), its operations in the same order, computed once into a
+    buffer."""
     f32, f64 = torch.float32, torch.float64
     magnitude = lowerings[aten.abs.default](to_dtype(blocks, f32))
     dims = list(range(len(blocks.get_size())))
@@ -293,7 +290,7 @@ def _nvfp4_factors(blocks: ir.TensorBox, target) -> ir.TensorBox:
         device=blocks.get_device(), dtype=f32, inner_fn=inner_fn, ranges=[*blocks.get_size()[:-1], 1]
     )
     factors.realize()
-    return factors
+    return factors.make_loader()
 
 
 def _out_of_blocks(rounded: ir.TensorBox, shape: list) -> ir.TensorBox:

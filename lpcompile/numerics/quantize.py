@@ -80,9 +80,9 @@ BLOCK_SCALINGS = {
     "nvfp4": (NVFP4_BLOCK, "tensorwise"),
     "blockwise": (BLOCKWISE_BLOCK, "tensorwise"),
 }
-# tiled scalings -> the side of their square tiles (per tensor where a product is no matmul:
-# "tensorwise")
-TILED_SCALINGS = {"nvfp4_2d": NVFP4_BLOCK, "blockwise_2d": BLOCKWISE_BLOCK}
+# scalings with a factor per square tile of the last two dimensions (NVFP4_BLOCK or
+# BLOCKWISE_BLOCK values a side; "tensorwise" where a product is no matmul)
+TILED_SCALINGS = frozenset({"nvfp4_2d", "blockwise_2d"})
 # The smallest largest-magnitude a factor is computed from (torchao's): an all-zero or
 # nearly zero tensor is not blown up to the format's range.
 AMAX_FLOOR = 1e-12
@@ -319,12 +319,15 @@ def mx_factors(x: torch.Tensor, largest: float, mode: str) -> torch.Tensor:
     return _per_value(mx_factor(_local_amax(x, MX_BLOCK)[1], largest, mode), MX_BLOCK, x)
 
 
-def amax_factor(amax: torch.Tensor, largest: float) -> torch.Tensor:
+def amax_factor(amax, largest: float, ops=rng.TorchOps):
     """The tensorwise factor of values whose largest magnitude is ``amax``: ``largest`` over
     it (at least :data:`AMAX_FLOOR`), computed in float64 and rounded to FP32 as torchao
-    does, so that every executor gets the same bits."""
-    amax = amax.to(torch.float64).clamp(min=AMAX_FLOOR)
-    return (largest / amax).clamp(max=FP32_MAX).to(torch.float32)
+    does, so that every executor gets the same bits; in ``ops``' terms (see
+    :func:`round_bits`)."""
+    f32, f64 = torch.float32, torch.float64
+    floored = ops.maximum(ops.to_dtype(amax, f64), ops.constant(AMAX_FLOOR, f64))
+    scale = ops.minimum(ops.truediv(ops.constant(largest, f64), floored), ops.constant(FP32_MAX, f64))
+    return ops.to_dtype(scale, f32)
 
 
 def blockwise_factors(x: torch.Tensor, largest: float, tiles: bool = False) -> torch.Tensor:
@@ -532,11 +535,20 @@ def _round_slices(
     return torch.stack([round_slice(x[i], stream) for i, stream in enumerate(streams)])
 
 
+def _slices_alone(scaling: str, batched: torch.Tensor) -> bool:
+    """Whether the slices of a vmapped tensor (``batched``: batch dimension first) must be
+    rounded one by one under ``scaling``: its factors read the whole tensor, or its rows
+    (tiles) would run across the slices (slices of no (fewer than two) dimensions)."""
+    rows = is_rowwise(scaling) and batched.dim() < 2
+    return reads_whole_tensor(scaling) or rows or (is_tiled(scaling) and batched.dim() < 3)
+
+
 def _quantize_vmap(info, in_dims, x, fmt, rounding, overflow, seed, offset, scale, scaling="none"):
     """``lowprec::quantize`` under ``torch.vmap``: the slices as one tensor, whose element
-    indices give each slice random bits of its own, and whose rows and blocks are the
-    slices' (scaling ``"none"``, per row, MX); per tensor (and NVFP4), each slice with its
-    own scale and stream. (Torch's fallback would round each slice alone, all with the same bits.)"""
+    indices give each slice random bits of its own, and whose rows, blocks and tiles are the
+    slices'; where the factors read the whole tensor, or rows or tiles would run across the
+    slices (:func:`_slices_alone`), each slice with its own factors and stream. (Torch's
+    fallback would round each slice alone, all with the same bits.)"""
     x_dim, _, _, _, seed_dim, _, scale_dim, *_ = in_dims
     if seed_dim is not None:
         raise ValueError("lowprec::quantize under vmap: the seed must not be vmapped")
@@ -544,7 +556,7 @@ def _quantize_vmap(info, in_dims, x, fmt, rounding, overflow, seed, offset, scal
     if scale is not None and scale_dim is not None:  # [B, *S] against [B, *X]: S aligned right
         scale = scale.movedim(scale_dim, 0)
         scale = scale.reshape(scale.shape[0], *[1] * (x.dim() - scale.dim()), *scale.shape[1:])
-    if reads_whole_tensor(scaling):
+    if _slices_alone(scaling, x):
         return _round_slices(
             x,
             seed,
@@ -560,7 +572,7 @@ def _quantize_grad_vmap(info, in_dims, x, fmt, rounding, overflow, seed, offset,
     if seed_dim is not None:
         raise ValueError("lowprec::quantize_grad under vmap: the seed must not be vmapped")
     x = _batched(x, x_dim, info.batch_size)
-    if reads_whole_tensor(scaling):
+    if _slices_alone(scaling, x):
         return _round_slices(
             x,
             seed,

@@ -86,6 +86,9 @@ class TorchOps:
     where = staticmethod(torch.where)
     floor = staticmethod(torch.floor)
     copysign = staticmethod(torch.copysign)
+    # NaN propagates as through Inductor's maximum and minimum; the bound may be a number
+    maximum = staticmethod(torch.clamp_min)
+    minimum = staticmethod(torch.clamp_max)
 
     @staticmethod
     def constant(value: int | float, dtype: torch.dtype) -> int | float:

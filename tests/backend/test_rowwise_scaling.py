@@ -324,6 +324,7 @@ def test_mxfp8_step_equals_torchao_mxfp8_training(executor, recipe, mode):
         ("nvfp4", "e2m1-finite nearest saturate tensorwise", "e2m1-finite nearest saturate nvfp4"),
         # tiles of a convolution's weight would split the channels it sums over
         ("nvfp4-2d", "e2m1-finite nearest saturate tensorwise", "e2m1-finite nearest saturate nvfp4_2d"),
+        ("fp8-blockwise", "e4m3 nearest saturate tensorwise", "e4m3 nearest saturate blockwise_2d"),
     ],
 )
 def test_block_scaled_recipes_round_convolutions_and_fused_attention_per_tensor(recipe, per_tensor, blocks):

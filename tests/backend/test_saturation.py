@@ -270,17 +270,23 @@ def _block_counts(recipe: str, executor: str) -> dict[tuple[str, str], tuple[int
     return {(r.layer, r.role): _row(r) for r in lpcompile.saturation(model)}
 
 
-@pytest.mark.parametrize("recipe", ["mxfp8", "nvfp4"])
+@pytest.mark.parametrize("recipe", ["mxfp8", "nvfp4", "fp8-blockwise"])
 def test_block_scaled_recipes_count_each_block_at_its_scale(recipe):
     """The counts of a layer whose rows end in a short block (the forward's counts, written
     into the graph, failed to trace the blocks' factors): the input's underflow is that of
     each block at its own scale: none for MX (a power of two per block keeps E4M3's range),
-    and with NVFP4 the values E2M1's 0.5 loses at the E4M3 block scale of torchao's
-    nvfp4_quantize."""
+    with DeepSeek's blocks of 128 the values below E4M3's smallest subnormal at each
+    block's factor (torchao's), and with NVFP4 the values E2M1's 0.5 loses at the E4M3
+    block scale of torchao's nvfp4_quantize."""
     calls, saturated, nonfinite, nonzero, underflow = _block_counts(recipe, "eager")[("0", "activation")]
     assert (calls, saturated, nonfinite, nonzero) == (1, 0, 0, 240)
     if recipe == "mxfp8":
         assert underflow == 0
+        return
+    if recipe == "fp8-blockwise":  # a block per row of 40: torchao's factor, 448 over its amax
+        _, x = _blocks_model()
+        scaled = x * (448.0 / x.abs().amax(-1, keepdim=True).double()).float()
+        assert underflow == int(((scaled != 0) & (scaled.abs() < 2.0**-9)).sum()) > 0
         return
     _, x = _blocks_model()
     scaled = x * torchao_nvfp4(x)[1]
@@ -288,6 +294,6 @@ def test_block_scaled_recipes_count_each_block_at_its_scale(recipe):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("recipe", ["mxfp8", "nvfp4"])
+@pytest.mark.parametrize("recipe", ["mxfp8", "nvfp4", "fp8-blockwise"])
 def test_block_scaled_counts_under_inductor_equal_the_eager_executors(recipe):
     assert _block_counts(recipe, "inductor") == _block_counts(recipe, "eager")

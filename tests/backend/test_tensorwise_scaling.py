@@ -121,7 +121,7 @@ def test_options_set_scaling_per_role_and_refuse_what_cannot_work():
     assert config.error.scaling == "tensorwise_pow2" and config.weight.scaling == "none"
     assert config.error.rounding == "stochastic"
     with pytest.raises(ValueError, match="scaling must be one of"):
-        LowPrecConfig.from_options({"recipe": "fp8-hybrid", "weight": {"scaling": "blockwise"}})
+        LowPrecConfig.from_options({"recipe": "fp8-hybrid", "weight": {"scaling": "channelwise"}})
     with pytest.raises(ValueError, match="divides each layer's loss scale back out"):
         LowPrecConfig.from_options({"recipe": "fp8-e5m2-als", "error": {"scaling": "tensorwise"}})
     # scaled weights and activations go with adaptive scaling of the (unscaled) errors

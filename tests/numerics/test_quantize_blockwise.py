@@ -110,3 +110,16 @@ def test_a_large_tensor_keeps_its_blocks_and_tiles_in_the_direct_apis_compiled_k
     with torch._inductor.config.patch(fx_graph_cache=False):
         for scaling, want in expected.items():
             assert torch.equal(quantize(w, "e4m3", scaling=scaling), want), scaling
+
+
+@pytest.mark.parametrize(
+    "scaling,shape",
+    [("blockwise_2d", (4, 256)), ("blockwise", (4,)), ("rowwise", (4,)), ("blockwise_2d", (2, 130, 140))],
+)
+def test_under_vmap_each_slice_has_its_own_blocks_and_tiles(scaling, shape):
+    """Vectors' tiles, and scalars' rows, would run across the slices of one tensor."""
+    x = blocks(shape, seed=5) if len(shape) > 1 else torch.tensor([3.0, 1e-3, -7.0, 2e-5])
+    x[1] *= 1e-3
+    out = torch.vmap(lambda t: quantize(t, "e4m3", scaling=scaling))(x)
+    for i in range(shape[0]):
+        assert torch.equal(out[i], quantize(x[i], "e4m3", scaling=scaling)), i

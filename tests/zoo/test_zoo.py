@@ -293,7 +293,12 @@ def test_rowwise_scaling_step_of_every_zoo_model_on_the_row_grid(name):
     rowwise_step_on_the_row_grid(*(diffusers_model(name) if name in DIFFUSERS_MODELS else zoo_model(name)))
 
 
-BLOCK_CHECKS = {"mxfp8": on_mx_blocks, "nvfp4": on_nvfp4_blocks, "fp8-blockwise": on_blockwise}
+# recipe -> the check of a model's operands
+BLOCK_CHECKS = {
+    "mxfp8": lambda model: on_mx_blocks,
+    "nvfp4": lambda model: on_nvfp4_blocks,
+    "fp8-blockwise": on_blockwise,
+}
 
 
 @pytest.mark.parametrize("recipe", list(BLOCK_CHECKS))
@@ -301,16 +306,21 @@ BLOCK_CHECKS = {"mxfp8": on_mx_blocks, "nvfp4": on_nvfp4_blocks, "fp8-blockwise"
 def test_block_scaled_step_runs_every_matmul_on_its_blocks(name, recipe):
     """Each matmul's operands in MX blocks of 32, NVFP4 blocks of 16 or DeepSeek's blocks of
     128 (its weights in tiles of 128 x 128) along the dimension it sums over, forward and
-    backward (the experts' grouped matmuls too); unrounded operands are not on them."""
+    backward (the experts' grouped matmuls too); unrounded operands are not on them, nor
+    (DeepSeek's) activations scaled per tensor."""
     torch.manual_seed(0)
     model, inputs = zoo_model(name)
     options = {"recipe": recipe, "executor": "eager", "attention": "full"}
-    on_blocks = BLOCK_CHECKS[recipe]
+    on_blocks = BLOCK_CHECKS[recipe](model)
     check = grid_step(model, inputs, options, GridCheck(on_operand=on_blocks))
     assert check.count > 0 and check.off_grid == {}, check.products
     assert not check.unknown, check.unknown
     check = grid_step(model, inputs, {**options, "recipe": "fp32"}, GridCheck(on_operand=on_blocks))
     assert check.off_grid, check.products
+    if recipe == "fp8-blockwise":
+        per_tensor = {**options, "activation": {"scaling": "tensorwise"}}
+        check = grid_step(model, inputs, per_tensor, GridCheck(on_operand=on_blocks))
+        assert check.off_grid, check.products
 
 
 class Logits(torch.nn.Module):

@@ -1,9 +1,10 @@
 """Rowwise and block scaling per matmul (joint graph): each matmul's operands scaled along
-the dimension that matmul sums over, as torchao's rowwise float8, MXFP8 and NVFP4 scale them.
+the dimension that matmul sums over, as torchao's rowwise float8, MXFP8, NVFP4 and blockwise
+FP8 scale them.
 
 A rowwise ``lowprec::quantize`` gives each row of its input's last dimension a factor of
-its own, an MX one each block of 32 values of a row, an NVFP4 one each block of 16
-(:func:`lpcompile.numerics.quantize.dynamic_scale`). That suits the forward of
+its own, an MX one each block of 32 values of a row, an NVFP4 one each block of 16, a
+blockwise one each block of 128 (:func:`lpcompile.numerics.quantize.dynamic_scale`). That suits the forward of
 ``x @ w.T``, which sums over both operands' last dimension, but the backward's matmuls
 read the same tensors along other dimensions: ``grad_x = grad_y @ w`` sums over ``w``'s
 rows, ``grad_w = grad_y.T @ x`` over ``x``'s. A factor must be constant along the summed
