@@ -11,6 +11,22 @@ import torch
 from torch import nn
 
 HF_MODELS = ("gpt2", "bert", "llama", "mixtral", "t5", "longformer", "vit", "resnet", "mobilenet_v2")
+# Other families' attention and mixing layers (the slow tier's): sliding windows, QK norms,
+# disentangled relative attention, ALiBi in baddbmm, encoder-decoders over text and audio,
+# shifted windows, convolutional audio features, state-space scans
+HF_ARCHITECTURES = (
+    "qwen3",
+    "gemma3",
+    "mistral",
+    "deberta_v2",
+    "bloom",
+    "bart",
+    "whisper",
+    "swin",
+    "wav2vec2",
+    "mamba",
+    "mamba2",
+)
 
 
 def hf_model(name: str) -> tuple[nn.Module, dict]:
@@ -58,6 +74,63 @@ def hf_model(name: str) -> tuple[nn.Module, dict]:
     if name == "mobilenet_v2":
         config = T.MobileNetV2Config(image_size=32, depth_multiplier=0.25, num_labels=10)
         return T.MobileNetV2ForImageClassification(config), {"pixel_values": images}
+    return _hf_architecture(name, ids, images)
+
+
+def _hf_architecture(name: str, ids: torch.Tensor, images: torch.Tensor) -> tuple[nn.Module, dict]:
+    """One of :data:`HF_ARCHITECTURES`, as :func:`hf_model` builds it."""
+    import transformers as T
+
+    small = dict(vocab_size=100, max_position_embeddings=16)
+    layers = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64)
+    decoder = dict(num_key_value_heads=2, head_dim=8, sliding_window=4, **layers, **small)
+    if name == "qwen3":  # QK norms, grouped-query attention
+        return T.Qwen3ForCausalLM(T.Qwen3Config(**decoder)), {"input_ids": ids}
+    if name == "gemma3":  # sliding and global layers, QK norms, soft-capping
+        return T.Gemma3ForCausalLM(T.Gemma3TextConfig(**decoder)), {"input_ids": ids}
+    if name == "mistral":
+        return T.MistralForCausalLM(T.MistralConfig(**decoder)), {"input_ids": ids}
+    if name == "deberta_v2":  # disentangled attention: content-to-position products, gathered
+        relative = dict(relative_attention=True, pos_att_type=["p2c", "c2p"], position_buckets=4)
+        config = T.DebertaV2Config(**layers, **small, **relative, max_relative_positions=16)
+        return T.DebertaV2ForMaskedLM(config), {"input_ids": ids}
+    if name == "bloom":  # ALiBi added by baddbmm
+        config = T.BloomConfig(vocab_size=100, hidden_size=32, n_layer=2, n_head=4)
+        return T.BloomForCausalLM(config), {"input_ids": ids}
+    seq2seq = dict(encoder_layers=2, decoder_layers=2, encoder_attention_heads=4, decoder_attention_heads=4)
+    seq2seq.update(d_model=32, encoder_ffn_dim=64, decoder_ffn_dim=64, vocab_size=100)
+    if name == "bart":
+        config = T.BartConfig(**seq2seq, max_position_embeddings=16)
+        return T.BartForConditionalGeneration(config), {"input_ids": ids, "decoder_input_ids": ids}
+    if name == "whisper":  # log-mel frames through two convolutions, then an encoder-decoder
+        tokens = dict(decoder_start_token_id=0, pad_token_id=0, bos_token_id=0, eos_token_id=0)
+        config = T.WhisperConfig(
+            **seq2seq, **tokens, num_mel_bins=8, max_source_positions=8, max_target_positions=16
+        )
+        inputs = {"input_features": torch.randn(2, 8, 16), "decoder_input_ids": ids}
+        return T.WhisperForConditionalGeneration(config), inputs
+    if name == "swin":  # attention in shifted windows, relative position bias
+        stages = dict(depths=[1, 1], num_heads=[2, 2], window_size=4)
+        config = T.SwinConfig(image_size=32, patch_size=4, embed_dim=16, **stages, num_labels=10)
+        return T.SwinForImageClassification(config), {"pixel_values": images}
+    if name == "wav2vec2":  # convolutional feature encoder, grouped positional convolution, CTC head
+        config = T.Wav2Vec2Config(
+            **layers,
+            vocab_size=32,
+            conv_dim=(16, 16),
+            conv_stride=(5, 2),
+            conv_kernel=(10, 3),
+            num_conv_pos_embeddings=8,
+            num_conv_pos_embedding_groups=4,
+            mask_time_prob=0.0,
+        )
+        return T.Wav2Vec2ForCTC(config), {"input_values": torch.randn(2, 400)}
+    ssm = dict(vocab_size=100, hidden_size=32, state_size=8, num_hidden_layers=2, expand=2, conv_kernel=4)
+    if name == "mamba":  # selective scan (associative under compile), depthwise convolution
+        return T.MambaForCausalLM(T.MambaConfig(**ssm, time_step_rank=4)), {"input_ids": ids}
+    if name == "mamba2":  # chunked state-space duality: einsum products within and across chunks
+        config = T.Mamba2Config(**ssm, head_dim=8, num_heads=8, n_groups=1, chunk_size=4, time_step_rank=4)
+        return T.Mamba2ForCausalLM(config), {"input_ids": ids}
     raise ValueError(name)
 
 

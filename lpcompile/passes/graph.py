@@ -179,6 +179,13 @@ def needs_grad(value: object) -> bool:
     return example is None or bool(getattr(example, "requires_grad", True))
 
 
+def _unwrapped(source: str) -> str:
+    """``source`` with its ``getattr(x, 'name')`` spelled ``x.name``."""
+    while (unwrapped := re.sub(r"getattr\(([^()]*), '([^']*)'\)", r"\1.\2", source)) != source:
+        source = unwrapped  # the innermost first
+    return source
+
+
 def _fqn(source: str) -> str:
     """``L['self']._modules['0']._parameters['w']`` -> ``0.w``.
 
@@ -188,8 +195,7 @@ def _fqn(source: str) -> str:
     ``__dict__['_modules']``; one whose name is no identifier (``torch.func.functional_call``
     of a ``Sequential``) as ``getattr(L['self'].base, '0')``.
     """
-    while (unwrapped := re.sub(r"getattr\(([^()]*), '([^']*)'\)", r"\1.\2", source)) != source:
-        source = unwrapped  # the innermost first
+    source = _unwrapped(source)
     path = re.sub(r"^L\['(?:args|kwargs)'\]\[(?:\d+|'[^']*')\]|^L\['[^']*'\]", "", source)
     path = re.sub(r"\.(?:__dict__\[')?_(?:modules|parameters)(?:'\])?\['([^']*)'\]", r".\1", path)
     return re.sub(r"\[(\d+)\]", r".\1", path).strip(".")
@@ -217,8 +223,21 @@ def layer_name(node: torch.fx.Node) -> str:
 
 
 def module_path(node: torch.fx.Node) -> str:
-    stack = node.meta.get("nn_module_stack") or {}
-    return _in_model(node.graph, _fqn(list(stack.values())[-1][0])) if stack else ""
+    """The path of the innermost module of the model that made ``node``: a module the model
+    calls but does not hold (one a library keeps in a global, as transformers' kernel
+    functions) is not the model's, and its calls are the caller's."""
+    stack = [_unwrapped(source) for source, _ in (node.meta.get("nn_module_stack") or {}).values()]
+    if not stack:
+        return ""
+    root = _source_root(stack[0])
+    return _in_model(node.graph, _fqn([source for source in stack if _source_root(source) == root][-1]))
+
+
+def _source_root(source: str) -> str:
+    """The frame's local or global that ``source`` (unwrapped) starts from: ``L['self']``,
+    ``L['args'][0]``, ``G['model']``."""
+    found = re.match(r"[A-Z]\['[^']*'\](?:\[\d+\])?", source)
+    return found.group(0) if found else source
 
 
 def _in_model(graph: torch.fx.Graph, path: str) -> str:

@@ -1091,3 +1091,36 @@ def test_a_float64_product_in_the_trained_path_is_still_refused():
     torch._dynamo.reset()
     with pytest.raises(Exception, match=r"layer 'outer_1' \(outer\) computes in torch.float64"):
         torch.compile(angles_from, backend="lowprec", options={"recipe": "fp8-e5m2-sr"})(table)
+
+
+class _Kernel(nn.Module):
+    """A product wrapped as a module that a library keeps in a global, outside any model (as
+    transformers wraps its kernel functions)."""
+
+    def forward(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return x @ w.T
+
+
+_KERNEL = _Kernel()
+
+
+class _Mixer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+        self.w = nn.Parameter(torch.randn(8, 8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _KERNEL(self.proj(x), self.w)
+
+
+def test_a_module_held_outside_the_model_is_named_after_the_models_module_that_calls_it():
+    """Names match ``named_modules()``, so ``exclude`` patterns of them apply."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = nn.Sequential(_Mixer(), nn.ReLU(), nn.Linear(8, 4))
+    options = {"recipe": "fp8-e5m2-sr", "exclude": ["0"]}
+    torch.compile(model, backend="lowprec", options=options)(torch.randn(4, 8)).sum().backward()
+    rows = {row.layer: row for row in lpcompile.coverage(model)}
+    assert set(rows) == {"0", "0.proj", "2"}
+    assert rows["0"].kept and rows["0.proj"].quantized and rows["2"].quantized
