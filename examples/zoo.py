@@ -86,8 +86,9 @@ def _hf_architecture(name: str, ids: torch.Tensor, images: torch.Tensor) -> tupl
     decoder = dict(num_key_value_heads=2, head_dim=8, sliding_window=4, **layers, **small)
     if name == "qwen3":  # QK norms, grouped-query attention
         return T.Qwen3ForCausalLM(T.Qwen3Config(**decoder)), {"input_ids": ids}
-    if name == "gemma3":  # sliding and global layers, QK norms, soft-capping
-        return T.Gemma3ForCausalLM(T.Gemma3TextConfig(**decoder)), {"input_ids": ids}
+    if name == "gemma3":  # a sliding-window layer and a global one, QK norms
+        config = T.Gemma3TextConfig(**decoder, layer_types=["sliding_attention", "full_attention"])
+        return T.Gemma3ForCausalLM(config), {"input_ids": ids}
     if name == "mistral":
         return T.MistralForCausalLM(T.MistralConfig(**decoder)), {"input_ids": ids}
     if name == "deberta_v2":  # disentangled attention: content-to-position products, gathered
@@ -110,7 +111,7 @@ def _hf_architecture(name: str, ids: torch.Tensor, images: torch.Tensor) -> tupl
         inputs = {"input_features": torch.randn(2, 8, 16), "decoder_input_ids": ids}
         return T.WhisperForConditionalGeneration(config), inputs
     if name == "swin":  # attention in shifted windows, relative position bias
-        stages = dict(depths=[1, 1], num_heads=[2, 2], window_size=4)
+        stages = dict(depths=[2, 2], num_heads=[2, 2], window_size=4)  # each stage's second block shifts
         config = T.SwinConfig(image_size=32, patch_size=4, embed_dim=16, **stages, num_labels=10)
         return T.SwinForImageClassification(config), {"pixel_values": images}
     if name == "wav2vec2":  # convolutional feature encoder, grouped positional convolution, CTC head

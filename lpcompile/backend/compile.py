@@ -58,6 +58,7 @@ from lpcompile.passes.dynamo import DYNAMO_PASSES
 from lpcompile.passes.dynamo.recurrent import RECURRENT
 from lpcompile.passes.dynamo.regions import has_regions, write_out_regions
 from lpcompile.passes.graph import (
+    FRAME_ROOT,
     ROOT_PATH,
     SUBMODULE_FRAME,
     WRAPPER_PATH,
@@ -68,6 +69,7 @@ from lpcompile.passes.graph import (
     parameter_of,
     qualified_name,
     relative_state_name,
+    source_root,
     with_bodies,
 )
 from lpcompile.passes.joint import JOINT_PASSES
@@ -135,6 +137,7 @@ def set_root_path(gm: torch.fx.GraphModule, model: torch.nn.Module | None) -> No
     ``model``: Dynamo may run the one graph for each of them. Either way, mark the graph as
     a submodule's frame, whose own calls are named after the submodule. Where the frame's
     module holds ``model`` instead (DDP's ``forward`` traced whole), mark the path to drop."""
+    _mark_frame_root(gm, model)
     if model is None:
         return
     names: dict[int, list[str]] = {}
@@ -174,6 +177,24 @@ def set_root_path(gm: torch.fx.GraphModule, model: torch.nn.Module | None) -> No
         graph.meta[SUBMODULE_FRAME] = True
         if unique:
             graph.meta[ROOT_PATH] = root
+
+
+def _mark_frame_root(gm: torch.fx.GraphModule, model: torch.nn.Module | None) -> None:
+    """Mark a graph and its bodies with the local or global of its frame that ``model``'s
+    parameters (any, without a model) are read from (:data:`FRAME_ROOT`), where that is one."""
+    owned = None
+    if model is not None:
+        owned = {id(p) for p in model.parameters()} | {id(p) for p in unsharded_parameters(model).values()}
+    roots = {
+        source_root(node._dynamo_source.name)
+        for node in gm.graph.find_nodes(op="placeholder")
+        if (parameter := parameter_of(node)) is not None
+        and getattr(node, "_dynamo_source", None) is not None
+        and (owned is None or id(parameter) in owned)
+    }
+    if len(roots) == 1:
+        for graph in with_bodies(gm):
+            graph.meta[FRAME_ROOT] = next(iter(roots))
 
 
 def own_copy(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:

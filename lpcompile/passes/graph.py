@@ -96,6 +96,10 @@ SUBMODULE_FRAME = "lowprec_submodule_frame"
 # ``self``, where that frame is a wrapper's around the model (``DistributedDataParallel.forward``
 # traced whole, with ``optimize_ddp="python_reducer"``: ``module``)
 WRAPPER_PATH = "lowprec_wrapper_path"
+# GraphModule.meta key: the local or global of a graph's frame that its model's parameters
+# are read from (``L['self']``): a module on a node's module stack reached from another
+# (a module a library keeps in a global) is not the model's
+FRAME_ROOT = "lowprec_frame_root"
 ATTENTION = "lowprec_attention"  # node.meta key: a product inside attention (option `attention`)
 SCALE_GRAD = torch.ops.lowprec.scale_grad.default
 LOWPREC_OPS = {
@@ -223,20 +227,22 @@ def layer_name(node: torch.fx.Node) -> str:
 
 
 def module_path(node: torch.fx.Node) -> str:
-    """The path of the innermost module of the model that made ``node``: a module the model
-    calls but does not hold (one a library keeps in a global, as transformers' kernel
-    functions) is not the model's, and its calls are the caller's."""
+    """The path of the innermost module of the model that made ``node`` (``""``: the frame's
+    module): a module the model calls but does not hold (one a library keeps in a global, as
+    transformers' kernel functions) is not the model's, and its calls are the caller's."""
     stack = [_unwrapped(source) for source, _ in (node.meta.get("nn_module_stack") or {}).values()]
     if not stack:
         return ""
-    root = _source_root(stack[0])
-    return _in_model(node.graph, _fqn([source for source in stack if _source_root(source) == root][-1]))
+    meta = node.graph.owning_module.meta if node.graph.owning_module is not None else {}
+    root = meta.get(FRAME_ROOT) or source_root(stack[0])  # a frame without parameters: the outermost's
+    inside = [source for source in stack if source_root(source) == root]
+    return _in_model(node.graph, _fqn(inside[-1])) if inside else ""
 
 
-def _source_root(source: str) -> str:
-    """The frame's local or global that ``source`` (unwrapped) starts from: ``L['self']``,
-    ``L['args'][0]``, ``G['model']``."""
-    found = re.match(r"[A-Z]\['[^']*'\](?:\[\d+\])?", source)
+def source_root(source: str) -> str:
+    """The local or global of a frame that a Dynamo ``source`` starts from: ``L['self']``,
+    ``L['args'][0]``, ``L['kwargs']['model']``, ``G['model']``."""
+    found = re.match(r"[A-Z]\['[^']*'\](?:\[(?:\d+|'[^']*')\])?", _unwrapped(source))
     return found.group(0) if found else source
 
 

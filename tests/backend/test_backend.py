@@ -33,6 +33,7 @@ from torch import nn
 
 import lpcompile
 from lpcompile.backend import step_seed, uses_cpp_wrapper
+from lpcompile.backend.state import LayerCoverage
 from lpcompile.kernels.cpu import gemm
 
 EAGER = {"executor": "eager"}
@@ -1101,7 +1102,14 @@ class _Kernel(nn.Module):
         return x @ w.T
 
 
-_KERNEL = _Kernel()
+class _Apply(nn.Module):
+    """A module kept in a global that calls a module it is given."""
+
+    def forward(self, module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        return module(x)
+
+
+_KERNEL, _APPLY = _Kernel(), _Apply()
 
 
 class _Mixer(nn.Module):
@@ -1109,18 +1117,27 @@ class _Mixer(nn.Module):
         super().__init__()
         self.proj = nn.Linear(8, 8)
         self.w = nn.Parameter(torch.randn(8, 8))
+        self.out = nn.Linear(8, 8)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _KERNEL(self.proj(x), self.w)
+        return _APPLY(self.out, _KERNEL(self.proj(x), self.w))
+
+
+def _coverage(model: nn.Module, exclude: list[str]) -> dict[str, LayerCoverage]:
+    torch._dynamo.reset()
+    options = {"recipe": "fp8-e5m2-sr", "exclude": exclude}
+    torch.compile(model, backend="lowprec", options=options)(torch.randn(4, 8)).sum().backward()
+    return {row.layer: row for row in lpcompile.coverage(model)}
 
 
 def test_a_module_held_outside_the_model_is_named_after_the_models_module_that_calls_it():
-    """Names match ``named_modules()``, so ``exclude`` patterns of them apply."""
-    torch._dynamo.reset()
+    """Names match ``named_modules()``, so ``exclude`` patterns of them apply: a global
+    module's product is its caller's, a model's module a global module calls is its own;
+    in the compiled module's own ``forward``, the product is named after its weight."""
     torch.manual_seed(0)
     model = nn.Sequential(_Mixer(), nn.ReLU(), nn.Linear(8, 4))
-    options = {"recipe": "fp8-e5m2-sr", "exclude": ["0"]}
-    torch.compile(model, backend="lowprec", options=options)(torch.randn(4, 8)).sum().backward()
-    rows = {row.layer: row for row in lpcompile.coverage(model)}
-    assert set(rows) == {"0", "0.proj", "2"}
-    assert rows["0"].kept and rows["0.proj"].quantized and rows["2"].quantized
+    rows = _coverage(model, ["0"])
+    assert set(rows) == {"0", "0.proj", "0.out", "2"}
+    assert rows["0"].kept and all(rows[name].quantized for name in ("0.proj", "0.out", "2"))
+    rows = _coverage(_Mixer(), ["w"])
+    assert set(rows) == {"w", "proj", "out"} and rows["w"].kept and rows["out"].quantized

@@ -75,6 +75,6 @@ def _rebased(stack: dict | None, call: torch.fx.Node) -> dict:
         return dict(stack or caller)
     (root, _), (block, _) = next(iter(stack.values())), list(caller.values())[-1]
     rebased = dict(list(caller.items())[:-1])
-    for key, (path, kind) in stack.items():
-        rebased[f"{key}@{call.name}"] = (block + path[len(root) :], kind)
+    for key, (path, kind) in stack.items():  # a module held outside the block keeps its source
+        rebased[f"{key}@{call.name}"] = (block + path[len(root) :] if path.startswith(root) else path, kind)
     return rebased
