@@ -1,4 +1,4 @@
-"""Per-tensor, per-row, MX and NVFP4 scaling against unscaled FP8 and torchao's float8 training.
+"""Per-tensor, per-row and block scaling against unscaled FP8 and torchao's float8 training.
 
 A byte-level TinyGPT (2 blocks, width 64, 4 heads, context 64) on the standard library's
 sources, its weights drawn as GPT-2 draws them (normal, std 0.02; biases zero): many of
@@ -10,7 +10,10 @@ same formats, each tensor scaled to its format's range, weight gradients unround
 its scales rounded down to powers of two, and with attention's operands left unrounded
 (the products torchao's float8 training converts: its ``nn.Linear`` layers); ``fp8-rowwise``
 (E4M3 everywhere, a power-of-two factor per row of each matmul operand), and with its
-errors scaled per tensor instead; ``mxfp8`` (the same, a factor per block of 32); ``nvfp4``
+errors scaled per tensor instead; ``mxfp8`` (the same, a factor per block of 32);
+``fp8-blockwise`` (DeepSeek-V3's: E4M3, FP32 factors per block of 128 and per weight tile of
+128 x 128: the 64-wide operands in one block or tile, the 192- and 256-wide ones in two);
+``nvfp4``
 (E2M1 everywhere, an E4M3 factor per block of 16 under an FP32 one per tensor, errors
 rounded stochastically), and with its errors rounded to nearest; torchao's
 ``convert_to_float8_training`` in its CPU emulation (its tensorwise and rowwise recipes).
@@ -90,6 +93,7 @@ ROWS: dict[str, tuple[Callable[[nn.Module], nn.Module], str]] = {
     ),
     "torchao float8 (rowwise, emulated)": (torchao_float8("rowwise"), "none"),
     "mxfp8": (lowprec({"recipe": "mxfp8"}), "none"),
+    "fp8-blockwise": (lowprec({"recipe": "fp8-blockwise"}), "none"),
     "nvfp4": (lowprec({"recipe": "nvfp4"}), "none"),
     "nvfp4, errors rounded to nearest": (
         lowprec({"recipe": "nvfp4", "error": {"rounding": "nearest"}}),
@@ -167,7 +171,7 @@ def main() -> None:
     if args.quick:
         print(body)
         return
-    title = "Per-tensor, per-row, MX and NVFP4 scaling beside unscaled FP8 and torchao"
+    title = "Per-tensor, per-row, MX, DeepSeek-block and NVFP4 scaling beside unscaled FP8 and torchao"
     path = write_results("scaling", title, body)
     print(body, f"\nwrote {path}", sep="\n")
 
