@@ -38,3 +38,20 @@ def compiled_afresh(fn: Any, *args: Any) -> Any:
     ):
         torch._dynamo.reset()
         return torch.compile(fn, fullgraph=True)(*args)
+
+
+def assert_compiled_rounding(x: torch.Tensor, scaling: str, nearest: str, stochastic: str) -> None:
+    """``lowprec::quantize`` of ``x`` with ``scaling``, to nearest in format ``nearest``
+    (saturating) and stochastically in ``stochastic`` (overflowing to inf), compiled afresh,
+    gives the reference implementation's bits (NaN where it gives NaN)."""
+    quantize = torch.ops.lowprec.quantize
+    seed = torch.tensor(5, device=x.device)
+
+    def both(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return (
+            quantize(x, nearest, "nearest", "saturate", None, 0, None, scaling),
+            quantize(x, stochastic, "stochastic", "inf", seed, 7, None, scaling),
+        )
+
+    for got, want in zip(compiled_afresh(both, x), both(x), strict=True):
+        assert torch.equal(got.nan_to_num(), want.nan_to_num()) and torch.equal(got.isnan(), want.isnan())

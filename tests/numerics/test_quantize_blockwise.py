@@ -8,14 +8,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from devices import TEST_DEVICE, compiled_afresh
+from devices import TEST_DEVICE, assert_compiled_rounding
 from grid import torchao_blockwise, torchao_blockwise_tiles
 
 import lpcompile  # noqa: F401  (registers torch.ops.lowprec)
 from lpcompile import quantize
 from lpcompile.numerics.quantize import dynamic_scale
 
-q = torch.ops.lowprec.quantize
 ONE_ROUNDING = {"rtol": 2.0**-22, "atol": 0.0}
 
 
@@ -75,17 +74,7 @@ def test_compiled_blocks_and_tiles_round_like_the_reference(scaling, dtype):
     """Inductor's lowering of the blocks, and the decomposition of the tiles, with short last
     blocks and tiles, to nearest and stochastically."""
     x = blocks((2, 160, 300))[:, :150].contiguous().to(TEST_DEVICE, dtype)
-    seed = torch.tensor(5, device=TEST_DEVICE)
-
-    def both(x):
-        return (
-            q(x, "e4m3", "nearest", "saturate", None, 0, None, scaling),
-            q(x, "e4m3", "stochastic", "inf", seed, 7, None, scaling),
-        )
-
-    compiled = compiled_afresh(both, x)
-    for a, b in zip(compiled, both(x), strict=True):
-        assert torch.equal(a, b)
+    assert_compiled_rounding(x, scaling, "e4m3", "e4m3")
 
 
 def test_stochastic_rounding_picks_a_neighbour_on_each_blocks_grid():

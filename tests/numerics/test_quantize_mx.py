@@ -15,14 +15,13 @@ from __future__ import annotations
 import pytest
 import torch
 import torch._functorch.config
-from devices import TEST_DEVICE, compiled_afresh
+from devices import TEST_DEVICE, assert_compiled_rounding
 
 import lpcompile  # noqa: F401  (registers torch.ops.lowprec)
 from lpcompile import quantize
 
 F8 = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 MAX_EXP = {"e4m3": 8, "e5m2": 15}  # 448 = 1.75 * 2^8, 57344 = 1.75 * 2^15
-q = torch.ops.lowprec.quantize
 
 
 MODES = {"mx": "FLOOR", "mx_ceil": "CEIL", "mx_rceil": "RCEIL"}
@@ -139,17 +138,7 @@ def test_the_compiled_operator_rounds_like_the_reference(dtype, length, scaling)
     x[2, 2, 1] = 448 * 2.0**7 * (1 + 2.0**-7)  # one bfloat16 step above a power of two
     x[2, 3, 1] = 448 * 2.0**5  # a quotient that is a power of two (Triton's FP32 division is inexact)
     x[2, 4, :32] = 448 * 2.0**-126.5  # a subnormal quotient above 2^-127
-    seed = torch.tensor(5, device=TEST_DEVICE)
-
-    def both(x):
-        return (
-            q(x, "e4m3", "nearest", "saturate", None, 0, None, scaling),
-            q(x, "e5m2", "stochastic", "inf", seed, 7, None, scaling),
-        )
-
-    compiled = compiled_afresh(both, x)
-    for a, b in zip(compiled, both(x), strict=True):
-        assert torch.equal(a.nan_to_num(), b.nan_to_num()) and torch.equal(a.isnan(), b.isnan())
+    assert_compiled_rounding(x, scaling, "e4m3", "e5m2")
 
 
 @pytest.mark.parametrize("scaling", list(MODES))

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch._functorch.config
-from devices import TEST_DEVICE, compiled_afresh
+from devices import TEST_DEVICE, assert_compiled_rounding, compiled_afresh
 from grid import on_e2m1_values, torchao_nvfp4, torchao_nvfp4_tiles
 
 import lpcompile  # noqa: F401  (registers torch.ops.lowprec)
@@ -146,17 +146,7 @@ def test_a_tile_rounds_the_same_in_a_transposed_tensor():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_compiled_tiles_round_like_the_reference(dtype):
     x = blocks((2, 48, 80))[:, :40, :70].contiguous().to(TEST_DEVICE, dtype)
-    seed = torch.tensor(5, device=TEST_DEVICE)
-
-    def both(x):
-        return (
-            q(x, FP4, "nearest", "saturate", None, 0, None, "nvfp4_2d"),
-            q(x, FP4, "stochastic", "inf", seed, 7, None, "nvfp4_2d"),
-        )
-
-    compiled = compiled_afresh(both, x)
-    for a, b in zip(compiled, both(x), strict=True):
-        assert torch.equal(a, b)
+    assert_compiled_rounding(x, "nvfp4_2d", FP4, FP4)
 
 
 def test_a_large_tensor_keeps_its_tiles_in_the_direct_apis_compiled_kernel(monkeypatch):
