@@ -338,6 +338,22 @@ def test_block_scaled_step_runs_every_matmul_on_its_blocks(name, recipe):
         assert check.off_grid, check.products
 
 
+def test_wgrad_hadamard_names_experts_whose_weight_gradients_transformers_computes():
+    """Mixtral's experts on the CPU run transformers' own grouped-matmul operator, whose
+    backward computes their weight gradients inside: no transform, and a warning naming
+    them; none for experts kept out by ``exclude``."""
+    options = {"recipe": "nvfp4-2d", "wgrad_hadamard": True, "executor": "eager"}
+    said = r"wgrad_hadamard: .*'model\.layers\.0\.mlp\.experts#0' \(inside transformers::grouped_mm_fallback"
+    torch.manual_seed(0)
+    with pytest.warns(UserWarning, match=said):
+        grid_step(*zoo_model("mixtral"), options)
+    torch.manual_seed(0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        grid_step(*zoo_model("mixtral"), {**options, "exclude": ["*experts*"]})
+    assert not [w for w in caught if "grouped_mm_fallback" in str(w.message)]
+
+
 class Logits(torch.nn.Module):
     """An HF language model's logits for token ids, its output embedding untied from its input
     one: a pipeline stage owns each weight it reads."""

@@ -49,6 +49,7 @@ from lpcompile.passes.graph import (
     CONV_TARGETS,
     CONV_TRANSPOSE_TARGETS,
     FLEX_ATTENTION,
+    LIBRARY_PRODUCTS,
     OPERAND_NAMES,
     append_input,
     base_of,
@@ -67,6 +68,7 @@ from lpcompile.passes.graph import (
     product_output,
     recompile_bodies,
     shown_name,
+    weight_operand,
 )
 
 SEED_INPUT = "lowprec_seed"
@@ -438,6 +440,7 @@ def insert_quantize(gm: torch.fx.GraphModule, ctx: CompileContext) -> None:
     warn_float64_tables(gm, ctx)
     if ctx.config.quantizes:
         record_kept_products(gm, ctx, calls)
+    warn_untransformed_library_products(ctx, calls)
     _quantize_calls(gm, ctx, [call for call in calls if is_layer_call(call)])
     for call in filter(is_function_call, calls):
         _quantize_function(gm, ctx, call)
@@ -516,6 +519,26 @@ def warn_opaque_operators(gm: torch.fx.GraphModule, ctx: CompileContext) -> None
             f"lowprec: custom operators run as they are: {', '.join(found)}; lowprec cannot see"
             " inside them, so any product they compute, forward or backward, is not rounded"
             " (written with torch ops, in a module or a torch.autograd.Function, it would be)",
+            stacklevel=1,
+        )
+
+
+def warn_untransformed_library_products(ctx: CompileContext, calls: list[torch.fx.Node]) -> None:
+    """With ``wgrad_hadamard``, warn about the layers among ``calls`` (those rounded, before
+    their rounding) whose weight gradient another library's operator computes inside
+    (transformers' grouped matmul of experts): its operands are rounded per tensor, without
+    the Hadamard transform."""
+    if not ctx.config.wgrad_hadamard:
+        return
+    found = [
+        f"{layer_name(call)!r} (inside {name}, another library's operator)"
+        for call in calls
+        if (name := _library_operator(call)) in LIBRARY_PRODUCTS and weight_operand(call) is not None
+    ]
+    if found:
+        warnings.warn(
+            f"lowprec: wgrad_hadamard: the operands of the weight gradients of {', '.join(found)}"
+            " are rounded without the Hadamard transform",
             stacklevel=1,
         )
 
