@@ -230,7 +230,7 @@ def module_path(node: torch.fx.Node) -> str:
     """The path of the innermost module of the model that made ``node`` (``""``: the frame's
     module): a module the model calls but does not hold (one a library keeps in a global, as
     transformers' kernel functions) is not the model's, and its calls are the caller's."""
-    stack = [_unwrapped(source) for source, _ in (node.meta.get("nn_module_stack") or {}).values()]
+    stack = [source for source, _ in (node.meta.get("nn_module_stack") or {}).values()]
     if not stack:
         return ""
     meta = node.graph.owning_module.meta if node.graph.owning_module is not None else {}
