@@ -11,12 +11,12 @@ Inductor itself is imported (a plain ``torch.compile`` of code that calls
   ops, every value read twice (``x ^ (x >> s)``, ``where(c, a, a)``) was
   re-traced once per read: an E5M2 rounding cost Inductor hundreds of op calls
   per kernel body, a stochastic one's key thousands, and compile time grew with
-  them. A scaled quantize decomposes into an unscaled one between the multiply
-  and the divide; a tensorwise (or tiled) one computes its scale first (a reduction). A
-  rowwise, MX, NVFP4 or blockwise one is lowered, its factors a reduction per row or per
-  block of 32, 16 or 128 (the tensor viewed as blocks, padded; NVFP4's also one over the
-  tensor): it stays one node in the joint graph,
-  where the backend reads which tensor each matmul's operand rounds
+  them. A quantize with a given scale decomposes into an unscaled one between the
+  multiply and the divide; a tiled one computes its scales first. A tensorwise,
+  rowwise, MX, NVFP4 or blockwise one is lowered, its factors a reduction over the
+  tensor, per row or per block of 32, 16 or 128 (the tensor viewed as blocks, padded;
+  NVFP4's also one over the tensor): it stays one node in the joint graph, where the
+  backend reads which tensor each matmul's operand rounds
   (:mod:`lpcompile.passes.joint.rowwise`).
 * ``predict_weight``: its reference implementation, traced into Inductor's kernels.
 * ``quantize_grad``, ``scale_grad``, ``count_grad``: the identity in the forward (their
@@ -43,6 +43,7 @@ from lpcompile.numerics.quantize import (
     E4M3_MAX,
     E4M3_TINY,
     MX_MODES,
+    TILED_SCALINGS,
     amax_factor,
     check_args,
     dynamic_scale,
@@ -57,7 +58,7 @@ aten = torch.ops.aten
 
 @register_decomposition(torch.ops.lowprec.quantize.default)
 def _decompose_quantize(x, fmt, rounding, overflow, seed, offset, scale, scaling="none"):
-    if scaling != "none" and not is_rowwise(scaling):  # the reference's steps around an unscaled quantize
+    if scaling in TILED_SCALINGS:  # the reference's steps around an unscaled quantize
         largest = check_args(x, fmt, rounding, overflow, scaling).max
         scale = dynamic_scale(x, largest, scaling)
         xf = scale_within(x.to(torch.float32), scale, largest)
@@ -68,7 +69,8 @@ def _decompose_quantize(x, fmt, rounding, overflow, seed, offset, scale, scaling
         rounded = torch.ops.lowprec.quantize(xf, fmt, rounding, overflow, seed, offset, None)
         return (rounded / scale).to(x.dtype)
     if seed is not None and seed.device != x.device:
-        return torch.ops.lowprec.quantize(x, fmt, rounding, overflow, seed.to(x.device), offset, None)
+        seed = seed.to(x.device)
+        return torch.ops.lowprec.quantize(x, fmt, rounding, overflow, seed, offset, None, scaling)
     return NotImplemented  # lowered by _lower_quantize
 
 
@@ -136,11 +138,12 @@ def _stream_key(seed: ir.TensorBox, offset) -> ir.TensorBox:
 def _lower_quantize(
     x: ir.TensorBox, fmt, rounding, overflow, seed, offset, scale, scaling="none"
 ) -> ir.TensorBox:
-    """An unscaled, rowwise or block-scaled quantize as one pointwise node, each op of
-    :func:`round_value` (and, for stochastic rounding, of the generator) issued once per
-    kernel body; a rowwise one reads its rows' factors (:func:`_row_scales`), an MX, NVFP4
-    or blockwise one rounds ``x`` viewed as blocks (:func:`_in_blocks`)."""
-    if scale is not None or not (scaling == "none" or is_rowwise(scaling)):  # decomposed first
+    """An unscaled, rowwise, tensorwise or block-scaled quantize as one pointwise node, each
+    op of :func:`round_value` (and, for stochastic rounding, of the generator) issued once
+    per kernel body; a rowwise or tensorwise one reads its rows' or the tensor's factor
+    (:func:`_row_scales`), an MX, NVFP4 or blockwise one rounds ``x`` viewed as blocks
+    (:func:`_in_blocks`). A tiled one decomposes first (:func:`_decompose_quantize`)."""
+    if scale is not None or scaling in TILED_SCALINGS:
         raise NotImplementedError(
             "a scaled lowprec::quantize reached Inductor's lowering: Inductor's decomposition table"
             " lacks lpcompile.numerics.lowering's (see refresh_inductor_decompositions)"
@@ -158,7 +161,7 @@ def _lower_quantize(
         load_key = _stream_key(seed, offset).make_loader()
     strides = ir.FlexibleLayout.contiguous_strides(shape or [1])
     if scaling not in BLOCK_SCALINGS:
-        load_scale = _row_scales(x, target, scaling) if is_rowwise(scaling) else None
+        load_scale = None if scaling == "none" else _row_scales(x, target, scaling)
         return _round(x, target, (rounding, overflow, load_key), load_scale, lambda index: index, strides)
     size = BLOCK_SCALINGS[scaling][0]
     blocks = _in_blocks(x, shape, size)
@@ -216,11 +219,13 @@ def _round(x: ir.TensorBox, target, how: tuple, load_scale, element, strides) ->
 
 def _row_scales(x: ir.TensorBox, target, scaling: str):
     """A loader, by ``x``'s index, of :func:`lpcompile.numerics.quantize.dynamic_scale`'s
-    factor of that element's row (of the last dimension), the factors computed once into a
-    buffer."""
+    factor of that element's row (of the last dimension; of the whole tensor for a
+    tensorwise ``scaling``), the factors computed once into a buffer."""
     shape = list(x.get_size())
+    rows = is_rowwise(scaling) and shape
     magnitude = lowerings[aten.abs.default](to_dtype(x, torch.float32))
-    load_amax = lowerings[aten.amax.default](magnitude, [-1] if shape else [], True).make_loader()
+    dims = [-1] if rows else list(range(len(shape)))
+    load_amax = lowerings[aten.amax.default](magnitude, dims, True).make_loader()
 
     def inner_fn(index):
         scale = amax_factor(load_amax(index), target.max, ops)
@@ -228,11 +233,13 @@ def _row_scales(x: ir.TensorBox, target, scaling: str):
             scale = ops.exp2(ops.floor(ops.log2(scale)))
         return scale
 
-    size = [*shape[:-1], 1] if shape else []
+    size = [*shape[:-1], 1] if rows else [1] * len(shape)
     scales = ir.Pointwise.create(device=x.get_device(), dtype=torch.float32, inner_fn=inner_fn, ranges=size)
     scales.realize()
     load = scales.make_loader()
-    return lambda index: load([*index[:-1], 0] if index else [])
+    if not rows:
+        return lambda index: load([0] * len(index))
+    return lambda index: load([*index[:-1], 0])
 
 
 def _in_blocks(x: ir.TensorBox, shape: list, size: int) -> ir.TensorBox:
