@@ -17,7 +17,7 @@ from typing import Any
 from lpcompile.numerics.checks import is_real
 from lpcompile.numerics.formats import FloatFormat, parse_format
 from lpcompile.numerics.predict import PREDICTIONS
-from lpcompile.numerics.quantize import OVERFLOWS, ROUNDINGS, SCALINGS, is_rowwise
+from lpcompile.numerics.quantize import OVERFLOWS, ROUNDINGS, SCALINGS, is_rowwise, is_tiled
 from lpcompile.numerics.scale_grad import STATS  # noqa: F401  (re-exported)
 from lpcompile.numerics.scale_rules import RULES, ScaleBounds
 
@@ -32,6 +32,13 @@ class Role(str, Enum):
 
 
 ROLES = tuple(role.value for role in Role)
+# option -> (the role it rounds another way, the matmul of a layer's backward it rounds it for):
+# torchao's per-GEMM cast configs (``cast_config_input_for_grad_weight``, ...)
+PER_MATMUL = {
+    "activation_for_weight_grad": ("activation", "weight_grad"),
+    "error_for_weight_grad": ("error", "weight_grad"),
+    "weight_for_input_grad": ("weight", "input_grad"),
+}
 EXECUTORS = ("inductor", "eager")
 LOSS_SCALES = ("none", "adaptive")
 CODEGENS = ("inductor", "triton")
@@ -219,6 +226,20 @@ _RECIPES: dict[str, tuple[str, dict[str, Any]]] = {
             "weight": QuantSpec("e2m1-finite", scaling="nvfp4_2d"),
         },
     ),
+    "fp8-rowwise-gw-hp": (
+        "torchao float8's rowwise_with_gw_hp recipe: fp8-rowwise, but the weight scaled per tensor"
+        " (a power of two) for the input gradient, and the weight gradient's operands unrounded",
+        {
+            **_specs(
+                QuantSpec("e4m3", scaling="rowwise_pow2"),
+                QuantSpec("e4m3", overflow="inf", scaling="rowwise_pow2"),
+                OFF,
+            ),
+            "weight_for_input_grad": QuantSpec("e4m3", scaling="tensorwise_pow2"),
+            "activation_for_weight_grad": OFF,
+            "error_for_weight_grad": OFF,
+        },
+    ),
     "fp8-blockwise": (
         "DeepSeek-V3's FP8 training (torchao's blockwise_fp8_training): E4M3 weights per tile of"
         " 128 x 128 values, activations and errors per block of 128 along a matmul's summed"
@@ -323,6 +344,11 @@ class LowPrecConfig:
     layer's weight-gradient GEMM, along the tokens it sums over, in blocks of 16, before
     they are rounded (it needs activations and errors scaled per row or block): the
     transform cancels in the product, and spreads outliers over each block.
+    ``weight_for_input_grad``, ``activation_for_weight_grad`` and ``error_for_weight_grad``
+    round a role another way in one matmul of each layer's backward (torchao's per-GEMM
+    cast configs): ``None`` (default) as the role, ``OFF`` unrounded (higher precision), or
+    the role's spec with another scaling. The input-gradient matmul is the one of a layer's
+    error and weight, the weight-gradient matmul the one of its error and activation.
     """
 
     recipe: str = "fp32"
@@ -346,6 +372,9 @@ class LowPrecConfig:
     saturation: str = "off"
     seed_per_rank: bool = True
     wgrad_hadamard: bool = False
+    weight_for_input_grad: QuantSpec | None = None
+    activation_for_weight_grad: QuantSpec | None = None
+    error_for_weight_grad: QuantSpec | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "pipeline", PipelineConfig.from_option(self.pipeline))
@@ -415,6 +444,7 @@ class LowPrecConfig:
                 f" row or block (fp8-rowwise, mxfp8, nvfp4, fp8-blockwise), got activation scaling="
                 f"{self.activation.scaling!r}, error scaling={self.error.scaling!r}"
             )
+        self._check_per_matmul()
         if not isinstance(self.keep_first_last, bool):
             raise ValueError(f"keep_first_last must be a bool, got {self.keep_first_last!r}")
         if not all(isinstance(p, str) for p in self.exclude):
@@ -423,8 +453,51 @@ class LowPrecConfig:
             if not isinstance(getattr(self, role), QuantSpec):
                 raise ValueError(f"{role} must be a QuantSpec, got {getattr(self, role)!r}")
 
+    def _check_per_matmul(self) -> None:
+        for name, (role, _) in PER_MATMUL.items():
+            spec, base = getattr(self, name), self.spec(role)
+            if spec is None:
+                continue
+            if not isinstance(spec, QuantSpec):
+                raise ValueError(f"{name} must be None or a QuantSpec, got {spec!r}")
+            if spec.enabled and not base.enabled:
+                raise ValueError(
+                    f"{name} rounds the {role} another way in one matmul: the {role} role needs a format"
+                )
+            if is_tiled(base.scaling) or (spec.enabled and is_tiled(spec.scaling)):
+                tiled = spec.scaling if is_tiled(spec.scaling) else base.scaling
+                raise ValueError(
+                    f"{name}: the scaling {tiled!r} is one rounding that every matmul reads, not one matmul's"
+                )
+            if spec.enabled and _words(spec) != _words(base):
+                raise ValueError(
+                    f"{name} may change the {role}'s scaling only, or leave it unrounded (None):"
+                    f" got {_words(spec)} for a {role} rounded {_words(base)}"
+                )
+        weight_grad = (self.activation_for_weight_grad, self.error_for_weight_grad)
+        if self.wgrad_hadamard and weight_grad != (None, None):
+            raise ValueError(
+                "wgrad_hadamard=True transforms the weight gradient GEMM's operands before rounding"
+                " them as activations and errors: it does not go with activation_for_weight_grad or"
+                " error_for_weight_grad"
+            )
+
     def spec(self, role: Role | str) -> QuantSpec:
         return getattr(self, Role(role).value)
+
+    def in_matmul(self, role: str, matmul: str | None) -> QuantSpec | None:
+        """How ``role`` is rounded in a layer's ``matmul`` (``"input_grad"``,
+        ``"weight_grad"``) where an option rounds it another way there (:data:`PER_MATMUL`),
+        else ``None``."""
+        for name, key in PER_MATMUL.items():
+            if key == (role, matmul):
+                return getattr(self, name)
+        return None
+
+    @property
+    def per_matmul(self) -> bool:
+        """Whether an option rounds some role another way in one matmul."""
+        return any(getattr(self, name) is not None for name in PER_MATMUL)
 
     @property
     def quantizes(self) -> bool:
@@ -455,12 +528,17 @@ class LowPrecConfig:
         for key, value in options.items():
             if key in ROLES:
                 overrides[key] = _parse_spec(key, value, base.spec(key))
+            elif key in PER_MATMUL:  # (below: it derives from its role's final spec)
+                continue
             elif key == "exclude":
                 if not isinstance(value, (str, list, tuple)):
                     raise ValueError(f"exclude must be a pattern or a list of patterns, got {value!r}")
                 overrides[key] = (value,) if isinstance(value, str) else tuple(value)
             else:
                 overrides[key] = value
+        for key in PER_MATMUL.keys() & options.keys():
+            role = PER_MATMUL[key][0]
+            overrides[key] = _parse_spec(key, options[key], overrides.get(role, base.spec(role)))
         config = dataclasses.replace(base, **overrides)
         if adaptive and config.loss_scale != "adaptive":
             keys = sorted(k for k in ADAPTIVE_KEYS if ADAPTIVE_KEYS[k] in adaptive)
@@ -471,6 +549,10 @@ class LowPrecConfig:
 
 
 OPTION_KEYS = {f.name for f in dataclasses.fields(LowPrecConfig)} - {"adaptive"} | set(ADAPTIVE_KEYS)
+
+
+def _words(spec: QuantSpec) -> str:
+    return f"{spec.fmt} {spec.rounding} {spec.overflow}"
 
 
 def _parse_spec(role: str, value: Any, base: QuantSpec) -> QuantSpec:

@@ -458,11 +458,13 @@ def _compile_aot(
             "unsafe_marked_cacheable_functions": {"torch.ops.higher_order.cond": torch.__version__},
             **record.inductor_options,
         }
-        # An observer of Inductor's graphs needs them compiled: a cache hit would skip that.
+        # An observer of Inductor's graphs needs them compiled, and lpcompile.coverage the
+        # roundings the per-matmul options have the joint passes make: a cache hit of AOT
+        # autograd's would skip both.
         uncached = torch._functorch.config.patch(enable_autograd_cache=False)
         overlapped = record.inductor_options.get("cpp_wrapper", False)
         with (
-            uncached if observers else contextlib.nullcontext(),
+            uncached if observers or ctx.config.per_matmul else contextlib.nullcontext(),
             overlapped_cpp_builds() if overlapped else contextlib.nullcontext(),
             lowprec_cpp_builds(ctx.config.cpp_opt_level),
         ):

@@ -479,7 +479,9 @@ class LayerCoverage:
 
     layer: str
     graph_id: int
-    # role -> "format rounding overflow [scaling]", e.g. {"weight": "e5m2 nearest saturate"}
+    # role -> "format rounding overflow [scaling]", e.g. {"weight": "e5m2 nearest saturate"}; a
+    # role rounded another way in one matmul of its backward also under that option's name
+    # ("weight_for_input_grad")
     quantized: dict[str, str]
     kept: str | None = None  # why it stays in higher precision (then ``quantized`` is empty)
     op: str | None = None
@@ -497,7 +499,7 @@ def coverage(model: torch.nn.Module) -> list[LayerCoverage]:
     for record in REGISTRY.model_records(model):
         roles: dict[str, dict[str, str]] = {}
         for site in record.sites.values():
-            roles.setdefault(site.layer, {})[site.role] = site.spec()
+            roles.setdefault(site.layer, {})[site.option] = site.spec()
         for name in runs[record.graph_id]:
             rows += [
                 LayerCoverage(qualified_name(name, layer), record.graph_id, quantized)

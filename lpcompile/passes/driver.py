@@ -26,9 +26,18 @@ class Site:
     overflow: str
     scaling: str
     op: str  # "quantize" (forward) or "quantize_grad" (quantizes in the backward)
+    # the backward matmul of its layer it rounds the role for ("input_grad", "weight_grad"),
+    # where an option rounds the role another way there (``LowPrecConfig.in_matmul``)
+    matmul: str | None = None
 
     def meta(self) -> dict[str, Any]:
         return dict(self.__dict__)
+
+    @property
+    def option(self) -> str:
+        """The option that says how it rounds: its role, or the role's option for its matmul
+        (``"weight_for_input_grad"``)."""
+        return self.role if self.matmul is None else f"{self.role}_for_{self.matmul}"
 
     def spec(self) -> str:
         """How it rounds, in words: ``"e5m2 nearest saturate"``, and the scaling, if any."""

@@ -68,7 +68,7 @@ import torch
 import torch.fx
 
 from lpcompile.backend.state import REGISTRY
-from lpcompile.config import ROLES
+from lpcompile.config import PER_MATMUL, ROLES
 from lpcompile.passes.stages import BOUNDARY
 
 ENV = "LOWPREC_DUMP"
@@ -752,7 +752,7 @@ def _rounded(record: Any) -> dict[str, dict[str, str]]:
     each of its roles is rounded (:meth:`~lpcompile.passes.driver.Site.spec`)."""
     rounded: dict[str, dict[str, str]] = {}
     for site in getattr(record, "sites", {}).values():
-        rounded.setdefault(site.layer, {})[site.role] = site.spec()
+        rounded.setdefault(site.layer, {})[site.option] = site.spec()
     return rounded
 
 
@@ -760,7 +760,7 @@ def _rounded_groups(manifest: dict[str, Any]) -> dict[str, list[str]]:
     """The manifest's layers grouped by how their roles are rounded."""
     groups: dict[str, list[str]] = {}
     for layer, found in (manifest.get("rounded") or {}).items():
-        spec = ", ".join(f"{role} {found[role]}" for role in ROLES if role in found)
+        spec = ", ".join(f"{role} {found[role]}" for role in (*ROLES, *PER_MATMUL) if role in found)
         groups.setdefault(spec, []).append(layer)
     return groups
 

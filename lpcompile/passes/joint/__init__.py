@@ -14,7 +14,7 @@ import torch.fx
 from lpcompile.passes.driver import CompileContext, Pass
 from lpcompile.passes.joint.masks import masks_apply, recompute_bool_masks
 from lpcompile.passes.joint.matmul import has_cpu_matmuls, use_bf16_matmuls, uses_bf16_kernel
-from lpcompile.passes.joint.rowwise import has_rowwise_sites, round_operands_per_matmul
+from lpcompile.passes.joint.rowwise import round_operands_per_matmul, rounds_per_matmul
 
 
 def on_inductor(gm: torch.fx.GraphModule, ctx: CompileContext, kind: str) -> bool:
@@ -30,7 +30,7 @@ def inductor_masks_apply(gm: torch.fx.GraphModule, ctx: CompileContext, kind: st
 
 
 JOINT_PASSES = (
-    Pass(round_operands_per_matmul, has_rowwise_sites),
+    Pass(round_operands_per_matmul, rounds_per_matmul),
     Pass(use_bf16_matmuls, bf16_applies),
     Pass(recompute_bool_masks, inductor_masks_apply),
 )

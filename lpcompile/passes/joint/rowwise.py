@@ -39,9 +39,10 @@ import torch
 import torch.fx
 from torch.fx.experimental.symbolic_shapes import guard_or_false
 
+from lpcompile.config import PER_MATMUL, QuantSpec
 from lpcompile.numerics.quantize import is_rowwise, per_tensor, scale_arguments
 from lpcompile.numerics.rng import HADAMARD_BLOCK, hadamard_signs
-from lpcompile.passes.driver import CompileContext
+from lpcompile.passes.driver import CompileContext, KeptProduct
 
 aten = torch.ops.aten
 QUANTIZE = torch.ops.lowprec.quantize.default
@@ -103,42 +104,68 @@ COPIES = {
 }
 
 
-def has_rowwise_sites(gm: torch.fx.GraphModule, ctx: CompileContext, kind: str) -> bool:
-    """Whether some role of the graph's options is scaled per row."""
+def rounds_per_matmul(gm: torch.fx.GraphModule, ctx: CompileContext, kind: str) -> bool:
+    """Whether some role of the graph's options is scaled per row, or rounded another way in
+    one matmul of a layer's backward."""
     config = ctx.config
-    return any(is_rowwise(spec.scaling) for spec in (config.weight, config.activation, config.error))
+    scalings = (config.weight.scaling, config.activation.scaling, config.error.scaling)
+    return config.per_matmul or any(is_rowwise(scaling) for scaling in scalings)
 
 
 def round_operands_per_matmul(gm: torch.fx.GraphModule, ctx: CompileContext) -> None:
     """Round each matmul operand that reads a rowwise site along the dimension the matmul
-    sums over, and each operand of another product per tensor (see the module's doc).
-    Warns, naming the layer, where a matmul reads a site through an op that is no copy."""
+    sums over, each operand of another product per tensor, and the operands the options
+    round another way in a layer's input- or weight-gradient matmul as they say (see the
+    module's doc). Warns, naming the layer, where a matmul reads a site through an op that
+    is no copy, and where one call computes gradients that the options round apart."""
     graph = gm.graph
     roundings = _Roundings(gm, ctx)
     replaced: list[torch.fx.Node] = []  # the site nodes and copies read before
     unfollowed: dict[str, str] = {}  # layer -> the op between its site and a matmul
     untransformed: dict[str, str] = {}  # layer -> why its weight gradient takes no Hadamard transform
+    unrounded: dict[tuple[str, str], list[str]] = {}  # (layer, matmul) -> the options leaving operands so
+    unsplit: dict[str, str] = {}  # layer -> the product computing both its gradients in one call
     for node in list(graph.nodes):
         if node.op != "call_function":
             continue
         if node.target in MATMULS:
             operands = [(i, dim) for i, dim in MATMULS[node.target] if i < len(node.args)]
-            sources = {i: _rowwise_source(node.args[i], ctx) for i, _ in operands}
-            hadamard = ctx.config.wgrad_hadamard and _transforms(node, operands, sources, ctx, untransformed)
+            sources = {i: _site_source(node.args[i], ctx) for i, _ in operands}
+            layer, matmul = _backward_matmul(sources, ctx)
+            hadamard = (
+                ctx.config.wgrad_hadamard
+                and matmul == "weight_grad"
+                and _transforms(node, operands, layer, untransformed)
+            )
             for index, dim in operands:
                 if found := sources[index]:
-                    replaced += [found[0], *found[1]]
-                    node.update_arg(index, roundings.along(node, *found, dim, hadamard))
+                    role = ctx.sites[found[0].args[5]].role
+                    spec = ctx.config.in_matmul(role, matmul)
+                    value = roundings.operand(node, *found, dim, spec, matmul, hadamard)
+                    if value is not None:
+                        replaced += [found[0], *found[1]]
+                        node.update_arg(index, value)
+                    if spec is not None and not spec.enabled:
+                        unrounded.setdefault((layer, matmul), []).append(f"{role}_for_{matmul}")
                 elif found := _read_through(node.args[index], ctx):
                     unfollowed[ctx.sites[found[0].args[5]].layer] = str(found[1].target)
         elif node.target in WHOLE_TENSOR_PRODUCTS:
             for index, operand in enumerate(node.args):
-                if isinstance(operand, torch.fx.Node) and (found := _rowwise_source(operand, ctx)):
+                if not (isinstance(operand, torch.fx.Node) and (found := _site_source(operand, ctx))):
+                    continue
+                site = ctx.sites[found[0].args[5]]
+                if site.role == "error" and ctx.config.per_matmul and _has_weight(site.layer, ctx):
+                    unsplit[site.layer] = str(node.target)
+                if is_rowwise(site.scaling):
                     replaced += [found[0], *found[1]]
-                    node.update_arg(index, roundings.whole(node, *found))
+                    node.update_arg(index, roundings.whole(node, *found, per_tensor(site.scaling)))
     for node in sorted(set(replaced), key=list(graph.nodes).index, reverse=True):
         if not node.users:
             graph.erase_node(node)
+    for (layer, matmul), options in unrounded.items():
+        kept = KeptProduct(layer, f"{matmul} matmul", f"{', '.join(sorted(set(options)))}: unrounded")
+        if kept not in ctx.kept:  # (each adaptive variant compiles the joint graph again)
+            ctx.kept.append(kept)
     if unfollowed:
         found = ", ".join(f"{layer!r} (through {op})" for layer, op in unfollowed.items())
         warnings.warn(
@@ -154,27 +181,39 @@ def round_operands_per_matmul(gm: torch.fx.GraphModule, ctx: CompileContext) -> 
             " without the Hadamard transform",
             stacklevel=1,
         )
+    if unsplit:
+        options = ", ".join(name for name in PER_MATMUL if getattr(ctx.config, name) is not None)
+        found = ", ".join(f"{layer!r} ({op})" for layer, op in sorted(unsplit.items()))
+        warnings.warn(
+            f"lowprec: {options}: the backward of {found} computes the input and weight gradients"
+            " in one call, which reads each operand rounded as its role is",
+            stacklevel=1,
+        )
+
+
+def _backward_matmul(sources: dict, ctx: CompileContext) -> tuple[str, str | None]:
+    """The layer of a matmul's sites, and which matmul of that layer's backward it is:
+    ``"input_grad"`` (its error and weight), ``"weight_grad"`` (its error and activation, in
+    a layer with a weight site) or ``None`` (another)."""
+    sites = [ctx.sites[source[0].args[5]] for source in sources.values() if source]
+    if len(sites) != 2 or sites[0].layer != sites[1].layer:
+        return "", None
+    layer, roles = sites[0].layer, {site.role for site in sites}
+    if roles == {"error", "weight"}:
+        return layer, "input_grad"
+    return layer, "weight_grad" if roles == {"error", "activation"} and _has_weight(layer, ctx) else None
+
+
+def _has_weight(layer: str, ctx: CompileContext) -> bool:
+    return any(site.role == "weight" and site.layer == layer for site in ctx.sites.values())
 
 
 def _transforms(
-    product: torch.fx.Node,
-    operands: list[tuple[int, int]],
-    sources: dict,
-    ctx: CompileContext,
-    untransformed: dict[str, str],
+    product: torch.fx.Node, operands: list[tuple[int, int]], layer: str, untransformed: dict[str, str]
 ) -> bool:
-    """Whether ``product`` is a layer's weight-gradient matmul whose operands take the
-    Hadamard transform: an error site's and an activation site's operand of one layer that
-    has a weight site, summed over a multiple of 16 tokens, and no grouped matmul of
-    experts (else noted, with why, in ``untransformed``)."""
-    if len(operands) != 2 or not all(sources.values()):
-        return False
-    sites = [ctx.sites[source[0].args[5]] for source in sources.values()]
-    layer = sites[0].layer
-    if {site.role for site in sites} != {"error", "activation"} or sites[1].layer != layer:
-        return False
-    if not any(site.role == "weight" and site.layer == layer for site in ctx.sites.values()):
-        return False
+    """Whether ``product``, ``layer``'s weight-gradient matmul, takes the Hadamard transform:
+    summed over a multiple of 16 tokens, and no grouped matmul of experts (else noted, with
+    why, in ``untransformed``)."""
     if product.target is aten._grouped_mm.default:
         untransformed[layer] = "a grouped matmul of experts: a block of 16 tokens may span two"
         return False
@@ -206,17 +245,15 @@ def _read_through(operand: Any, ctx: CompileContext) -> tuple[torch.fx.Node, tor
     return None
 
 
-def _rowwise_source(operand: Any, ctx: CompileContext) -> tuple[torch.fx.Node, list[torch.fx.Node]] | None:
-    """The rowwise site node ``operand`` copies its values from, and the copying ops from it
-    to ``operand`` (first to last); ``None`` if it reads none."""
+def _site_source(operand: Any, ctx: CompileContext) -> tuple[torch.fx.Node, list[torch.fx.Node]] | None:
+    """The site node (one without a given scale) ``operand`` copies its values from, and the
+    copying ops from it to ``operand`` (first to last); ``None`` if it reads none."""
     chain = []
     node = operand
     while isinstance(node, torch.fx.Node) and node.op == "call_function":
         if node.target is QUANTIZE:
-            scale, scaling = scale_arguments(node.args, node.kwargs)
-            if is_rowwise(scaling) and scale is None and node.args[5] in ctx.sites:
-                return node, chain[::-1]
-            return None
+            scale = scale_arguments(node.args, node.kwargs)[0]
+            return (node, chain[::-1]) if scale is None and node.args[5] in ctx.sites else None
         if node.target not in COPIES:
             return None
         chain.append(node)
@@ -233,22 +270,52 @@ class _Roundings:
     ctx: CompileContext
     made: dict[tuple, torch.fx.Node] = field(default_factory=dict)
 
+    def operand(
+        self,
+        product: torch.fx.Node,
+        site_node: torch.fx.Node,
+        chain: list[torch.fx.Node],
+        dim: int,
+        spec: QuantSpec | None,
+        matmul: str | None,
+        hadamard: bool,
+    ) -> torch.fx.Node | None:
+        """What ``product``, a matmul summing over its operand's dimension ``dim``, reads of the
+        site ``site_node`` (through ``chain``): its source unrounded where ``spec`` (the
+        options' spec for the site's role in ``matmul``) is off, else rounded with the
+        scaling of ``spec`` or of the site, along ``dim`` for a rowwise one
+        (:meth:`along`); ``None`` where that is the site's own rounding."""
+        site = self.ctx.sites[site_node.args[5]]
+        if spec is not None and not spec.enabled:
+            return self.unrounded(product, site_node, chain)
+        scaling = site.scaling if spec is None else spec.scaling
+        matmul = None if spec is None else matmul
+        if is_rowwise(scaling):
+            return self.along(product, site_node, chain, dim, scaling, matmul, hadamard)
+        if scaling == site.scaling:
+            return None
+        return self.whole(product, site_node, chain, scaling, matmul)
+
     def along(
         self,
         product: torch.fx.Node,
         site_node: torch.fx.Node,
         chain: list[torch.fx.Node],
         dim: int,
+        scaling: str,
+        matmul: str | None = None,
         hadamard: bool = False,
     ) -> torch.fx.Node:
-        """The operand ``site_node`` and ``chain`` give ``product``, rounded along its
-        dimension ``dim`` (a factor per row of it, or per MX block): the site's own rounding
-        where that is the site's last dimension; with ``hadamard``, transformed along
-        ``dim`` first (:func:`_hadamard`)."""
+        """The operand ``site_node`` and ``chain`` give ``product``, rounded with the rowwise
+        ``scaling`` along its dimension ``dim`` (a factor per row of it, or per MX block): the
+        site's own rounding where that is the site's scaling and last dimension; with
+        ``hadamard``, transformed along ``dim`` first (:func:`_hadamard`). ``matmul`` names the
+        backward matmul whose option asks for ``scaling``."""
         dim %= _ndim(chain[-1] if chain else site_node)
-        if not hadamard and _source_dim(chain, dim) == _ndim(site_node) - 1:
+        own = scaling == self.ctx.sites[site_node.args[5]].scaling
+        if own and not hadamard and _source_dim(chain, dim) == _ndim(site_node) - 1:
             return chain[-1] if chain else site_node
-        key = (site_node, *chain, dim, hadamard)
+        key = (site_node, *chain, dim, scaling, hadamard)
         if key not in self.made:
             graph = self.gm.graph
             with graph.inserting_before(product):
@@ -257,14 +324,14 @@ class _Roundings:
                 swap[dim], swap[-1] = swap[-1], swap[dim]
                 if dim != swap[dim]:
                     value = _call(graph, product, aten.permute.default, (value, swap))
-                how = ("rows", *_signature(chain), dim)
+                how = ("rows", *_signature(chain), dim, scaling)
                 dtype = value.meta["val"].dtype
                 if hadamard:  # in FP32: the sums of 16 values, exact enough to cancel in the product
                     if dtype != torch.float32:
                         value = _call(graph, product, CONVERT, (value, torch.float32))
                     value = _hadamard(graph, product, value, hadamard_signs(self.ctx.config.seed))
                     how += ("hadamard",)
-                value = _rounding(graph, self.ctx, product, site_node, value, how)
+                value = _rounding(graph, self.ctx, product, site_node, value, how, scaling, matmul)
                 if value.meta["val"].dtype != dtype:
                     value = _call(graph, product, CONVERT, (value, dtype))
                 if dim != swap[dim]:
@@ -273,18 +340,32 @@ class _Roundings:
         return self.made[key]
 
     def whole(
-        self, product: torch.fx.Node, site_node: torch.fx.Node, chain: list[torch.fx.Node]
+        self,
+        product: torch.fx.Node,
+        site_node: torch.fx.Node,
+        chain: list[torch.fx.Node],
+        scaling: str,
+        matmul: str | None = None,
     ) -> torch.fx.Node:
         """The operand ``site_node`` and ``chain`` give ``product``, its source rounded with
-        one factor (the site's scaling per tensor) and taken through ``chain``."""
-        key = (site_node, "tensor", *chain)
+        ``scaling`` (one factor, or a weight's tiles) and taken through ``chain``."""
+        key = (site_node, "tensor", scaling, *chain)
         if key not in self.made:
             graph = self.gm.graph
             with graph.inserting_before(product):
-                value = _rounding(
-                    graph, self.ctx, product, site_node, site_node.args[0], ("tensor",), per_tensor
-                )
+                source, how = site_node.args[0], ("tensor", scaling)
+                value = _rounding(graph, self.ctx, product, site_node, source, how, scaling, matmul)
                 self.made[key] = _replay(graph, product, value, chain)
+        return self.made[key]
+
+    def unrounded(
+        self, product: torch.fx.Node, site_node: torch.fx.Node, chain: list[torch.fx.Node]
+    ) -> torch.fx.Node:
+        """The operand ``site_node`` and ``chain`` give ``product``, of its source unrounded."""
+        key = (site_node, "unrounded", *chain)
+        if key not in self.made:
+            with self.gm.graph.inserting_before(product):
+                self.made[key] = _replay(self.gm.graph, product, site_node.args[0], chain)
         return self.made[key]
 
 
@@ -338,15 +419,17 @@ def _rounding(
     site_node: torch.fx.Node,
     value: torch.fx.Node,
     how: tuple,
-    scaling=lambda scaling: scaling,
+    scaling: str,
+    matmul: str | None,
 ) -> torch.fx.Node:
-    """``value`` rounded as ``site_node`` rounds, its scaling mapped by ``scaling``, with a
-    site (a random stream) of its own, the same for the same ``how`` in every compile of
-    the graph (the adaptive variants'). ``how`` says what is rounded, in plain values."""
+    """``value`` rounded as ``site_node`` rounds but with ``scaling``, with a site (a random
+    stream) of its own, the same for the same ``how`` in every compile of the graph (the
+    adaptive variants'). ``how`` says what is rounded, in plain values; ``matmul`` names the
+    backward matmul whose option asks for the rounding."""
     site = ctx.sites[site_node.args[5]]
     derived = ctx.derived_sites.get((site.offset, how))
     if derived is None:
-        spec = dataclasses.replace(site, offset=ctx.new_offset(), scaling=scaling(site.scaling))
+        spec = dataclasses.replace(site, offset=ctx.new_offset(), scaling=scaling, matmul=matmul)
         derived = ctx.derived_sites[(site.offset, how)] = ctx.sites[spec.offset] = spec
     fmt, rounding, overflow, seed = site_node.args[1:5]
     args = (value, fmt, rounding, overflow, seed, derived.offset, None, derived.scaling)
