@@ -71,7 +71,8 @@ def test_hf_model_step_runs_every_product_on_the_grid(name):
         assert layers and layers <= modules, sorted(layers - modules)
 
 
-@pytest.mark.parametrize("name", ["gpt2", pytest.param("t5", marks=pytest.mark.slow)])
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["gpt2", "t5"])
 def test_hf_model_with_dynamic_shapes_runs_every_product_on_the_grid(name):
     """``dynamic=True``: the sequence length and HF's float dropout rates are symbolic;
     at two sequence lengths every product is on the grid."""
@@ -92,6 +93,7 @@ def test_hf_model_with_dynamic_shapes_runs_every_product_on_the_grid(name):
 FLOAT64_TABLES = {"unet2d": [], "flux": ["pos_embed#0", "pos_embed#1", "pos_embed#2"]}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", DIFFUSERS_MODELS)
 def test_diffusers_model_step_runs_every_product_on_the_grid(name):
     """A diffusion UNet (convolutions, attention blocks) and a Flux transformer (joint
@@ -142,6 +144,7 @@ def test_exclude_matches_hf_module_names():
     assert "lm_head" not in layers and "model.layers.0.mlp.up_proj" in layers
 
 
+@pytest.mark.slow
 def test_hf_trainer_trains_a_model_compiled_before_it(tmp_path):
     """HF's Trainer compiles only with the backends accelerate lists: the model is compiled
     first (docs/fp8.md), its batches kept whole (the compiled forward names no columns).
