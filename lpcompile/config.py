@@ -39,6 +39,15 @@ PER_MATMUL = {
     "error_for_weight_grad": ("error", "weight_grad"),
     "weight_for_input_grad": ("weight", "input_grad"),
 }
+# matmul -> the roles whose sites tell it apart (the weight gradient's also by the layer's weight)
+MATMUL_ROLES = {"input_grad": ("error", "weight"), "weight_grad": ("error", "activation", "weight")}
+
+
+def per_matmul_option(role: str, matmul: str) -> str:
+    """The option that rounds ``role`` in a layer's ``matmul`` (:data:`PER_MATMUL`)."""
+    return f"{role}_for_{matmul}"
+
+
 EXECUTORS = ("inductor", "eager")
 LOSS_SCALES = ("none", "adaptive")
 CODEGENS = ("inductor", "triton")
@@ -235,9 +244,10 @@ _RECIPES: dict[str, tuple[str, dict[str, Any]]] = {
                 QuantSpec("e4m3", overflow="inf", scaling="rowwise_pow2"),
                 OFF,
             ),
-            "weight_for_input_grad": QuantSpec("e4m3", scaling="tensorwise_pow2"),
-            "activation_for_weight_grad": OFF,
-            "error_for_weight_grad": OFF,
+            # as in options: merged onto the role's final spec; None: unrounded
+            "weight_for_input_grad": {"scaling": "tensorwise_pow2"},
+            "activation_for_weight_grad": None,
+            "error_for_weight_grad": None,
         },
     ),
     "fp8-blockwise": (
@@ -454,15 +464,17 @@ class LowPrecConfig:
                 raise ValueError(f"{role} must be a QuantSpec, got {getattr(self, role)!r}")
 
     def _check_per_matmul(self) -> None:
-        for name, (role, _) in PER_MATMUL.items():
+        for name, (role, matmul) in PER_MATMUL.items():
             spec, base = getattr(self, name), self.spec(role)
             if spec is None:
                 continue
             if not isinstance(spec, QuantSpec):
                 raise ValueError(f"{name} must be None or a QuantSpec, got {spec!r}")
-            if spec.enabled and not base.enabled:
+            if off := [r for r in MATMUL_ROLES[matmul] if not self.spec(r).enabled]:
                 raise ValueError(
-                    f"{name} rounds the {role} another way in one matmul: the {role} role needs a format"
+                    f"{name} rounds the {role} another way in each layer's {matmul} matmul, which"
+                    f" lowprec finds by its {', '.join(MATMUL_ROLES[matmul])} roundings: the"
+                    f" {', '.join(off)} role(s) need a format"
                 )
             if is_tiled(base.scaling) or (spec.enabled and is_tiled(spec.scaling)):
                 tiled = spec.scaling if is_tiled(spec.scaling) else base.scaling
@@ -471,8 +483,13 @@ class LowPrecConfig:
                 )
             if spec.enabled and _words(spec) != _words(base):
                 raise ValueError(
-                    f"{name} may change the {role}'s scaling only, or leave it unrounded (None):"
-                    f" got {_words(spec)} for a {role} rounded {_words(base)}"
+                    f"{name} may change the {role}'s scaling only, or leave it unrounded (None in"
+                    f" options): got {_words(spec)} for a {role} rounded {_words(base)}"
+                )
+            if self.loss_scale == "adaptive" and role == "error" and spec.enabled and spec.scaling != "none":
+                raise ValueError(
+                    f"loss_scale='adaptive' with {name} scaling={spec.scaling!r}: the per-tensor scale"
+                    " divides each layer's loss scale back out of the error it rounds"
                 )
         weight_grad = (self.activation_for_weight_grad, self.error_for_weight_grad)
         if self.wgrad_hadamard and weight_grad != (None, None):
@@ -489,15 +506,13 @@ class LowPrecConfig:
         """How ``role`` is rounded in a layer's ``matmul`` (``"input_grad"``,
         ``"weight_grad"``) where an option rounds it another way there (:data:`PER_MATMUL`),
         else ``None``."""
-        for name, key in PER_MATMUL.items():
-            if key == (role, matmul):
-                return getattr(self, name)
-        return None
+        name = per_matmul_option(role, matmul) if matmul else None
+        return getattr(self, name) if name in PER_MATMUL else None
 
     @property
-    def per_matmul(self) -> bool:
-        """Whether an option rounds some role another way in one matmul."""
-        return any(getattr(self, name) is not None for name in PER_MATMUL)
+    def per_matmul(self) -> tuple[str, ...]:
+        """The options set that round some role another way in one matmul."""
+        return tuple(name for name in PER_MATMUL if getattr(self, name) is not None)
 
     @property
     def quantizes(self) -> bool:
@@ -505,9 +520,19 @@ class LowPrecConfig:
 
     @classmethod
     def from_recipe(cls, name: str, **overrides: Any) -> LowPrecConfig:
+        """The recipe ``name`` with ``overrides`` of its fields. The recipe's per-matmul
+        roundings (option values) apply to its roles as overridden, where the roles that
+        tell the matmul apart are all rounded."""
         if not isinstance(name, str) or name not in _RECIPES:
             raise ValueError(f"unknown recipe {name!r}; valid recipes: {', '.join(_RECIPES)}")
-        return cls(recipe=name, **{**_RECIPES[name][1], **overrides})
+        fields = dict(_RECIPES[name][1])
+        per_matmul = {key: fields.pop(key) for key in PER_MATMUL if key in fields}
+        fields.update(overrides)
+        for key, value in per_matmul.items():
+            (role, matmul), specs = PER_MATMUL[key], {r: fields.get(r, OFF) for r in ROLES}
+            if key not in overrides and all(specs[r].enabled for r in MATMUL_ROLES[matmul]):
+                fields[key] = _parse_spec(key, value, specs[role])
+        return cls(recipe=name, **fields)
 
     @classmethod
     def from_options(cls, options: dict[str, Any] | None) -> LowPrecConfig:
@@ -522,7 +547,8 @@ class LowPrecConfig:
         unknown = sorted(set(options) - OPTION_KEYS)
         if unknown:
             raise ValueError(f"unknown lowprec option(s) {unknown}; valid options: {valid}")
-        base = cls.from_recipe(options.pop("recipe", "fp32"))
+        recipe = options.pop("recipe", "fp32")
+        base = cls.from_recipe(recipe)
         adaptive = {ADAPTIVE_KEYS[k]: options.pop(k) for k in list(options) if k in ADAPTIVE_KEYS}
         overrides: dict[str, Any] = {"adaptive": AdaptiveScaleConfig(**adaptive)} if adaptive else {}
         for key, value in options.items():
@@ -539,7 +565,7 @@ class LowPrecConfig:
         for key in PER_MATMUL.keys() & options.keys():
             role = PER_MATMUL[key][0]
             overrides[key] = _parse_spec(key, options[key], overrides.get(role, base.spec(role)))
-        config = dataclasses.replace(base, **overrides)
+        config = cls.from_recipe(recipe, **overrides)
         if adaptive and config.loss_scale != "adaptive":
             keys = sorted(k for k in ADAPTIVE_KEYS if ADAPTIVE_KEYS[k] in adaptive)
             raise ValueError(

@@ -224,9 +224,9 @@ class JointPasses(SourceStamp):
 
     Its uuid is SourceStamp's plus what the passes decide from outside the graph
     (whether matmuls go to the bf16 kernel, whether and with which signs the weight
-    gradients' operands take a Hadamard transform) and what the rounding rules compile
-    into it (the rank's device-mesh coordinates): AOT autograd's cache keys on the graph
-    before the passes.
+    gradients' operands take a Hadamard transform, how the per-matmul options round a
+    role) and what the rounding rules compile into it (the rank's device-mesh
+    coordinates): AOT autograd's cache keys on the graph before the passes.
     """
 
     def __init__(self, ctx: CompileContext, tag: str, on_cpu: bool, positions: str = "") -> None:
@@ -237,7 +237,8 @@ class JointPasses(SourceStamp):
         mesh = f"-mesh-positions-{self.positions}" if self.positions else ""
         config = self.ctx.config
         hadamard = f"-wgrad-hadamard-{config.seed}" if config.wgrad_hadamard else ""
-        return f"{package_hash()}-bf16-matmuls-{bf16}{mesh}{hadamard}"
+        per_matmul = "".join(f"-{name}-{getattr(config, name)}" for name in config.per_matmul)
+        return f"{package_hash()}-bf16-matmuls-{bf16}{mesh}{hadamard}{per_matmul}"
 
     def __call__(self, graph: torch.fx.Graph) -> None:
         # Inductor runs its joint-graph passes on inference graphs too; the backend runs

@@ -42,7 +42,7 @@ from typing import Any
 import torch
 import torch._dynamo.trace_rules as trace_rules
 
-from lpcompile.config import PER_MATMUL, LowPrecConfig
+from lpcompile.config import LowPrecConfig
 from lpcompile.numerics.quantize import is_dtensor, is_rowwise
 
 # Odd multiplier of the rank in the seed (2^32 / golden ratio): injective on 32 bits,
@@ -75,12 +75,11 @@ def check_dtensor_options(config: LowPrecConfig) -> None:
     """Refuse the options whose operators have no DTensor rule, for a graph of DTensors."""
     specs = (config.weight, config.activation, config.error, config.weight_grad)
     rowwise = sorted({spec.scaling for spec in specs if spec.enabled and is_rowwise(spec.scaling)})
-    per_matmul = [name for name in PER_MATMUL if getattr(config, name) is not None]
     refused = {
         "pipeline": config.pipeline is not None,
         # the joint graph's per-matmul roundings see each rank's shard only
         f"scaling={'/'.join(rowwise)!r}": bool(rowwise),
-        "/".join(per_matmul): bool(per_matmul),
+        "/".join(config.per_matmul): bool(config.per_matmul),
     }
     if found := [name for name, on in refused.items() if on]:
         raise NotImplementedError(

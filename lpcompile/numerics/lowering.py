@@ -141,7 +141,7 @@ def _lower_quantize(
     """An unscaled, rowwise, tensorwise or block-scaled quantize as one pointwise node, each
     op of :func:`round_value` (and, for stochastic rounding, of the generator) issued once
     per kernel body; a rowwise or tensorwise one reads its rows' or the tensor's factor
-    (:func:`_row_scales`), an MX, NVFP4 or blockwise one rounds ``x`` viewed as blocks
+    (:func:`_scales`), an MX, NVFP4 or blockwise one rounds ``x`` viewed as blocks
     (:func:`_in_blocks`). A tiled one decomposes first (:func:`_decompose_quantize`)."""
     if scale is not None or scaling in TILED_SCALINGS:
         raise NotImplementedError(
@@ -160,8 +160,10 @@ def _lower_quantize(
         V.graph.sizevars.check_lt(numel, 1 << 31)  # a dynamic size: guarded
         load_key = _stream_key(seed, offset).make_loader()
     strides = ir.FlexibleLayout.contiguous_strides(shape or [1])
+    if V.graph.sizevars.statically_known_equals(sympy_product(shape), 0):
+        scaling = "none"  # nothing to scale, and an empty reduction has no largest magnitude
     if scaling not in BLOCK_SCALINGS:
-        load_scale = None if scaling == "none" else _row_scales(x, target, scaling)
+        load_scale = None if scaling == "none" else _scales(x, target, scaling)
         return _round(x, target, (rounding, overflow, load_key), load_scale, lambda index: index, strides)
     size = BLOCK_SCALINGS[scaling][0]
     blocks = _in_blocks(x, shape, size)
@@ -217,7 +219,7 @@ def _round(x: ir.TensorBox, target, how: tuple, load_scale, element, strides) ->
     )
 
 
-def _row_scales(x: ir.TensorBox, target, scaling: str):
+def _scales(x: ir.TensorBox, target, scaling: str):
     """A loader, by ``x``'s index, of :func:`lpcompile.numerics.quantize.dynamic_scale`'s
     factor of that element's row (of the last dimension; of the whole tensor for a
     tensorwise ``scaling``), the factors computed once into a buffer."""

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch.fx
 
-from lpcompile.config import LowPrecConfig
+from lpcompile.config import LowPrecConfig, per_matmul_option
 from lpcompile.numerics.quantize import scaling_argument
 
 
@@ -37,7 +37,7 @@ class Site:
     def option(self) -> str:
         """The option that says how it rounds: its role, or the role's option for its matmul
         (``"weight_for_input_grad"``)."""
-        return self.role if self.matmul is None else f"{self.role}_for_{self.matmul}"
+        return self.role if self.matmul is None else per_matmul_option(self.role, self.matmul)
 
     def spec(self) -> str:
         """How it rounds, in words: ``"e5m2 nearest saturate"``, and the scaling, if any."""

@@ -108,10 +108,10 @@ KERNEL_NOTES = {
     ),
 }
 DECOMPOSED_NOTE = (
-    "Inductor's ATen graph, as its inner compiler receives it: each unscaled lowprec::quantize is "
-    "one node (Inductor lowers it), marked here; the other lowprec operators are already "
-    "decomposed into ATen operations (quantize_grad and scale_grad into the identity, a scaled "
-    "quantize around an unscaled one), so they are not; see the dynamo graph."
+    "Inductor's ATen graph, as its inner compiler receives it: each lowprec::quantize is one node "
+    "(Inductor lowers it), marked here; the other lowprec operators are already decomposed into "
+    "ATen operations (quantize_grad and scale_grad into the identity, a tiled quantize or one "
+    "with a given scale around an unscaled one), so they are not; see the dynamo graph."
 )
 PY_HEADER = """\
 # lowprec dump: {title}

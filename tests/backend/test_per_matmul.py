@@ -6,6 +6,7 @@ the reports."""
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 
 import pytest
@@ -13,7 +14,7 @@ import torch
 from torch import nn
 
 import lpcompile
-from lpcompile.config import LowPrecConfig
+from lpcompile.config import LowPrecConfig, QuantSpec
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 Cast = Callable[[torch.Tensor], torch.Tensor]
@@ -180,19 +181,59 @@ def test_coverage_names_the_per_matmul_roundings_and_the_unrounded_operands():
 class _ConvNet(nn.Module):
     def __init__(self) -> None:
         super().__init__()
-        self.conv = nn.Conv1d(8, 16, 3, padding=1)
+        self.conv = nn.Conv2d(8, 16, 3, padding=1)
         self.proj = nn.Linear(16, 4)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.proj(self.conv(x).transpose(1, 2))
+        return self.proj(self.conv(x).flatten(2).transpose(1, 2))
 
 
-def test_a_convolution_computing_both_gradients_in_one_call_warns():
+def _conv_step(options: dict) -> list[str]:
+    """The per-matmul options' warnings of a step of :class:`_ConvNet`."""
     torch._dynamo.reset()
     model = _ConvNet()
-    options = {"recipe": "fp8-rowwise-gw-hp", "conv": "aten", "executor": "eager"}
-    with pytest.warns(UserWarning, match=r"the backward of 'conv' \(aten.convolution_backward"):
-        torch.compile(model, backend="lowprec", options=options)(torch.randn(2, 8, 12)).sum().backward()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.compile(model, backend="lowprec", options=options)(
+            torch.randn(2, 8, 6, 6, requires_grad=True)
+        ).sum().backward()
+    return [str(w.message) for w in caught if "per-matmul options" in str(w.message)]
+
+
+def test_a_convolution_the_options_cannot_reach_warns_naming_it_and_them():
+    """ATen's convolution computes both gradients in one call; the im2col rewrite's weight
+    gradient reads patches gathered from the activation, no view of it (its input gradient
+    is an error-weight matmul the options reach)."""
+    options = {"recipe": "fp8-rowwise-gw-hp", "executor": "inductor"}
+    (said,) = _conv_step({**options, "conv": "aten"})
+    assert "'conv' (aten.convolution_backward.default; activation_for_weight_grad, error_for_weight" in said
+    assert "weight_for_input_grad" in said and "'proj'" not in said
+    (said,) = _conv_step(options)
+    assert "'conv' (aten.mm.default; activation_for_weight_grad, error_for_weight_grad)" in said, said
+    assert _conv_step({"recipe": "fp8-rowwise", "weight_for_input_grad": {"scaling": "tensorwise"}}) == []
+
+
+class _TokenExperts(nn.Module):
+    """Each token times its expert's weight, as one-row matmuls (transformers'
+    ``batched_mm`` experts): their weight gradients are products of elements."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(4, 16, 8) / 4)
+
+    def forward(self, x: torch.Tensor, expert: torch.Tensor) -> torch.Tensor:
+        return torch.bmm(x.unsqueeze(1), self.weight[expert]).squeeze(1)
+
+
+def test_a_weight_gradient_of_element_products_warns_naming_the_layer():
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model, x, expert = _TokenExperts(), torch.randn(12, 16, requires_grad=True), torch.randint(0, 4, (12,))
+    with pytest.warns(
+        UserWarning, match=r"reach no matmul of 'bmm' \(aten.mul.Tensor; activation_for_weight_grad"
+    ):
+        compiled = torch.compile(model, backend="lowprec", options={"recipe": "fp8-rowwise-gw-hp"})
+        compiled(x, expert).square().mean().backward()
 
 
 def test_options_and_their_errors():
@@ -210,7 +251,13 @@ def test_options_and_their_errors():
             {"recipe": "fp8-tensorwise", "weight_for_input_grad": {"fmt": "e5m2"}},
             "may change the weight's scaling",
         ),
-        ({"recipe": "fp32", "error_for_weight_grad": {"fmt": "e5m2"}}, "the error role needs a format"),
+        ({"recipe": "fp32", "error_for_weight_grad": {"fmt": "e5m2"}}, "the error, activation, weight role"),
+        # the matmul is told apart by the sites of its layer's error and weight
+        ({"recipe": "fp8-rowwise", "error": None, "weight_for_input_grad": None}, "the error role"),
+        (
+            {"recipe": "fp8-e5m2-als", "error_for_weight_grad": {"scaling": "tensorwise"}},
+            "loss scale back out",
+        ),
         ({"recipe": "nvfp4-2d", "weight_for_input_grad": None}, "'nvfp4_2d' is one rounding"),
         (
             {"recipe": "fp8-rowwise", "wgrad_hadamard": True, "error_for_weight_grad": None},
@@ -220,5 +267,10 @@ def test_options_and_their_errors():
     for options, message in refused:
         with pytest.raises(ValueError, match=message):
             LowPrecConfig.from_options(options)
-    # leaving a role's rounding off in one matmul where the role is off anyway is no error
-    assert LowPrecConfig.from_options({"recipe": "fp8-rowwise-gw-hp", "activation": None}).per_matmul
+    # a recipe's per-matmul roundings follow its roles as the options change them, and apply
+    # only where the roles telling their matmul apart are rounded
+    config = LowPrecConfig.from_options({"recipe": "fp8-rowwise-gw-hp", "weight": {"rounding": "stochastic"}})
+    assert config.weight_for_input_grad == QuantSpec("e4m3", "stochastic", scaling="tensorwise_pow2")
+    assert LowPrecConfig.from_options({"recipe": "fp8-rowwise-gw-hp", "weight": None}).per_matmul == ()
+    config = LowPrecConfig.from_options({"recipe": "fp8-rowwise-gw-hp", "activation": None})
+    assert config.per_matmul == ("weight_for_input_grad",)

@@ -205,6 +205,17 @@ def test_stochastic_sites_share_their_seeds_digest():
     assert forward.count(salt) == 0  # the recipe rounds weights and activations to nearest
 
 
+@pytest.mark.parametrize(("scaling", "shape"), [("tensorwise", (0, 4)), ("rowwise", (3, 0)), ("mx", (2, 0))])
+def test_an_empty_tensor_scaled_compiles(scaling, shape):
+    """No largest magnitude to scale by: Inductor's reduction of nothing would fail."""
+
+    def fn(x):
+        return q(x * 2, "e4m3", "nearest", "saturate", None, 0, None, scaling)
+
+    with torch._inductor.config.patch(fx_graph_cache=False):
+        assert torch.compile(fn, backend="inductor", fullgraph=True)(torch.empty(shape)).shape == shape
+
+
 def test_the_lowering_refuses_a_scale():
     """A scale is taken out by the decomposition; a scaled quantize reaching the lowering
     (a decomposition table without lowprec's) must fail, not drop the scale."""

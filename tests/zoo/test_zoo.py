@@ -343,12 +343,22 @@ def test_block_scaled_step_runs_every_matmul_on_its_blocks(name, recipe):
 
 
 @pytest.mark.slow
-def test_wgrad_hadamard_names_experts_whose_weight_gradients_transformers_computes():
+@pytest.mark.parametrize(
+    ("options", "option"),
+    [
+        ({"recipe": "nvfp4-2d", "wgrad_hadamard": True}, "wgrad_hadamard"),
+        (
+            {"recipe": "fp8-rowwise-gw-hp"},
+            "activation_for_weight_grad, error_for_weight_grad, weight_for_input_grad",
+        ),
+    ],
+)
+def test_options_for_weight_gradients_name_experts_whose_backward_transformers_computes(options, option):
     """Mixtral's experts on the CPU run transformers' own grouped-matmul operator, whose
-    backward computes their weight gradients inside: no transform, and a warning naming
-    them; none for experts kept out by ``exclude``."""
-    options = {"recipe": "nvfp4-2d", "wgrad_hadamard": True, "executor": "eager"}
-    said = r"wgrad_hadamard: .*'model\.layers\.0\.mlp\.experts#0' \(inside transformers::grouped_mm_fallback"
+    backward computes their gradients inside: no Hadamard transform, no per-matmul
+    roundings, and a warning naming them; none for experts kept out by ``exclude``."""
+    options = {**options, "executor": "eager"}
+    said = rf"{option}: .*'model\.layers\.0\.mlp\.experts#0' \(inside transformers::grouped_mm_fallback"
     torch.manual_seed(0)
     with pytest.warns(UserWarning, match=said):
         grid_step(*zoo_model("mixtral"), options)

@@ -6,10 +6,11 @@ format can run on AVX512-BF16 instructions (``lowprec::mm_bf16``, ``bmm_bf16``) 
 accumulation and give what an FP32 GEMM gives, up to the order of the FP32
 additions, and faster: each such instruction does twice the multiply-adds of an FP32 FMA.
 
-An unscaled ``lowprec::quantize`` stays one node of the joint graph (Inductor
-lowers it, :mod:`lpcompile.numerics.lowering`); a scaled one decomposes, its result
-divided by the scale. ``use_bf16_matmuls`` follows each ``mm``/``addmm``/``bmm``
-operand back through views to an unscaled quantize, which names the format.
+A ``lowprec::quantize`` stays one node of the joint graph (Inductor lowers it,
+:mod:`lpcompile.numerics.lowering`), but a tiled one or one with a given scale, which
+decomposes. ``use_bf16_matmuls`` follows each ``mm``/``addmm``/``bmm`` operand back
+through views to an unscaled quantize, which names the format: a scaled operand is no
+FP8 value.
 """
 
 from __future__ import annotations

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -39,10 +40,10 @@ import torch
 import torch.fx
 from torch.fx.experimental.symbolic_shapes import guard_or_false
 
-from lpcompile.config import PER_MATMUL, QuantSpec
+from lpcompile.config import PER_MATMUL, QuantSpec, per_matmul_option
 from lpcompile.numerics.quantize import is_rowwise, per_tensor, scale_arguments
 from lpcompile.numerics.rng import HADAMARD_BLOCK, hadamard_signs
-from lpcompile.passes.driver import CompileContext, KeptProduct
+from lpcompile.passes.driver import CompileContext, KeptProduct, Site
 
 aten = torch.ops.aten
 QUANTIZE = torch.ops.lowprec.quantize.default
@@ -117,24 +118,28 @@ def round_operands_per_matmul(gm: torch.fx.GraphModule, ctx: CompileContext) -> 
     sums over, each operand of another product per tensor, and the operands the options
     round another way in a layer's input- or weight-gradient matmul as they say (see the
     module's doc). Warns, naming the layer, where a matmul reads a site through an op that
-    is no copy, and where one call computes gradients that the options round apart."""
+    is no copy, and where the per-matmul options cannot reach a layer's backward."""
     graph = gm.graph
     roundings = _Roundings(gm, ctx)
+    layers = _Layers.of(gm, ctx)
     replaced: list[torch.fx.Node] = []  # the site nodes and copies read before
     unfollowed: dict[str, str] = {}  # layer -> the op between its site and a matmul
     untransformed: dict[str, str] = {}  # layer -> why its weight gradient takes no Hadamard transform
-    unrounded: dict[tuple[str, str], list[str]] = {}  # (layer, matmul) -> the options leaving operands so
-    unsplit: dict[str, str] = {}  # layer -> the product computing both its gradients in one call
+    unrounded: dict[tuple[str, str], set[str]] = {}  # (layer, matmul) -> the options leaving operands so
+    unresolved: dict[str, str] = {}  # layer -> a backward product that is no matmul of one kind
+    resolved: dict[str, set[str]] = {}  # layer -> the kinds of its backward matmuls told apart
     for node in list(graph.nodes):
         if node.op != "call_function":
             continue
         if node.target in MATMULS:
             operands = [(i, dim) for i, dim in MATMULS[node.target] if i < len(node.args)]
             sources = {i: _site_source(node.args[i], ctx) for i, _ in operands}
-            layer, matmul = _backward_matmul(sources, ctx)
+            layer, matmul = layers.backward_matmul(sources)
+            resolved.setdefault(layer, set()).add(str(matmul))
             hadamard = (
                 ctx.config.wgrad_hadamard
                 and matmul == "weight_grad"
+                and all(is_rowwise(_scaling(found[0])) for found in sources.values())
                 and _transforms(node, operands, layer, untransformed)
             )
             for index, dim in operands:
@@ -146,24 +151,28 @@ def round_operands_per_matmul(gm: torch.fx.GraphModule, ctx: CompileContext) -> 
                         replaced += [found[0], *found[1]]
                         node.update_arg(index, value)
                     if spec is not None and not spec.enabled:
-                        unrounded.setdefault((layer, matmul), []).append(f"{role}_for_{matmul}")
+                        unrounded.setdefault((layer, matmul), set()).add(per_matmul_option(role, matmul))
                 elif found := _read_through(node.args[index], ctx):
                     unfollowed[ctx.sites[found[0].args[5]].layer] = str(found[1].target)
+            if matmul is None and not all(sources.values()):
+                for site in layers.errors_of_weighted(sources.values()):
+                    unresolved[site.layer] = str(node.target)
         elif node.target in WHOLE_TENSOR_PRODUCTS:
             for index, operand in enumerate(node.args):
                 if not (isinstance(operand, torch.fx.Node) and (found := _site_source(operand, ctx))):
                     continue
-                site = ctx.sites[found[0].args[5]]
-                if site.role == "error" and ctx.config.per_matmul and _has_weight(site.layer, ctx):
-                    unsplit[site.layer] = str(node.target)
-                if is_rowwise(site.scaling):
+                for site in layers.errors_of_weighted([found]):
+                    unresolved[site.layer] = str(node.target)
+                if is_rowwise(scaling := _scaling(found[0])):
                     replaced += [found[0], *found[1]]
-                    node.update_arg(index, roundings.whole(node, *found, per_tensor(site.scaling)))
+                    node.update_arg(index, roundings.whole(node, *found, per_tensor(scaling)))
+        elif ctx.config.per_matmul and (layer := layers.outer_product(node)):
+            unresolved[layer] = str(node.target)
     for node in sorted(set(replaced), key=list(graph.nodes).index, reverse=True):
         if not node.users:
             graph.erase_node(node)
     for (layer, matmul), options in unrounded.items():
-        kept = KeptProduct(layer, f"{matmul} matmul", f"{', '.join(sorted(set(options)))}: unrounded")
+        kept = KeptProduct(layer, f"{matmul} matmul", f"{', '.join(sorted(options))}: unrounded")
         if kept not in ctx.kept:  # (each adaptive variant compiles the joint graph again)
             ctx.kept.append(kept)
     if unfollowed:
@@ -181,31 +190,94 @@ def round_operands_per_matmul(gm: torch.fx.GraphModule, ctx: CompileContext) -> 
             " without the Hadamard transform",
             stacklevel=1,
         )
-    if unsplit:
-        options = ", ".join(name for name in PER_MATMUL if getattr(ctx.config, name) is not None)
-        found = ", ".join(f"{layer!r} ({op})" for layer, op in sorted(unsplit.items()))
+    unreached = {
+        layer: (op, options)
+        for layer, op in sorted(unresolved.items())
+        if (options := [o for o in ctx.config.per_matmul if PER_MATMUL[o][1] not in resolved.get(layer, ())])
+    }
+    if unreached:
+        found = ", ".join(f"{layer!r} ({op}; {', '.join(o)})" for layer, (op, o) in unreached.items())
         warnings.warn(
-            f"lowprec: {options}: the backward of {found} computes the input and weight gradients"
-            " in one call, which reads each operand rounded as its role is",
+            f"lowprec: per-matmul options reach no matmul of {found}: its backward computes its"
+            " gradients in one call (a convolution, F.bilinear) or as products of elements"
+            " (one-row matmuls), or reads an operand through ops other than views and copies (an"
+            " im2col convolution's patches), and reads each operand rounded as its role is",
             stacklevel=1,
         )
 
 
-def _backward_matmul(sources: dict, ctx: CompileContext) -> tuple[str, str | None]:
-    """The layer of a matmul's sites, and which matmul of that layer's backward it is:
-    ``"input_grad"`` (its error and weight), ``"weight_grad"`` (its error and activation, in
-    a layer with a weight site) or ``None`` (another)."""
-    sites = [ctx.sites[source[0].args[5]] for source in sources.values() if source]
-    if len(sites) != 2 or sites[0].layer != sites[1].layer:
-        return "", None
-    layer, roles = sites[0].layer, {site.role for site in sites}
-    if roles == {"error", "weight"}:
-        return layer, "input_grad"
-    return layer, "weight_grad" if roles == {"error", "activation"} and _has_weight(layer, ctx) else None
+@dataclass(frozen=True)
+class _Layers:
+    """What tells a layer's backward matmuls apart: the layers with a weight site, and the
+    activation sites a matmul reads with a weight site of their layer (a forward product)."""
+
+    ctx: CompileContext
+    weighted: frozenset[str]
+    paired: frozenset[int]  # offsets of activation sites a layer's forward matmul reads
+
+    @classmethod
+    def of(cls, gm: torch.fx.GraphModule, ctx: CompileContext) -> _Layers:
+        weighted = frozenset(site.layer for site in ctx.sites.values() if site.role == "weight")
+        paired = set()
+        for node in gm.graph.nodes:
+            if node.op == "call_function" and node.target in MATMULS:
+                sites = _operand_sites(node, ctx)
+                roles = {site.role: site for site in sites}
+                if len(sites) == 2 and roles.keys() == {"activation", "weight"} and _one_layer(sites):
+                    paired.add(roles["activation"].offset)
+        return cls(ctx, weighted, frozenset(paired))
+
+    def backward_matmul(self, sources: dict) -> tuple[str, str | None]:
+        """The layer of a matmul's sites, and which matmul of that layer's backward it is:
+        ``"input_grad"`` (its error and weight), ``"weight_grad"`` (its error and the
+        activation its forward matmul reads with its weight) or ``None`` (another)."""
+        sites = _sites(sources.values(), self.ctx)
+        if len(sites) != 2 or not _one_layer(sites):
+            return "", None
+        roles = {site.role: site for site in sites}
+        if roles.keys() == {"error", "weight"}:
+            return sites[0].layer, "input_grad"
+        if roles.keys() == {"error", "activation"} and roles["activation"].offset in self.paired:
+            return sites[0].layer, "weight_grad"
+        return sites[0].layer, None
+
+    def outer_product(self, node: torch.fx.Node) -> str | None:
+        """The layer whose error and forward-matmul activation ``node`` (no matmul) reads,
+        if it does: a weight gradient computed as products of elements (a batch of one-row
+        matmuls, transformers' ``batched_mm`` experts)."""
+        operands = [_site_source(arg, self.ctx) for arg in node.args if isinstance(arg, torch.fx.Node)]
+        sites = {site.role: site for site in _sites(operands, self.ctx)}
+        error, activation = sites.get("error"), sites.get("activation")
+        if error and activation and error.layer == activation.layer and activation.offset in self.paired:
+            return error.layer
+        return None
+
+    def errors_of_weighted(self, sources: Iterable) -> list[Site]:
+        """The error sites among ``sources`` of layers with a weight."""
+        return [
+            site for site in _sites(sources, self.ctx) if site.role == "error" and site.layer in self.weighted
+        ]
 
 
-def _has_weight(layer: str, ctx: CompileContext) -> bool:
-    return any(site.role == "weight" and site.layer == layer for site in ctx.sites.values())
+def _operand_sites(product: torch.fx.Node, ctx: CompileContext) -> list[Site]:
+    """The sites a matmul's operands read (through views and copies)."""
+    operands = [product.args[i] for i, _ in MATMULS[product.target] if i < len(product.args)]
+    return _sites([_site_source(operand, ctx) for operand in operands], ctx)
+
+
+def _sites(sources: Iterable, ctx: CompileContext) -> list[Site]:
+    """The sites of ``sources`` (:func:`_site_source`'s results, ``None`` for none)."""
+    return [ctx.sites[source[0].args[5]] for source in sources if source]
+
+
+def _one_layer(sites: list[Site]) -> bool:
+    return sites[0].layer == sites[1].layer
+
+
+def _scaling(site_node: torch.fx.Node) -> str:
+    """The scaling a site node rounds with (its argument: a custom Function's backward may
+    round a forward site's tensor with another spec)."""
+    return scale_arguments(site_node.args, site_node.kwargs)[1]
 
 
 def _transforms(
@@ -285,14 +357,13 @@ class _Roundings:
         options' spec for the site's role in ``matmul``) is off, else rounded with the
         scaling of ``spec`` or of the site, along ``dim`` for a rowwise one
         (:meth:`along`); ``None`` where that is the site's own rounding."""
-        site = self.ctx.sites[site_node.args[5]]
         if spec is not None and not spec.enabled:
             return self.unrounded(product, site_node, chain)
-        scaling = site.scaling if spec is None else spec.scaling
+        scaling = _scaling(site_node) if spec is None else spec.scaling
         matmul = None if spec is None else matmul
         if is_rowwise(scaling):
             return self.along(product, site_node, chain, dim, scaling, matmul, hadamard)
-        if scaling == site.scaling:
+        if scaling == _scaling(site_node):
             return None
         return self.whole(product, site_node, chain, scaling, matmul)
 
@@ -303,8 +374,8 @@ class _Roundings:
         chain: list[torch.fx.Node],
         dim: int,
         scaling: str,
-        matmul: str | None = None,
-        hadamard: bool = False,
+        matmul: str | None,
+        hadamard: bool,
     ) -> torch.fx.Node:
         """The operand ``site_node`` and ``chain`` give ``product``, rounded with the rowwise
         ``scaling`` along its dimension ``dim`` (a factor per row of it, or per MX block): the
@@ -312,7 +383,7 @@ class _Roundings:
         ``hadamard``, transformed along ``dim`` first (:func:`_hadamard`). ``matmul`` names the
         backward matmul whose option asks for ``scaling``."""
         dim %= _ndim(chain[-1] if chain else site_node)
-        own = scaling == self.ctx.sites[site_node.args[5]].scaling
+        own = scaling == _scaling(site_node)
         if own and not hadamard and _source_dim(chain, dim) == _ndim(site_node) - 1:
             return chain[-1] if chain else site_node
         key = (site_node, *chain, dim, scaling, hadamard)
