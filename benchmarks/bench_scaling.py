@@ -10,13 +10,15 @@ same formats, each tensor scaled to its format's range, weight gradients unround
 its scales rounded down to powers of two, and with attention's operands left unrounded
 (the products torchao's float8 training converts: its ``nn.Linear`` layers); ``fp8-rowwise``
 (E4M3 everywhere, a power-of-two factor per row of each matmul operand), and with its
-errors scaled per tensor instead; ``mxfp8`` (the same, a factor per block of 32);
+errors scaled per tensor instead; ``fp8-rowwise-gw-hp`` (the weight per tensor for the
+input gradient, the weight gradient's operands unrounded); ``mxfp8`` (the same, a factor per block of 32);
 ``fp8-blockwise`` (DeepSeek-V3's: E4M3, FP32 factors per block of 128 and per weight tile of
 128 x 128: the 64-wide operands in one block or tile, the 192- and 256-wide ones in two);
 ``nvfp4``
 (E2M1 everywhere, an E4M3 factor per block of 16 under an FP32 one per tensor, errors
 rounded stochastically), and with its errors rounded to nearest; torchao's
-``convert_to_float8_training`` in its CPU emulation (its tensorwise and rowwise recipes).
+``convert_to_float8_training`` in its CPU emulation (its tensorwise, rowwise and
+rowwise_with_gw_hp recipes).
 lowprec compiles with Inductor; torchao runs eagerly. Per row: bits per character
 over seeds, its difference from FP32's run of the same seed, and the share of the linear
 layers' weights below E4M3's smallest normal value at the end. Runs use torch's
@@ -92,6 +94,8 @@ ROWS: dict[str, tuple[Callable[[nn.Module], nn.Module], str]] = {
         "none",
     ),
     "torchao float8 (rowwise, emulated)": (torchao_float8("rowwise"), "none"),
+    "fp8-rowwise-gw-hp": (lowprec({"recipe": "fp8-rowwise-gw-hp"}), "none"),
+    "torchao float8 (rowwise_with_gw_hp, emulated)": (torchao_float8("rowwise_with_gw_hp"), "none"),
     "mxfp8": (lowprec({"recipe": "mxfp8"}), "none"),
     "fp8-blockwise": (lowprec({"recipe": "fp8-blockwise"}), "none"),
     "nvfp4": (lowprec({"recipe": "nvfp4"}), "none"),

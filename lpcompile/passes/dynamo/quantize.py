@@ -440,7 +440,7 @@ def insert_quantize(gm: torch.fx.GraphModule, ctx: CompileContext) -> None:
     warn_float64_tables(gm, ctx)
     if ctx.config.quantizes:
         record_kept_products(gm, ctx, calls)
-    warn_library_backward_products(ctx, calls)
+    warn_untransformed_library_products(ctx, calls)
     _quantize_calls(gm, ctx, [call for call in calls if is_layer_call(call)])
     for call in filter(is_function_call, calls):
         _quantize_function(gm, ctx, call)
@@ -523,23 +523,22 @@ def warn_opaque_operators(gm: torch.fx.GraphModule, ctx: CompileContext) -> None
         )
 
 
-def warn_library_backward_products(ctx: CompileContext, calls: list[torch.fx.Node]) -> None:
-    """With ``wgrad_hadamard`` or a per-matmul option, warn about the layers among ``calls``
-    (those rounded, before their rounding) whose gradients another library's operator
-    computes inside (transformers' grouped matmul of experts): its backward reads each
-    operand rounded as its role is, per tensor, without the Hadamard transform."""
-    unmet = {"wgrad_hadamard": "without the Hadamard transform"} if ctx.config.wgrad_hadamard else {}
-    if ctx.config.per_matmul:
-        unmet[", ".join(ctx.config.per_matmul)] = "not as the per-matmul options say"
+def warn_untransformed_library_products(ctx: CompileContext, calls: list[torch.fx.Node]) -> None:
+    """With ``wgrad_hadamard``, warn about the layers among ``calls`` (those rounded, before
+    their rounding) whose weight gradient another library's operator computes inside
+    (transformers' grouped matmul of experts): its operands are rounded per tensor, without
+    the Hadamard transform."""
+    if not ctx.config.wgrad_hadamard:
+        return
     found = [
         f"{layer_name(call)!r} (inside {name}, another library's operator)"
         for call in calls
         if (name := _library_operator(call)) in LIBRARY_PRODUCTS and weight_operand(call) is not None
     ]
-    if unmet and found:
+    if found:
         warnings.warn(
-            f"lowprec: {', '.join(unmet)}: the backward of {', '.join(found)} reads each operand"
-            f" rounded as its role is, per tensor: {' and '.join(unmet.values())}",
+            f"lowprec: wgrad_hadamard: the operands of the weight gradients of {', '.join(found)}"
+            " are rounded without the Hadamard transform",
             stacklevel=1,
         )
 

@@ -209,46 +209,51 @@ def round_operands_per_matmul(gm: torch.fx.GraphModule, ctx: CompileContext) -> 
 @dataclass(frozen=True)
 class _Layers:
     """What tells a layer's backward matmuls apart: the layers with a weight site, and the
-    activation sites a matmul reads with a weight site of their layer (a forward product)."""
+    activation sites a matmul multiplies with another activation of their layer (a custom
+    Function's attention scores): those have no weight gradient. (A weight scaled per tile
+    is no site in Inductor's joint graph: decomposed, it is not read as one.)"""
 
     ctx: CompileContext
     weighted: frozenset[str]
-    paired: frozenset[int]  # offsets of activation sites a layer's forward matmul reads
+    shared: frozenset[int]  # offsets of activation sites multiplied with another activation
 
     @classmethod
     def of(cls, gm: torch.fx.GraphModule, ctx: CompileContext) -> _Layers:
         weighted = frozenset(site.layer for site in ctx.sites.values() if site.role == "weight")
-        paired = set()
+        shared = set()
         for node in gm.graph.nodes:
             if node.op == "call_function" and node.target in MATMULS:
                 sites = _operand_sites(node, ctx)
-                roles = {site.role: site for site in sites}
-                if len(sites) == 2 and roles.keys() == {"activation", "weight"} and _one_layer(sites):
-                    paired.add(roles["activation"].offset)
-        return cls(ctx, weighted, frozenset(paired))
+                if len(sites) == 2 and {site.role for site in sites} == {"activation"} and _one_layer(sites):
+                    shared.update(site.offset for site in sites)
+        return cls(ctx, weighted, frozenset(shared))
+
+    def has_weight_grad(self, activation: Site) -> bool:
+        """Whether a layer's error times ``activation`` is the layer's weight gradient."""
+        return activation.layer in self.weighted and activation.offset not in self.shared
 
     def backward_matmul(self, sources: dict) -> tuple[str, str | None]:
         """The layer of a matmul's sites, and which matmul of that layer's backward it is:
-        ``"input_grad"`` (its error and weight), ``"weight_grad"`` (its error and the
-        activation its forward matmul reads with its weight) or ``None`` (another)."""
+        ``"input_grad"`` (its error and weight), ``"weight_grad"`` (its error and activation,
+        :meth:`has_weight_grad`) or ``None`` (another)."""
         sites = _sites(sources.values(), self.ctx)
         if len(sites) != 2 or not _one_layer(sites):
             return "", None
         roles = {site.role: site for site in sites}
         if roles.keys() == {"error", "weight"}:
             return sites[0].layer, "input_grad"
-        if roles.keys() == {"error", "activation"} and roles["activation"].offset in self.paired:
+        if roles.keys() == {"error", "activation"} and self.has_weight_grad(roles["activation"]):
             return sites[0].layer, "weight_grad"
         return sites[0].layer, None
 
     def outer_product(self, node: torch.fx.Node) -> str | None:
-        """The layer whose error and forward-matmul activation ``node`` (no matmul) reads,
-        if it does: a weight gradient computed as products of elements (a batch of one-row
-        matmuls, transformers' ``batched_mm`` experts)."""
+        """The layer whose error and activation ``node`` (no matmul) reads, where they make
+        its weight gradient: computed as products of elements (a batch of one-row matmuls,
+        transformers' ``batched_mm`` experts)."""
         operands = [_site_source(arg, self.ctx) for arg in node.args if isinstance(arg, torch.fx.Node)]
         sites = {site.role: site for site in _sites(operands, self.ctx)}
         error, activation = sites.get("error"), sites.get("activation")
-        if error and activation and error.layer == activation.layer and activation.offset in self.paired:
+        if error and activation and error.layer == activation.layer and self.has_weight_grad(activation):
             return error.layer
         return None
 
