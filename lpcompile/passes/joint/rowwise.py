@@ -135,7 +135,8 @@ def round_operands_per_matmul(gm: torch.fx.GraphModule, ctx: CompileContext) -> 
             operands = [(i, dim) for i, dim in MATMULS[node.target] if i < len(node.args)]
             sources = {i: _site_source(node.args[i], ctx) for i, _ in operands}
             layer, matmul = layers.backward_matmul(sources)
-            resolved.setdefault(layer, set()).add(str(matmul))
+            if matmul:
+                resolved.setdefault(layer, set()).add(matmul)
             hadamard = (
                 ctx.config.wgrad_hadamard
                 and matmul == "weight_grad"
