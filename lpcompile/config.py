@@ -464,6 +464,7 @@ class LowPrecConfig:
                 raise ValueError(f"{role} must be a QuantSpec, got {getattr(self, role)!r}")
 
     def _check_per_matmul(self) -> None:
+        """Refuse a per-matmul option the backend could not apply as it says."""
         for name, (role, matmul) in PER_MATMUL.items():
             spec, base = getattr(self, name), self.spec(role)
             if spec is None:
@@ -522,7 +523,8 @@ class LowPrecConfig:
     def from_recipe(cls, name: str, **overrides: Any) -> LowPrecConfig:
         """The recipe ``name`` with ``overrides`` of its fields. The recipe's per-matmul
         roundings (option values) apply to its roles as overridden, where the roles that
-        tell the matmul apart are all rounded."""
+        tell the matmul apart are all rounded, the role is not tiled, and (for the weight
+        gradient's) ``wgrad_hadamard`` is off."""
         if not isinstance(name, str) or name not in _RECIPES:
             raise ValueError(f"unknown recipe {name!r}; valid recipes: {', '.join(_RECIPES)}")
         fields = dict(_RECIPES[name][1])
@@ -530,7 +532,9 @@ class LowPrecConfig:
         fields.update(overrides)
         for key, value in per_matmul.items():
             (role, matmul), specs = PER_MATMUL[key], {r: fields.get(r, OFF) for r in ROLES}
-            if key not in overrides and all(specs[r].enabled for r in MATMUL_ROLES[matmul]):
+            rounded = all(specs[r].enabled for r in MATMUL_ROLES[matmul])
+            hadamard = matmul == "weight_grad" and fields.get("wgrad_hadamard", False)
+            if key not in overrides and rounded and not is_tiled(specs[role].scaling) and not hadamard:
                 fields[key] = _parse_spec(key, value, specs[role])
         return cls(recipe=name, **fields)
 

@@ -179,6 +179,8 @@ def test_coverage_names_the_per_matmul_roundings_and_the_unrounded_operands():
 
 
 class _ConvNet(nn.Module):
+    """A 2-D convolution (small enough for the im2col rewrite under Inductor) and a linear layer."""
+
     def __init__(self) -> None:
         super().__init__()
         self.conv = nn.Conv2d(8, 16, 3, padding=1)
@@ -274,3 +276,11 @@ def test_options_and_their_errors():
     assert LowPrecConfig.from_options({"recipe": "fp8-rowwise-gw-hp", "weight": None}).per_matmul == ()
     config = LowPrecConfig.from_options({"recipe": "fp8-rowwise-gw-hp", "activation": None})
     assert config.per_matmul == ("weight_for_input_grad",)
+    # nor where a tiled role or the Hadamard transform rules them out
+    config = LowPrecConfig.from_options(
+        {"recipe": "fp8-rowwise-gw-hp", "weight": {"scaling": "blockwise_2d"}}
+    )
+    assert config.per_matmul == ("activation_for_weight_grad", "error_for_weight_grad")
+    assert LowPrecConfig.from_options({"recipe": "fp8-rowwise-gw-hp", "wgrad_hadamard": True}).per_matmul == (
+        "weight_for_input_grad",
+    )

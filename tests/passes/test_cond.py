@@ -117,3 +117,11 @@ def test_rowwise_scaling_rounds_a_branch_per_tensor():
     w = model.a.weight
     assert torch.equal(y.detach(), e4(x) @ e4(w).t() + model.a.bias.detach())
     assert torch.equal(x.grad, e4(c) @ e4(w))
+
+
+def test_per_matmul_options_name_the_branch_layers_they_do_not_reach():
+    torch._dynamo.reset()
+    model = Branches()
+    options = {"recipe": "fp8-rowwise-gw-hp", "executor": "eager"}
+    with pytest.warns(UserWarning, match=r"the backward matmuls of \['a', 'b'\] in torch.cond branches"):
+        torch.compile(model, backend="lowprec", options=options)(torch.randn(4, 8)).sum().backward()

@@ -445,14 +445,31 @@ def insert_quantize(gm: torch.fx.GraphModule, ctx: CompileContext) -> None:
     for call in filter(is_function_call, calls):
         _quantize_function(gm, ctx, call)
     branches = cond_branches(gm)
-    for body, _ in checkpoint_bodies(gm) + branches:
+    for body, _ in checkpoint_bodies(gm):
         insert_quantize(body, ctx)
+    known = set(ctx.sites)
+    for body, _ in branches:
+        insert_quantize(body, ctx)
+    warn_per_matmul_in_branches(ctx, [site for offset, site in ctx.sites.items() if offset not in known])
     for body, _ in checkpoint_bodies(gm) + branches:  # (a branch may get its sibling's inputs)
         body.graph.lint()
         body.recompile()
     warn_unentered_subgraphs(gm, ctx)
     warn_opaque_operators(gm, ctx)
     warn_matmul_distances(gm, ctx)
+
+
+def warn_per_matmul_in_branches(ctx: CompileContext, sites: list[Site]) -> None:
+    """With a per-matmul option, warn naming the layers with a weight among ``sites`` (those
+    of ``torch.cond`` branches): the per-matmul roundings do not enter branches."""
+    layers = sorted({site.layer for site in sites if site.role == "weight"})
+    if ctx.config.per_matmul and layers:
+        warnings.warn(
+            f"lowprec: {', '.join(ctx.config.per_matmul)}: the backward matmuls of {layers} in"
+            " torch.cond branches read each operand rounded as its role is (the per-matmul"
+            " roundings do not enter branches)",
+            stacklevel=1,
+        )
 
 
 # torch.func's differentiating transforms (grad, vjp, jacrev; jvp, jacfwd) in a Dynamo graph

@@ -19,6 +19,14 @@ Products that are not matmuls (a convolution, a fused attention kernel) read one
 of a tensor in both passes, and a row of it is no slice they sum over: they get the
 tensorwise counterpart. Other readers (a bias gradient's sum) read the site's node as it is.
 
+The per-matmul options (``weight_for_input_grad``, ``activation_for_weight_grad``,
+``error_for_weight_grad``) round a role another way in one matmul of a layer's backward,
+whatever the role's scaling: the input gradient's matmul reads the layer's error and
+weight sites, the weight gradient's its error and activation sites (a layer with a weight,
+the activation multiplied with no other activation of its layer). The matmul reads the
+site's tensor unrounded, or rounded with the option's scaling (a site of its own). A layer
+whose backward the options reach through no matmul is named in a warning.
+
 With ``wgrad_hadamard``, a layer's weight-gradient matmul (one operand an error site's, the
 other an activation site's of the same layer, which has a weight site) reads both operands
 transformed along the tokens it sums over before they are rounded: in blocks of 16, each
@@ -110,7 +118,7 @@ def rounds_per_matmul(gm: torch.fx.GraphModule, ctx: CompileContext, kind: str) 
     one matmul of a layer's backward."""
     config = ctx.config
     scalings = (config.weight.scaling, config.activation.scaling, config.error.scaling)
-    return config.per_matmul or any(is_rowwise(scaling) for scaling in scalings)
+    return bool(config.per_matmul) or any(is_rowwise(scaling) for scaling in scalings)
 
 
 def round_operands_per_matmul(gm: torch.fx.GraphModule, ctx: CompileContext) -> None:
@@ -212,7 +220,8 @@ class _Layers:
     """What tells a layer's backward matmuls apart: the layers with a weight site, and the
     activation sites a matmul multiplies with another activation of their layer (a custom
     Function's attention scores): those have no weight gradient. (A weight scaled per tile
-    is no site in Inductor's joint graph: decomposed, it is not read as one.)"""
+    is no site in Inductor's joint graph: decomposed, it is not read as one; its layer is
+    weighted all the same, by the site the Dynamo pass recorded.)"""
 
     ctx: CompileContext
     weighted: frozenset[str]
@@ -221,7 +230,7 @@ class _Layers:
     @classmethod
     def of(cls, gm: torch.fx.GraphModule, ctx: CompileContext) -> _Layers:
         weighted = frozenset(site.layer for site in ctx.sites.values() if site.role == "weight")
-        shared = set()
+        shared: set[int] = set()
         for node in gm.graph.nodes:
             if node.op == "call_function" and node.target in MATMULS:
                 sites = _operand_sites(node, ctx)
@@ -233,7 +242,7 @@ class _Layers:
         """Whether a layer's error times ``activation`` is the layer's weight gradient."""
         return activation.layer in self.weighted and activation.offset not in self.shared
 
-    def backward_matmul(self, sources: dict) -> tuple[str, str | None]:
+    def backward_matmul(self, sources: dict[int, tuple | None]) -> tuple[str, str | None]:
         """The layer of a matmul's sites, and which matmul of that layer's backward it is:
         ``"input_grad"`` (its error and weight), ``"weight_grad"`` (its error and activation,
         :meth:`has_weight_grad`) or ``None`` (another)."""
@@ -341,8 +350,9 @@ def _site_source(operand: Any, ctx: CompileContext) -> tuple[torch.fx.Node, list
 
 @dataclass
 class _Roundings:
-    """The roundings a graph's products read instead of its rowwise (and MX) sites, each
-    made once, before the first product that reads it."""
+    """The roundings (or unrounded tensors) a graph's products read instead of its sites:
+    per row or block, per tensor, or as a per-matmul option says; each made once, before the
+    first product that reads it."""
 
     gm: torch.fx.GraphModule
     ctx: CompileContext
