@@ -122,7 +122,8 @@ class QuantSpec:
     round the factors down to powers of two; ``"mx"`` gives each block of 32 values of a
     row a power-of-two factor (OCP microscaling's E8M0 scale), ``"mx_ceil"`` and
     ``"mx_rceil"`` the same rounded up (torchao's ``CEIL`` and cuBLAS's ``RCEIL`` scale
-    calculations), ``"nvfp4"`` each block of 16 an E4M3 factor under an FP32 one per
+    calculations), ``"mx_even"`` from the block's largest magnitude rounded to the format's
+    precision first (torchao's ``EVEN``), ``"nvfp4"`` each block of 16 an E4M3 factor under an FP32 one per
     tensor (NVIDIA's NVFP4), ``"nvfp4_2d"`` each tile of 16 x 16 values of the last two
     dimensions (NVIDIA's NVFP4 weights: one rounding for every matmul that reads it);
     ``"blockwise"`` a tensorwise factor per block of 128 values of a row, ``"blockwise_2d"``

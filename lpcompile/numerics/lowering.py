@@ -59,9 +59,9 @@ aten = torch.ops.aten
 @register_decomposition(torch.ops.lowprec.quantize.default)
 def _decompose_quantize(x, fmt, rounding, overflow, seed, offset, scale, scaling="none"):
     if scaling in TILED_SCALINGS:  # the reference's steps around an unscaled quantize
-        largest = check_args(x, fmt, rounding, overflow, scaling).max
-        scale = dynamic_scale(x, largest, scaling)
-        xf = scale_within(x.to(torch.float32), scale, largest)
+        target = check_args(x, fmt, rounding, overflow, scaling)
+        scale = dynamic_scale(x, target, scaling)
+        xf = scale_within(x.to(torch.float32), scale, target.max)
         rounded = torch.ops.lowprec.quantize(xf, fmt, rounding, overflow, seed, offset, None)
         return (rounded / scale).to(x.dtype)
     if scale is not None:
@@ -85,7 +85,7 @@ def _decompose_scale_grad(x, scale, probe, stats, record=None):
 
 
 @register_decomposition(torch.ops.lowprec.count_grad.default)
-def _decompose_count_grad(x, probe, largest, smallest, scaling="none"):
+def _decompose_count_grad(x, probe, fmt, scaling="none"):
     return x.clone()
 
 
@@ -169,7 +169,7 @@ def _lower_quantize(
     blocks = _in_blocks(x, shape, size)
     if scaling in MX_MODES:
         mode = MX_MODES[scaling]
-        load_factor = _block_factors(blocks, lambda amax: mx_factor(amax, target.max, mode, ops))
+        load_factor = _block_factors(blocks, lambda amax: mx_factor(amax, target, mode, ops))
     elif scaling == "nvfp4":
         load_factor = _nvfp4_factors(blocks, target)
     elif scaling == "blockwise":

@@ -45,7 +45,8 @@ OVERFLOWS = ("saturate", "inf")
 # that matmul sums over, passes/joint/rowwise.py); "_pow2": the factors rounded down to
 # powers of two; "mx": OCP microscaling, a power-of-two factor per block of MX_BLOCK values
 # along the last dimension (along the summed dimension, as rowwise), "mx_ceil" and
-# "mx_rceil" the same with the scale rounded up (MX_MODES); "nvfp4": NVIDIA's two-level
+# "mx_rceil" the same with the scale rounded up, "mx_even" with the block's largest
+# magnitude first rounded to the element format's precision (MX_MODES); "nvfp4": NVIDIA's two-level
 # scaling, an E4M3 factor per block of NVFP4_BLOCK values under an FP32 one per tensor;
 # "nvfp4_2d" the same per tile of NVFP4_BLOCK x NVFP4_BLOCK values of the last two
 # dimensions (NVIDIA's weights: one rounding that every matmul reading it sums alike);
@@ -61,13 +62,14 @@ SCALINGS = (
     "mx",
     "mx_ceil",
     "mx_rceil",
+    "mx_even",
     "nvfp4",
     "nvfp4_2d",
     "blockwise",
     "blockwise_2d",
 )
 # MX scalings -> how the block's scale is computed (torchao's ScaleCalculationMode)
-MX_MODES = {"mx": "floor", "mx_ceil": "ceil", "mx_rceil": "rceil"}
+MX_MODES = {"mx": "floor", "mx_ceil": "ceil", "mx_rceil": "rceil", "mx_even": "even"}
 MX_BLOCK = 32
 NVFP4_BLOCK = 16
 BLOCKWISE_BLOCK = 128
@@ -225,16 +227,19 @@ def per_tensor(scaling: str) -> str:
     return scaling.replace("rowwise", "tensorwise")
 
 
-def mx_factor(amax, largest: float, mode: str = "floor", ops=rng.TorchOps):
+def mx_factor(amax, target: FloatFormat, mode: str = "floor", ops=rng.TorchOps):
     """The factor (one over the E8M0 scale) of an MX block whose largest magnitude is
-    ``amax`` (FP32), for an element format whose largest value is ``largest``, as torchao's
-    scale calculation ``mode`` computes it: ``"floor"`` (the OCP MX spec's) the scale
-    ``2^(floor(log2(amax)) - max_exp)`` (``max_exp``: the exponent of ``largest``), ``"ceil"``
-    ``2^(ceil(log2(amax)) - max_exp)``, both at least 2^-126; ``"rceil"`` (cuBLAS's and
-    TransformerEngine's) ``2^ceil(log2(amax / largest))``, the quotient rounded to FP32 and
-    its exponent clamped to [-127, 127], a quotient of at most 2^-127 (an all-zero block)
-    giving the factor 1. NaN for an infinite or NaN ``amax``. Read off exponent bits, in
-    ``ops``' terms (see :func:`round_bits`)."""
+    ``amax`` (FP32), for the element format ``target`` (its largest value ``largest``), as
+    torchao's scale calculation ``mode`` computes it: ``"floor"`` (the OCP MX spec's) the
+    scale ``2^(floor(log2(amax)) - max_exp)`` (``max_exp``: the exponent of ``largest``),
+    ``"ceil"`` ``2^(ceil(log2(amax)) - max_exp)``, ``"even"`` ``"floor"``'s of ``amax``
+    rounded to ``target``'s mantissa bits first (half a step up), so that a block whose
+    largest value rounds up to the next power of two takes the next scale, all at least
+    2^-126; ``"rceil"`` (cuBLAS's and TransformerEngine's) ``2^ceil(log2(amax /
+    largest))``, the quotient rounded to FP32 and its exponent clamped to [-127, 127], a
+    quotient of at most 2^-127 (an all-zero block) giving the factor 1. NaN for an
+    infinite or NaN ``amax``. Read off exponent bits, in ``ops``' terms (see
+    :func:`round_bits`)."""
     i32, f32 = torch.int32, torch.float32
 
     def const(value: int):
@@ -248,6 +253,7 @@ def mx_factor(amax, largest: float, mode: str = "floor", ops=rng.TorchOps):
     def power(biased):  # 2^(127 - biased), for biased in [1, 253]
         return ops.to_dtype_bitcast(ops.mul(ops.sub(const(254), biased), const(1 << 23)), f32, i32)
 
+    largest = target.max
     if mode == "rceil":
         # FP32's correctly rounded quotient, through float64, on every device (not Triton's)
         f64 = torch.float64
@@ -260,7 +266,12 @@ def mx_factor(amax, largest: float, mode: str = "floor", ops=rng.TorchOps):
         factor = ops.where(ops.lt(biased, const(1)), ops.constant(1.0, f32), power(biased))
     else:
         exponent, mantissa = exponent_and_rest(amax)
-        biased = ops.sub(exponent, const(math.frexp(largest)[1] - 1))  # the scale's biased exponent
+        powered = exponent  # the biased exponent of the power of two the scale is taken from
+        if mode == "even":  # (inf and NaN bits capped first: the sum stays below 2^31)
+            bits = ops.minimum(ops.to_dtype_bitcast(amax, i32, f32), const(0x7F800000))
+            rounded = ops.add(bits, const(1 << (22 - target.man_bits)))
+            powered = ops.bitwise_and(ops.bitwise_right_shift(rounded, const(23)), const(0xFF))
+        biased = ops.sub(powered, const(math.frexp(largest)[1] - 1))  # the scale's biased exponent
         if mode == "ceil":
             biased = ops.add(biased, ops.to_dtype(ops.gt(mantissa, const(0)), i32))
         factor = power(ops.where(ops.lt(biased, const(1)), const(1), biased))
@@ -313,10 +324,10 @@ def _local_amax(x: torch.Tensor, size: int, tiles: bool = False) -> tuple[torch.
     return magnitude, _block_amax(magnitude.reshape(1) if _rank(x) == 0 else magnitude, size)
 
 
-def mx_factors(x: torch.Tensor, largest: float, mode: str) -> torch.Tensor:
+def mx_factors(x: torch.Tensor, target: FloatFormat, mode: str) -> torch.Tensor:
     """:func:`mx_factor` of each block of :data:`MX_BLOCK` values along ``x``'s last
     dimension (the last block as if padded with zeros), repeated over its values."""
-    return _per_value(mx_factor(_local_amax(x, MX_BLOCK)[1], largest, mode), MX_BLOCK, x)
+    return _per_value(mx_factor(_local_amax(x, MX_BLOCK)[1], target, mode), MX_BLOCK, x)
 
 
 def amax_factor(amax, largest: float, ops=rng.TorchOps):
@@ -374,20 +385,21 @@ def nvfp4_factors(x: torch.Tensor, largest: float, tiles: bool = False) -> torch
     return _per_tile(factors, NVFP4_BLOCK, x) if tiles else _per_value(factors, NVFP4_BLOCK, x)
 
 
-def dynamic_scale(x: torch.Tensor, largest: float, scaling: str) -> torch.Tensor:
-    """The factors ``scaling`` rounds ``x`` with, in FP32: one (a 0-dim tensor) for a
+def dynamic_scale(x: torch.Tensor, target: FloatFormat, scaling: str) -> torch.Tensor:
+    """The factors ``scaling`` rounds ``x`` onto ``target``'s grid with, in FP32: one (a 0-dim tensor) for a
     tensorwise scaling, one per row of the last dimension (keeping it, as size 1) for a
     rowwise one, one per element for the MX, NVFP4 and blockwise scalings (its block's or
     tile's: :func:`mx_factors`, :func:`nvfp4_factors`, :func:`blockwise_factors`). Each
-    tensorwise, rowwise or blockwise factor is ``largest`` (the format's largest finite
-    value) over the largest magnitude it scales (:func:`amax_factor`), rounded down to a
+    tensorwise, rowwise or blockwise factor is ``target``'s largest finite value over the
+    largest magnitude it scales (:func:`amax_factor`), rounded down to a
     power of two for the ``_pow2`` scalings. An empty tensor's is 1; an infinite magnitude
     gives 0 and a NaN gives NaN, so that the rounded values are NaN and a loss scaler sees
     them."""
     if not isinstance(x, torch.fx.Proxy) and x.numel() == 0:  # (a pass traces it with proxies)
         return torch.ones((), dtype=torch.float32, device=x.device)
+    largest = target.max
     if scaling in MX_MODES:
-        return mx_factors(x, largest, MX_MODES[scaling])
+        return mx_factors(x, target, MX_MODES[scaling])
     if scaling.startswith("nvfp4"):
         return nvfp4_factors(x, largest, tiles=is_tiled(scaling))
     if scaling.startswith("blockwise"):
@@ -425,7 +437,7 @@ def quantize_reference(
     # give a transposed result); element indices are row-major anyway.
     xf = x.to(torch.float32).contiguous()
     if scaling != "none":
-        scale = dynamic_scale(xf, target.max, scaling)
+        scale = dynamic_scale(xf, target, scaling)
         xf = scale_within(xf, scale, target.max)
     elif scale is not None:
         xf = xf * scale
@@ -643,8 +655,8 @@ def quantize(
     finite value over ``x``'s largest magnitude (:func:`dynamic_scale`; ``x`` times it
     is clamped to the format's range), ``"rowwise"`` one such factor per row of the last
     dimension, and the ``_pow2`` scalings those rounded down to powers of two; ``"mx"`` a
-    power-of-two factor per block of 32 values of a row (:func:`mx_factor`; ``"mx_ceil"``
-    and ``"mx_rceil"`` its other scale calculations); ``"nvfp4"``
+    power-of-two factor per block of 32 values of a row (:func:`mx_factor`; ``"mx_ceil"``,
+    ``"mx_rceil"`` and ``"mx_even"`` its other scale calculations); ``"nvfp4"``
     an E4M3 factor per block of 16 under a per-tensor one (:func:`nvfp4_factors`),
     ``"nvfp4_2d"`` per tile of 16 x 16 of the last two dimensions; ``"blockwise"`` a
     tensorwise factor per block of 128 values of a row, ``"blockwise_2d"`` per tile of

@@ -20,7 +20,7 @@ The histogram traces into ``index_add`` (what the Triton codegen fuses);
 :func:`count_bins` is the same count as one opaque call, which
 ``passes.histogram.count_histograms_serially`` puts in its place for Inductor.
 
-``count_grad(x, probe, largest, smallest, scaling)`` is the identity in the forward too;
+``count_grad(x, probe, fmt, scaling)`` is the identity in the forward too;
 its backward passes the incoming gradient on unchanged and returns, as the probe's
 gradient, that gradient's :func:`range_counts` (scaled as ``scaling`` says) and a 1 (the
 backward passes counted), so that the probe's accumulated gradient holds the totals over
@@ -33,6 +33,7 @@ from functools import partial
 
 import torch
 
+from lpcompile.numerics.formats import parse_format
 from lpcompile.numerics.quantize import dynamic_scale, is_dtensor, scale_within, whole_tensor
 
 EXP_BINS = 256
@@ -140,15 +141,17 @@ def _scale_incoming(ctx, grad):
 scale_grad_op.register_autograd(_scale_incoming, setup_context=_save)
 
 
-def range_counts(x: torch.Tensor, largest: float, smallest: float, scaling: str = "none") -> torch.Tensor:
-    """Where the values of ``x`` lie against a format whose largest finite value is
-    ``largest`` and smallest positive one ``smallest``: an int64 tensor of the counts of
+def range_counts(x: torch.Tensor, fmt: str, scaling: str = "none") -> torch.Tensor:
+    """Where the values of ``x`` lie against the format ``fmt``, whose largest finite value
+    is ``largest`` and smallest positive one ``smallest``: an int64 tensor of the counts of
     values beyond ``largest`` in magnitude (infinities included), of inf or NaN values, of
     non-zero values, and of non-zero values below ``smallest`` in magnitude (those rounding
     can only flush to zero or raise to ``smallest``). With a ``scaling`` other than
     ``"none"``, of ``x`` scaled as the quantize with that scaling scales it."""
+    target = parse_format(fmt)
+    largest, smallest = target.max, target.min_subnormal
     if scaling != "none":
-        x = scale_within(x, dynamic_scale(x, largest, scaling), largest)
+        x = scale_within(x, dynamic_scale(x, target, scaling), largest)
     magnitude = x.abs()
     nonzero = magnitude != 0
     return torch.stack(
@@ -172,9 +175,7 @@ def count_probe(sites: int, device: torch.device | str) -> torch.Tensor:
 
 
 @torch.library.custom_op("lowprec::count_grad", mutates_args=())
-def count_grad_op(
-    x: torch.Tensor, probe: torch.Tensor, largest: float, smallest: float, scaling: str = "none"
-) -> torch.Tensor:
+def count_grad_op(x: torch.Tensor, probe: torch.Tensor, fmt: str, scaling: str = "none") -> torch.Tensor:
     if probe.shape != (PROBE_SIZE,) or not probe.is_floating_point():
         raise ValueError(
             f"count_grad's probe must be a float tensor of {PROBE_SIZE} elements, "
@@ -184,12 +185,12 @@ def count_grad_op(
 
 
 @count_grad_op.register_fake
-def _(x, probe, largest, smallest, scaling="none"):
+def _(x, probe, fmt, scaling="none"):
     return torch.empty_like(x)
 
 
 def _save_range(ctx, inputs, output):
-    _, probe, ctx.largest, ctx.smallest, *scaling = inputs
+    _, probe, ctx.fmt, *scaling = inputs
     ctx.scaling = scaling[0] if scaling else "none"
     ctx.probe_dtype, ctx.probe_device = probe.dtype, probe.device
 
@@ -198,10 +199,10 @@ def _count_incoming(ctx, grad):
     probe_grad = None
     if ctx.needs_input_grad[1]:
         # (a DTensor's: the whole tensor's, on every rank)
-        counts = whole_tensor(range_counts(grad, ctx.largest, ctx.smallest, ctx.scaling))
+        counts = whole_tensor(range_counts(grad, ctx.fmt, ctx.scaling))
         # (on the probe's device: a model spread over devices counts into one probe)
         probe_grad = torch.cat([counts, counts.new_ones(1)]).to(ctx.probe_device, ctx.probe_dtype)
-    return grad, probe_grad, None, None, None
+    return grad, probe_grad, None, None
 
 
 count_grad_op.register_autograd(_count_incoming, setup_context=_save_range)

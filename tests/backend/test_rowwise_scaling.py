@@ -295,11 +295,21 @@ def _torchao_mx_linear(x: torch.Tensor, layer: nn.Linear, mode: str) -> torch.Te
     return y + layer.bias
 
 
-@pytest.mark.parametrize("recipe, mode", [("mxfp8", "FLOOR"), ("mxfp8-rceil", "RCEIL")])
+EVEN = {role: {"scaling": "mx_even"} for role in ("weight", "activation", "error")}
+
+
+@pytest.mark.parametrize(
+    "options, mode",
+    [
+        ({"recipe": "mxfp8"}, "FLOOR"),
+        ({"recipe": "mxfp8-rceil"}, "RCEIL"),
+        ({"recipe": "mxfp8", **EVEN}, "EVEN"),
+    ],
+)
 @pytest.mark.parametrize("executor", ["inductor", "eager"])
-def test_mxfp8_step_equals_torchao_mxfp8_training(executor, recipe, mode):
+def test_mxfp8_step_equals_torchao_mxfp8_training(executor, options, mode):
     x = _inputs(32)  # torchao's casts along the tokens need a multiple of 32 of them
-    model, out = _compiled({"recipe": recipe, "executor": executor}, x)
+    model, out = _compiled({**options, "executor": executor}, x)
     peer = _mlp()
     x_peer = x.detach().requires_grad_()
     expected = _torchao_mx_linear(torch.relu(_torchao_mx_linear(x_peer, peer[0], mode)), peer[2], mode)
@@ -308,7 +318,7 @@ def test_mxfp8_step_equals_torchao_mxfp8_training(executor, recipe, mode):
     assert torch.equal(x.grad, x_peer.grad)
     for i in (0, 2):
         assert torch.equal(model[i].weight.grad, peer[i].weight.grad), i
-    scaling = {"FLOOR": "mx", "RCEIL": "mx_rceil"}[mode]
+    scaling = {"FLOOR": "mx", "RCEIL": "mx_rceil", "EVEN": "mx_even"}[mode]
     rows = {row.layer: row.quantized for row in lpcompile.coverage(model)}
     assert rows["0"] == {
         "weight": f"e4m3 nearest saturate {scaling}",

@@ -13,6 +13,7 @@ from grid import torchao_blockwise, torchao_blockwise_tiles
 
 import lpcompile  # noqa: F401  (registers torch.ops.lowprec)
 from lpcompile import quantize
+from lpcompile.numerics.formats import parse_format
 from lpcompile.numerics.quantize import dynamic_scale
 
 ONE_ROUNDING = {"rtol": 2.0**-22, "atol": 0.0}
@@ -80,7 +81,7 @@ def test_compiled_blocks_and_tiles_round_like_the_reference(scaling, dtype):
 def test_stochastic_rounding_picks_a_neighbour_on_each_blocks_grid():
     x = blocks((8, 256), seed=3)
     nearest = quantize(x, "e4m3", scaling="blockwise")
-    factors = dynamic_scale(x, 448.0, "blockwise")
+    factors = dynamic_scale(x, parse_format("e4m3"), "blockwise")
     for seed in range(4):
         out = quantize(x, "e4m3", "stochastic", seed=seed, scaling="blockwise")
         scaled = out * factors

@@ -4,7 +4,9 @@
 The reference is written here from the definitions of torchao's scale calculation modes:
 ``FLOOR`` (``scaling="mx"``, the OCP spec's) and ``CEIL`` (``"mx_ceil"``) take 2 to the
 power of floor (ceil) of log2 of the block's largest magnitude, minus the exponent of the
-element format's largest value, at least 2^-126; ``RCEIL`` (``"mx_rceil"``, cuBLAS's) 2 to
+element format's largest value, at least 2^-126; ``EVEN`` (``"mx_even"``) as ``FLOOR``, of
+the largest magnitude first rounded to the element format's mantissa bits (half a step up);
+``RCEIL`` (``"mx_rceil"``, cuBLAS's) 2 to
 the power of ceil of log2 of that magnitude over the format's largest value (the quotient
 in FP32), the exponent clamped to [-127, 127], and 1 where it is -127. The block divided by
 it, clamped to the format's range, cast with ``Tensor.to(float8_*)``, multiplied back.
@@ -22,9 +24,10 @@ from lpcompile import quantize
 
 F8 = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 MAX_EXP = {"e4m3": 8, "e5m2": 15}  # 448 = 1.75 * 2^8, 57344 = 1.75 * 2^15
+MANTISSA_BITS = {"e4m3": 3, "e5m2": 2}
 
 
-MODES = {"mx": "FLOOR", "mx_ceil": "CEIL", "mx_rceil": "RCEIL"}
+MODES = {"mx": "FLOOR", "mx_ceil": "CEIL", "mx_rceil": "RCEIL", "mx_even": "EVEN"}
 
 
 def ceil_log2(value: torch.Tensor) -> torch.Tensor:
@@ -42,7 +45,11 @@ def reference(x: torch.Tensor, fmt: str, scaling: str = "mx") -> torch.Tensor:
         exponent = ceil_log2(amax / largest).clamp(-127, 127)
         scale = torch.where(exponent == -127, 1.0, torch.exp2(exponent.float()))
     else:
-        exponent = torch.frexp(amax).exponent - 1  # floor(log2(amax)) of a normal amax
+        mantissa, exponent = torch.frexp(amax)
+        if scaling == "mx_even":  # the mantissa in [0.5, 1) rounded to the format's bits, half up
+            steps = 2.0 ** (MANTISSA_BITS[fmt] + 1)
+            exponent = exponent + (torch.floor(mantissa * steps + 0.5) == steps)
+        exponent = exponent - 1  # floor(log2(amax)) of a normal amax
         if scaling == "mx_ceil":
             exponent = ceil_log2(amax)
         scale = torch.exp2((exponent - MAX_EXP[fmt]).float()).clamp(min=2.0**-126)
@@ -74,13 +81,20 @@ def test_each_block_equals_the_cast_of_the_block_scaled_by_a_power_of_two(fmt, s
 
 def test_the_modes_differ_where_the_definitions_do():
     """A block whose largest magnitude is no power of two: CEIL's scale is twice FLOOR's, so
-    its small values lose a bit; RCEIL's rounds the largest value to the format's largest."""
+    its small values lose a bit; RCEIL's rounds the largest value to the format's largest.
+    EVEN's is FLOOR's unless the largest magnitude rounds up to a power of two at the
+    format's precision: then it is twice FLOOR's, where FLOOR's saturates that value."""
     x = torch.full((32,), 2.0**-8)
     x[0] = 300.0  # e4m3: floor scale 2^0, ceil 2^1, rceil 2^ceil(log2(300 / 448)) = 2^0
     x[1] = 2.0**-9  # E4M3's smallest subnormal at scale 1; at scale 2 half of it, a tie to 0
-    floor, ceil, rceil = (quantize(x, "e4m3", scaling=s) for s in MODES)
-    assert floor[1] == x[1] and ceil[1] == 0 and torch.equal(rceil, floor)
+    floor, ceil, rceil, even = (quantize(x, "e4m3", scaling=s) for s in MODES)
+    assert floor[1] == x[1] and ceil[1] == 0 and torch.equal(rceil, floor) and torch.equal(even, floor)
     assert torch.equal(ceil, reference(x, "e4m3", "mx_ceil"))
+    x[0] = 1.9375 * 2.0**8  # 1.111 in binary: E4M3's 3 bits round it, half up, to 2^9
+    floor, even = quantize(x, "e4m3", scaling="mx"), quantize(x, "e4m3", scaling="mx_even")
+    assert floor[0] == 448 and even[0] == 512 and floor[1] == x[1] and even[1] == 0
+    x[0] = 1.9375 * 2.0**8 * (1 - 2.0**-10)  # just below the half step: no carry
+    assert torch.equal(quantize(x, "e4m3", scaling="mx_even"), quantize(x, "e4m3", scaling="mx"))
 
 
 def _torchao_blocks(x: torch.Tensor, fmt: str, mode: str) -> torch.Tensor:
@@ -138,6 +152,9 @@ def test_the_compiled_operator_rounds_like_the_reference(dtype, length, scaling)
     x[2, 2, 1] = 448 * 2.0**7 * (1 + 2.0**-7)  # one bfloat16 step above a power of two
     x[2, 3, 1] = 448 * 2.0**5  # a quotient that is a power of two (Triton's FP32 division is inexact)
     x[2, 4, :32] = 448 * 2.0**-126.5  # a subnormal quotient above 2^-127
+    x[3, 0, 1] = 1.9375 * 2.0**5  # EVEN: rounds up to the next power of two at E4M3's bits
+    x[3, 1, 1] = 1.9375 * 2.0**5 * (1 - 2.0**-10)  # ... and just below that at E4M3's
+    x[3, 2, 1] = 3.3e38  # ... to 2^128 (FP32's infinity's exponent)
     assert_compiled_rounding(x, scaling, "e4m3", "e5m2")
 
 

@@ -14,6 +14,7 @@ from grid import on_e2m1_values, torchao_nvfp4, torchao_nvfp4_tiles
 
 import lpcompile  # noqa: F401  (registers torch.ops.lowprec)
 from lpcompile import quantize
+from lpcompile.numerics.formats import parse_format
 from lpcompile.numerics.quantize import dynamic_scale
 
 q = torch.ops.lowprec.quantize
@@ -108,7 +109,7 @@ def test_block_factors_compile_to_their_eager_values_with_a_short_last_block(sca
     x = blocks((6, 4, 64))[..., :45].contiguous()
 
     def scaled(x):
-        return x * dynamic_scale(x, 6.0, scaling)
+        return x * dynamic_scale(x, parse_format("e2m1-finite"), scaling)
 
     with torch._inductor.config.patch(fx_graph_cache=False):
         torch._dynamo.reset()

@@ -18,7 +18,6 @@ from typing import Any
 import torch
 import torch.fx
 
-from lpcompile.numerics.formats import parse_format
 from lpcompile.numerics.quantize import scaling_argument, whole_tensor
 from lpcompile.numerics.scale_grad import count_probe, range_counts
 from lpcompile.passes.driver import CompileContext, Site
@@ -74,12 +73,6 @@ def insert_saturation_counts(gm: torch.fx.GraphModule, ctx: CompileContext) -> N
         _count_gradients(gm, ctx)
 
 
-def _range(fmt: str) -> tuple[float, float]:
-    """The largest finite and the smallest positive value of ``fmt``."""
-    target = parse_format(fmt)
-    return target.max, target.min_subnormal
-
-
 def _forward_counts(gm: torch.fx.GraphModule, ctx: CompileContext) -> tuple[list[Site], torch.fx.Node | None]:
     """The sites of the forward quantize nodes of ``gm`` and of the checkpoint bodies it
     calls (each call has a body of its own), in the order they run, and a node before
@@ -92,7 +85,7 @@ def _forward_counts(gm: torch.fx.GraphModule, ctx: CompileContext) -> tuple[list
             site = ctx.sites[node.meta["lowprec"]["offset"]]
             if not parts or not isinstance(parts[-1], list):
                 parts.append([])
-            parts[-1].append((node.args[0], (*_range(site.fmt), site.scaling)))
+            parts[-1].append((node.args[0], (site.fmt, site.scaling)))
             sites.append(site)
         elif node in bodies:
             body = bodies[node]
@@ -113,7 +106,7 @@ def _forward_counts(gm: torch.fx.GraphModule, ctx: CompileContext) -> tuple[list
     return sites, inline(gm, gm.graph.output_node(), count, {"parts": parts})
 
 
-def _whole_counts(x: torch.fx.Proxy, limits: tuple[float, float, str]) -> torch.fx.Proxy:
+def _whole_counts(x: torch.fx.Proxy, limits: tuple[str, str]) -> torch.fx.Proxy:
     """:func:`range_counts` of ``x``, of the whole tensor where ``x`` is a DTensor (tensor
     parallelism: DTensor's sums of a split tensor hold each rank's part until then),
     decided when AOT autograd traces the graph."""
@@ -157,7 +150,7 @@ def _count_gradients(gm: torch.fx.GraphModule, ctx: CompileContext) -> None:
             row = graph.graph.call_function(torch.select, (probe, 0, i))
         with graph.graph.inserting_after(row):
             scaling = scaling_argument(site.scaling)
-            counted = graph.graph.call_function(COUNT_GRAD, (node, row, *_range(site.fmt), *scaling))
+            counted = graph.graph.call_function(COUNT_GRAD, (node, row, site.fmt, *scaling))
         row.meta["example_value"] = example[i]
         counted.meta["example_value"] = node.meta.get("example_value")
         counted.meta["lowprec"] = {"role": "saturation_count", "layer": site.layer}
