@@ -4,13 +4,20 @@ Inductor's and AOT autograd's caches key on the graph and on Inductor's config,
 not on the Python of lowprec's decompositions, autograd rules and the passes that
 run inside Inductor's compile. :class:`SourceStamp` puts a hash of those sources
 into the key, so editing them never serves code compiled from the old ones.
+
+A compile that AOT autograd's cache serves runs none of those passes, so the warnings
+the joint graph's passes gave are kept beside Inductor's cache
+(:func:`save_joint_warnings`), for the backend to repeat on such a compile.
 """
 
 from __future__ import annotations
 
 import functools
 import hashlib
+import json
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import torch.fx
 from torch._inductor.custom_graph_pass import CustomGraphPass
@@ -59,3 +66,45 @@ class SourceStamp(CustomGraphPass):
 
     def uuid(self) -> str:
         return package_hash()
+
+
+def joint_warnings_key(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], stamp: str) -> str:
+    """A key of what decides the joint passes' warnings, as AOT autograd's cache key does:
+    the graph before them (its subgraphs' code too), its inputs' metadata, the grad mode,
+    and ``stamp`` (the joint passes' uuid and the graph's tag)."""
+    digest = hashlib.sha256(stamp.encode())
+    for module in gm.modules():
+        if isinstance(module, torch.fx.GraphModule):
+            digest.update(module.code.encode())
+    for x in example_inputs:
+        if isinstance(x, torch.Tensor):
+            meta = (x.shape, x.stride(), x.dtype, x.device.type, x.requires_grad)
+        else:
+            meta = (type(x).__name__, x)
+        digest.update(repr(meta).encode())
+    digest.update(repr(torch.is_grad_enabled()).encode())
+    return digest.hexdigest()
+
+
+def _joint_warnings_file(key: str) -> Path:
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    return Path(cache_dir()) / "lowprec" / "joint-warnings" / f"{key}.json"
+
+
+def save_joint_warnings(key: str, messages: Sequence[str]) -> None:
+    """Keep ``messages`` under ``key`` (a cache that cannot be written keeps nothing)."""
+    path = _joint_warnings_file(key)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(list(dict.fromkeys(messages))))
+    except OSError:
+        pass
+
+
+def load_joint_warnings(key: str) -> list[str]:
+    """The messages kept under ``key``; none if there are none, or they cannot be read."""
+    try:
+        return json.loads(_joint_warnings_file(key).read_text())
+    except (OSError, ValueError):
+        return []

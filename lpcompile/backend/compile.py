@@ -28,7 +28,13 @@ from torch._dynamo.backends.common import aot_autograd
 from torch._functorch.partitioners import _is_tangent as is_tangent
 
 from lpcompile.backend import runtime
-from lpcompile.backend.cache import SourceStamp, package_hash
+from lpcompile.backend.cache import (
+    SourceStamp,
+    joint_warnings_key,
+    load_joint_warnings,
+    package_hash,
+    save_joint_warnings,
+)
 from lpcompile.backend.distributed import (
     LOWPREC_BACKEND,
     check_dtensor_options,
@@ -445,11 +451,12 @@ def _compile_aot(
         from torch._inductor.compile_fx import compile_fx
 
         lowering.refresh_inductor_decompositions()
+        joint = JointPasses(ctx, tag, on_cpu(example_inputs), mesh_positions(example_inputs))
+        warnings_key = joint_warnings_key(gm, example_inputs, f"{joint.uuid()}-{tag}")
+        records, warned = len(ctx.records), len(ctx.joint_warnings)
         patches = {
             "post_grad_custom_post_pass": SourceStamp(),
-            "joint_custom_post_pass": JointPasses(
-                ctx, tag, on_cpu(example_inputs), mesh_positions(example_inputs)
-            ),
+            "joint_custom_post_pass": joint,
             # a fused FP16/BF16 intermediate is rounded to its dtype, as eager stores it,
             # before a quantize reads it: else the quantize rounds the FP32 value elsewhere
             "emulate_precision_casts": True,
@@ -475,6 +482,11 @@ def _compile_aot(
                 inner_compile=_inductor_compiler(ctx, record, tag, observers),
                 config_patches=patches,
             )
+        if len(ctx.joint_warnings) > warned:
+            save_joint_warnings(warnings_key, ctx.joint_warnings[warned:])
+        elif len(ctx.records) == records:  # served by AOT autograd's cache: no pass ran
+            for message in load_joint_warnings(warnings_key):
+                ctx.warn_from_joint_graph(message)
     for observer in observers:
         observer.graph_compiled(record, gm, tag)
     return compiled

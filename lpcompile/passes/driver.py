@@ -4,6 +4,7 @@ context the passes over one Dynamo graph (and its AOT graphs) share."""
 from __future__ import annotations
 
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -109,10 +110,19 @@ class CompileContext:
     piece: str = ""
     records: list[PassRecord] = field(default_factory=list)
     kernels: list[Any] = field(default_factory=list)  # lpcompile.codegen.KernelRecord, one per fused kernel
+    # what the joint graph's passes warned (see warn_from_joint_graph)
+    joint_warnings: list[str] = field(default_factory=list)
 
     def new_offset(self) -> int:
         """A random-stream offset unique to this graph and site."""
         return (self.stream << 16) | len(self.sites)
+
+    def warn_from_joint_graph(self, message: str) -> None:
+        """Warn ``message`` (a pass over the joint graph) and keep it in ``joint_warnings``:
+        a compile that AOT autograd's cache serves runs no joint pass, so the backend
+        repeats them from there."""
+        warnings.warn(message, stacklevel=2)
+        self.joint_warnings.append(message)
 
     def add_input(self, gm: torch.fx.GraphModule, name: str, example: torch.Tensor) -> torch.fx.Node:
         """A graph input of lowprec's own (once per name), after the existing ones.

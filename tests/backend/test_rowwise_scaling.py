@@ -650,6 +650,23 @@ def test_wgrad_hadamard_names_the_layers_whose_tokens_no_transform_fits():
     )
 
 
+def test_a_compile_from_aot_autograds_cache_repeats_the_joint_passes_warnings():
+    """The second compile, served by AOT autograd's cache, runs no joint pass: the warning
+    the Hadamard transform's pass gave the first comes again."""
+    from torch._dynamo.utils import counters
+    from torch._inductor.utils import fresh_cache
+
+    options = {"recipe": "nvfp4-2d", "wgrad_hadamard": True}
+    counters.clear()
+    with fresh_cache():
+        for _ in range(2):
+            torch._dynamo.reset()
+            model = torch.compile(_mlp(), backend="lowprec", options=options)
+            with pytest.warns(UserWarning, match=r"'0' \(24 tokens, no multiple of 16\)"):
+                model(_hadamard_inputs(24)).square().mean().backward()
+    assert counters["aot_autograd"]["autograd_cache_hit"] == 1, dict(counters["aot_autograd"])
+
+
 @pytest.mark.parametrize("hadamard", [False, True])
 def test_nvfp4_2d_compiles_to_the_eager_executors_bits(hadamard):
     """The outputs and the weight gradients bit for bit (the bias gradients' sums over the

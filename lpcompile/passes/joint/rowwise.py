@@ -39,7 +39,6 @@ additions, not as a matmul.
 from __future__ import annotations
 
 import dataclasses
-import warnings
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -186,18 +185,16 @@ def round_operands_per_matmul(gm: torch.fx.GraphModule, ctx: CompileContext) -> 
             ctx.kept.append(kept)
     if unfollowed:
         found = ", ".join(f"{layer!r} (through {op})" for layer, op in unfollowed.items())
-        warnings.warn(
+        ctx.warn_from_joint_graph(
             f"lowprec: rowwise scaling: matmuls read the rounding of {found} through an op that"
             " is no view or copy of it: they read its rows along its last dimension, not along"
-            " the dimension they sum over",
-            stacklevel=1,
+            " the dimension they sum over"
         )
     if untransformed:
         found = ", ".join(f"{layer!r} ({why})" for layer, why in sorted(untransformed.items()))
-        warnings.warn(
+        ctx.warn_from_joint_graph(
             f"lowprec: wgrad_hadamard: the operands of the weight gradients of {found} are rounded"
-            " without the Hadamard transform",
-            stacklevel=1,
+            " without the Hadamard transform"
         )
     unreached = {
         layer: (op, options)
@@ -206,12 +203,11 @@ def round_operands_per_matmul(gm: torch.fx.GraphModule, ctx: CompileContext) -> 
     }
     if unreached:
         found = ", ".join(f"{layer!r} ({op}; {', '.join(o)})" for layer, (op, o) in unreached.items())
-        warnings.warn(
+        ctx.warn_from_joint_graph(
             f"lowprec: per-matmul options reach no matmul of {found}: its backward computes its"
             " gradients in one call (a convolution, F.bilinear) or as products of elements"
             " (one-row matmuls), or reads an operand through ops other than views and copies (an"
-            " im2col convolution's patches), and reads each operand rounded as its role is",
-            stacklevel=1,
+            " im2col convolution's patches), and reads each operand rounded as its role is"
         )
 
 
