@@ -190,10 +190,12 @@ class _ConvNet(nn.Module):
         return self.proj(self.conv(x).flatten(2).transpose(1, 2))
 
 
-def _conv_step(options: dict) -> list[str]:
-    """The per-matmul options' warnings of a step of :class:`_ConvNet`."""
+def _conv_step(options: dict, frozen: bool = False) -> list[str]:
+    """The per-matmul options' warnings of a step of :class:`_ConvNet` (with ``frozen``, its
+    convolution's weight frozen)."""
     torch._dynamo.reset()
     model = _ConvNet()
+    model.conv.weight.requires_grad_(not frozen)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         torch.compile(model, backend="lowprec", options=options)(
@@ -213,6 +215,17 @@ def test_a_convolution_the_options_cannot_reach_warns_naming_it_and_them():
     (said,) = _conv_step(options)
     assert "'conv' (aten.mm.default; activation_for_weight_grad, error_for_weight_grad)" in said, said
     assert _conv_step({"recipe": "fp8-rowwise", "weight_for_input_grad": {"scaling": "tensorwise"}}) == []
+
+
+def test_a_frozen_convolution_is_named_for_its_input_gradient_alone():
+    """A frozen weight has no weight gradient for the weight-gradient options to miss."""
+    options = {"recipe": "fp8-rowwise-gw-hp", "executor": "inductor", "conv": "aten"}
+    (said,) = _conv_step(options, frozen=True)
+    assert "'conv' (aten.convolution_backward.default; weight_for_input_grad)" in said, said
+    assert _conv_step({**options, "weight_for_input_grad": None, "recipe": "fp8-rowwise"}, frozen=True)
+    weight_grad_only = {"recipe": "fp8-rowwise", "activation_for_weight_grad": None, "conv": "aten"}
+    assert _conv_step(weight_grad_only, frozen=True) == []
+    assert _conv_step(weight_grad_only) != []
 
 
 class _TokenExperts(nn.Module):

@@ -45,6 +45,7 @@ from typing import Any
 
 import torch
 import torch.fx
+from torch._functorch.partitioners import _is_tangent as is_tangent
 from torch.fx.experimental.symbolic_shapes import guard_or_false
 
 from lpcompile.config import PER_MATMUL, QuantSpec, per_matmul_option
@@ -134,7 +135,7 @@ def round_operands_per_matmul(gm: torch.fx.GraphModule, ctx: CompileContext) -> 
     untransformed: dict[str, str] = {}  # layer -> why its weight gradient takes no Hadamard transform
     unrounded: dict[tuple[str, str], set[str]] = {}  # (layer, matmul) -> the options leaving operands so
     unresolved: dict[str, str] = {}  # layer -> a backward product that is no matmul of one kind
-    resolved: dict[str, set[str]] = {}  # layer -> the kinds of its backward matmuls told apart
+    seen: dict[str, set[str]] = {}  # layer -> the kinds of its backward matmuls told apart
     for node in list(graph.nodes):
         if node.op != "call_function":
             continue
@@ -143,7 +144,7 @@ def round_operands_per_matmul(gm: torch.fx.GraphModule, ctx: CompileContext) -> 
             sources = {i: _site_source(node.args[i], ctx) for i, _ in operands}
             layer, matmul = layers.backward_matmul(sources)
             if matmul:
-                resolved.setdefault(layer, set()).add(matmul)
+                seen.setdefault(layer, set()).add(matmul)
             hadamard = (
                 ctx.config.wgrad_hadamard
                 and matmul == "weight_grad"
@@ -199,7 +200,7 @@ def round_operands_per_matmul(gm: torch.fx.GraphModule, ctx: CompileContext) -> 
     unreached = {
         layer: (op, options)
         for layer, op in sorted(unresolved.items())
-        if (options := [o for o in ctx.config.per_matmul if PER_MATMUL[o][1] not in resolved.get(layer, ())])
+        if (options := [o for o in ctx.config.per_matmul if PER_MATMUL[o][1] in layers.unseen(layer, seen)])
     }
     if unreached:
         found = ", ".join(f"{layer!r} ({op}; {', '.join(o)})" for layer, (op, o) in unreached.items())
@@ -222,6 +223,7 @@ class _Layers:
     ctx: CompileContext
     weighted: frozenset[str]
     shared: frozenset[int]  # offsets of activation sites multiplied with another activation
+    frozen: frozenset[str]  # layers whose every weight is a graph input that gets no gradient
 
     @classmethod
     def of(cls, gm: torch.fx.GraphModule, ctx: CompileContext) -> _Layers:
@@ -232,7 +234,13 @@ class _Layers:
                 sites = _operand_sites(node, ctx)
                 if len(sites) == 2 and {site.role for site in sites} == {"activation"} and _one_layer(sites):
                     shared.update(site.offset for site in sites)
-        return cls(ctx, weighted, frozenset(shared))
+        return cls(ctx, weighted, frozenset(shared), _frozen_layers(gm, ctx))
+
+    def unseen(self, layer: str, seen: dict[str, set[str]]) -> set[str]:
+        """The matmuls of ``layer``'s backward not told apart (in ``seen``): of the input
+        gradient, and of the weight gradient unless its weights are frozen."""
+        kinds = {"input_grad"} if layer in self.frozen else {"input_grad", "weight_grad"}
+        return kinds - seen.get(layer, set())
 
     def has_weight_grad(self, activation: Site) -> bool:
         """Whether a layer's error times ``activation`` is the layer's weight gradient."""
@@ -268,6 +276,27 @@ class _Layers:
         return [
             site for site in _sites(sources, self.ctx) if site.role == "error" and site.layer in self.weighted
         ]
+
+
+def _frozen_layers(gm: torch.fx.GraphModule, ctx: CompileContext) -> frozenset[str]:
+    """The layers of a joint graph whose weight sites all read (through copies) primal
+    inputs that get no gradient: frozen weights. A weight computed in the graph counts as
+    trained."""
+    primals = [node for node in gm.graph.find_nodes(op="placeholder") if not is_tangent(node)]
+    (outputs,) = gm.graph.output_node().args
+    if len(primals) == len(gm.graph.find_nodes(op="placeholder")) or len(outputs) < len(primals):
+        return frozenset()  # no backward in the graph
+    gradients = dict(zip(primals, outputs[len(outputs) - len(primals) :], strict=True))
+    frozen, trained = set(), set()
+    for node in gm.graph.find_nodes(op="call_function", target=QUANTIZE):
+        site = ctx.sites.get(node.args[5])
+        if site is None or site.role != "weight":
+            continue
+        source = node.args[0]
+        while isinstance(source, torch.fx.Node) and source.op == "call_function" and source.target in COPIES:
+            source = source.args[0]
+        (frozen if source in gradients and gradients[source] is None else trained).add(site.layer)
+    return frozenset(frozen - trained)
 
 
 def _operand_sites(product: torch.fx.Node, ctx: CompileContext) -> list[Site]:
