@@ -251,6 +251,31 @@ def test_a_weight_gradient_of_element_products_warns_naming_the_layer():
         compiled(x, expert).square().mean().backward()
 
 
+class _SharedGather(nn.Module):
+    """Two matmuls read one gathered weight: the second reads it as an activation."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(4, 16, 16) / 4)
+
+    def forward(self, x: torch.Tensor, expert: torch.Tensor) -> torch.Tensor:
+        w = self.weight[expert]
+        return torch.bmm(torch.bmm(x, w), w)
+
+
+def test_a_gathered_weight_two_matmuls_share_warns_naming_the_second():
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model, x, expert = _SharedGather(), torch.randn(6, 3, 16, requires_grad=True), torch.randint(0, 4, (6,))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        compiled = torch.compile(model, backend="lowprec", options={"recipe": "fp8-rowwise-gw-hp"})
+        compiled(x, expert).square().mean().backward()
+    (said,) = [str(w.message) for w in caught if "per-matmul options" in str(w.message)]
+    assert "'bmm_1' (a weight another matmul rounds, read as an activation; activation_for" in said, said
+    assert "'bmm' " not in said
+
+
 def test_options_and_their_errors():
     config = LowPrecConfig.from_options({"recipe": "fp8-rowwise-gw-hp"})
     assert config.in_matmul("weight", "input_grad").scaling == "tensorwise_pow2"

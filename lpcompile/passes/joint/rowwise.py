@@ -177,6 +177,8 @@ def round_operands_per_matmul(gm: torch.fx.GraphModule, ctx: CompileContext) -> 
                     node.update_arg(index, roundings.whole(node, *found, per_tensor(scaling)))
         elif ctx.config.per_matmul and (layer := layers.outer_product(node)):
             unresolved[layer] = str(node.target)
+    for layer in layers.rereading:
+        unresolved.setdefault(layer, "a weight another matmul rounds, read as an activation")
     for node in sorted(set(replaced), key=list(graph.nodes).index, reverse=True):
         if not node.users:
             graph.erase_node(node)
@@ -208,7 +210,8 @@ def round_operands_per_matmul(gm: torch.fx.GraphModule, ctx: CompileContext) -> 
             f"lowprec: per-matmul options reach no matmul of {found}: its backward computes its"
             " gradients in one call (a convolution, F.bilinear) or as products of elements"
             " (one-row matmuls), or reads an operand through ops other than views and copies (an"
-            " im2col convolution's patches), and reads each operand rounded as its role is"
+            " im2col convolution's patches), or reads a weight as an activation (a gathered weight"
+            " two matmuls share), and reads each operand rounded as its role is"
         )
 
 
@@ -224,6 +227,9 @@ class _Layers:
     weighted: frozenset[str]
     shared: frozenset[int]  # offsets of activation sites multiplied with another activation
     frozen: frozenset[str]  # layers whose every weight is a graph input that gets no gradient
+    # layers without a weight site that round, as an activation, the tensor a weight site
+    # rounds (a weight gathered once and read by two matmuls): the options miss their weight
+    rereading: frozenset[str]
 
     @classmethod
     def of(cls, gm: torch.fx.GraphModule, ctx: CompileContext) -> _Layers:
@@ -234,7 +240,16 @@ class _Layers:
                 sites = _operand_sites(node, ctx)
                 if len(sites) == 2 and {site.role for site in sites} == {"activation"} and _one_layer(sites):
                     shared.update(site.offset for site in sites)
-        return cls(ctx, weighted, frozenset(shared), _frozen_layers(gm, ctx))
+        weight_roots: set[Any] = set()
+        readers: dict[Any, set[str]] = {}  # the tensor an activation site rounds -> its layers
+        for node in gm.graph.find_nodes(op="call_function", target=QUANTIZE):
+            site = ctx.sites.get(node.args[5])
+            if site is not None and site.role == "weight":  # (read rounded, or its source)
+                weight_roots.update((node, _copied_from(node.args[0])))
+            elif site is not None and site.role == "activation" and site.layer not in weighted:
+                readers.setdefault(_copied_from(node.args[0]), set()).add(site.layer)
+        rereading = frozenset(layer for root in weight_roots for layer in readers.get(root, ()))
+        return cls(ctx, weighted, frozenset(shared), _frozen_layers(gm, ctx), rereading)
 
     def unseen(self, layer: str, seen: dict[str, set[str]]) -> set[str]:
         """The matmuls of ``layer``'s backward not told apart (in ``seen``): of the input
@@ -292,11 +307,16 @@ def _frozen_layers(gm: torch.fx.GraphModule, ctx: CompileContext) -> frozenset[s
         site = ctx.sites.get(node.args[5])
         if site is None or site.role != "weight":
             continue
-        source = node.args[0]
-        while isinstance(source, torch.fx.Node) and source.op == "call_function" and source.target in COPIES:
-            source = source.args[0]
+        source = _copied_from(node.args[0])
         (frozen if source in gradients and gradients[source] is None else trained).add(site.layer)
     return frozenset(frozen - trained)
+
+
+def _copied_from(node: Any) -> Any:
+    """The value ``node`` copies through :data:`COPIES` (itself if it is no copy)."""
+    while isinstance(node, torch.fx.Node) and node.op == "call_function" and node.target in COPIES:
+        node = node.args[0]
+    return node
 
 
 def _operand_sites(product: torch.fx.Node, ctx: CompileContext) -> list[Site]:
