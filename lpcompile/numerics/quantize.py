@@ -267,7 +267,7 @@ def mx_factor(amax, target: FloatFormat, mode: str = "floor", ops=rng.TorchOps):
     else:
         exponent, mantissa = exponent_and_rest(amax)
         powered = exponent  # the biased exponent of the power of two the scale is taken from
-        if mode == "even":  # (inf and NaN bits capped first: the sum stays below 2^31)
+        if mode == "even" and target.man_bits < 23:  # (inf and NaN capped: the sum stays below 2^31)
             bits = ops.minimum(ops.to_dtype_bitcast(amax, i32, f32), const(0x7F800000))
             rounded = ops.add(bits, const(1 << (22 - target.man_bits)))
             powered = ops.bitwise_and(ops.bitwise_right_shift(rounded, const(23)), const(0xFF))

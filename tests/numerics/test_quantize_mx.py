@@ -90,7 +90,7 @@ def test_the_modes_differ_where_the_definitions_do():
     floor, ceil, rceil, even = (quantize(x, "e4m3", scaling=s) for s in MODES)
     assert floor[1] == x[1] and ceil[1] == 0 and torch.equal(rceil, floor) and torch.equal(even, floor)
     assert torch.equal(ceil, reference(x, "e4m3", "mx_ceil"))
-    x[0] = 1.9375 * 2.0**8  # 1.111 in binary: E4M3's 3 bits round it, half up, to 2^9
+    x[0] = 1.9375 * 2.0**8  # 1.1111 in binary: E4M3's 3 bits round it, half up, to 2^9
     floor, even = quantize(x, "e4m3", scaling="mx"), quantize(x, "e4m3", scaling="mx_even")
     assert floor[0] == 448 and even[0] == 512 and floor[1] == x[1] and even[1] == 0
     x[0] = 1.9375 * 2.0**8 * (1 - 2.0**-10)  # just below the half step: no carry
@@ -118,6 +118,8 @@ def test_it_equals_torchao_to_mx(fmt, scaling):
     x[0, 0, :32] = 0.0  # an all-zero block
     x[0, 1, :32] = torch.linspace(-1e-38, 1e-38, 32)  # a quotient below 2^-127
     assert torch.equal(quantize(x, fmt, scaling=scaling), _torchao_blocks(x, fmt, MODES[scaling]))
+    x = x.bfloat16()  # (its blocks' values times their scales are bfloat16 values)
+    assert torch.equal(quantize(x, fmt, scaling=scaling).float(), _torchao_blocks(x, fmt, MODES[scaling]))
 
 
 def test_rceil_rounds_up_exactly_as_cublas_does():
