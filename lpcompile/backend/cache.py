@@ -15,6 +15,8 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import os
+import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -68,22 +70,36 @@ class SourceStamp(CustomGraphPass):
         return package_hash()
 
 
-def joint_warnings_key(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], stamp: str) -> str:
+def joint_warnings_key(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], stamp: str) -> str | None:
     """A key of what decides the joint passes' warnings, as AOT autograd's cache key does:
-    the graph before them (its subgraphs' code too), its inputs' metadata, the grad mode,
-    and ``stamp`` (the joint passes' uuid and the graph's tag)."""
+    the graph before them (its subgraphs' code too), its inputs' metadata (of other inputs
+    their type, and their value where it is a number, a string or a symbol), the grad and
+    autocast modes, and ``stamp`` (the joint passes' uuid and the graph's tag). ``None``
+    where an input has no such metadata (a sparse tensor's strides)."""
     digest = hashlib.sha256(stamp.encode())
     for module in gm.modules():
         if isinstance(module, torch.fx.GraphModule):
             digest.update(module.code.encode())
-    for x in example_inputs:
-        if isinstance(x, torch.Tensor):
-            meta = (x.shape, x.stride(), x.dtype, x.device.type, x.requires_grad)
-        else:
-            meta = (type(x).__name__, x)
-        digest.update(repr(meta).encode())
-    digest.update(repr(torch.is_grad_enabled()).encode())
+    try:
+        for x in example_inputs:
+            if isinstance(x, torch.Tensor):
+                meta = (type(x).__qualname__, x.shape, x.stride(), x.dtype, x.device.type, x.requires_grad)
+            elif x is None or isinstance(x, _PLAIN_INPUTS):
+                meta = (type(x).__qualname__, x)
+            else:
+                meta = (type(x).__qualname__,)
+            digest.update(repr(meta).encode())
+    except (RuntimeError, NotImplementedError):
+        return None
+    modes = [torch.is_grad_enabled()]
+    for device in ("cpu", "cuda"):
+        modes += [torch.is_autocast_enabled(device), torch.get_autocast_dtype(device)]
+    digest.update(repr(modes).encode())
     return digest.hexdigest()
+
+
+# graph inputs whose value (not only type) goes into joint_warnings_key
+_PLAIN_INPUTS = (bool, int, float, str, torch.SymInt, torch.SymFloat, torch.SymBool)
 
 
 def _joint_warnings_file(key: str) -> Path:
@@ -93,11 +109,17 @@ def _joint_warnings_file(key: str) -> Path:
 
 
 def save_joint_warnings(key: str, messages: Sequence[str]) -> None:
-    """Keep ``messages`` under ``key`` (a cache that cannot be written keeps nothing)."""
-    path = _joint_warnings_file(key)
+    """Keep ``messages`` under ``key``, replacing what was kept (none: remove it); a cache
+    that cannot be written keeps nothing."""
     try:
+        path = _joint_warnings_file(key)
+        if not messages:
+            path.unlink(missing_ok=True)
+            return
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(list(dict.fromkeys(messages))))
+        with tempfile.NamedTemporaryFile("w", dir=path.parent, suffix=".tmp", delete=False) as f:
+            f.write(json.dumps(list(dict.fromkeys(messages))))
+        os.replace(f.name, path)  # (whole: another process may read it meanwhile)
     except OSError:
         pass
 

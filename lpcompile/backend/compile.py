@@ -482,9 +482,9 @@ def _compile_aot(
                 inner_compile=_inductor_compiler(ctx, record, tag, observers),
                 config_patches=patches,
             )
-        if len(ctx.joint_warnings) > warned:
+        if warnings_key is not None and len(ctx.records) > records:
             save_joint_warnings(warnings_key, ctx.joint_warnings[warned:])
-        elif len(ctx.records) == records:  # served by AOT autograd's cache: no pass ran
+        elif warnings_key is not None:  # served by AOT autograd's cache: no pass ran
             for message in load_joint_warnings(warnings_key):
                 ctx.warn_from_joint_graph(message)
     for observer in observers:

@@ -190,16 +190,16 @@ class _ConvNet(nn.Module):
         return self.proj(self.conv(x).flatten(2).transpose(1, 2))
 
 
-def _conv_step(options: dict, frozen: bool = False) -> list[str]:
+def _conv_step(options: dict, frozen: bool = False, input_grad: bool = True) -> list[str]:
     """The per-matmul options' warnings of a step of :class:`_ConvNet` (with ``frozen``, its
-    convolution's weight frozen)."""
+    convolution's weight frozen; without ``input_grad``, its input needing no gradient)."""
     torch._dynamo.reset()
     model = _ConvNet()
     model.conv.weight.requires_grad_(not frozen)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         torch.compile(model, backend="lowprec", options=options)(
-            torch.randn(2, 8, 6, 6, requires_grad=True)
+            torch.randn(2, 8, 6, 6, requires_grad=input_grad)
         ).sum().backward()
     return [str(w.message) for w in caught if "per-matmul options" in str(w.message)]
 
@@ -226,6 +226,8 @@ def test_a_frozen_convolution_is_named_for_its_input_gradient_alone():
     weight_grad_only = {"recipe": "fp8-rowwise", "activation_for_weight_grad": None, "conv": "aten"}
     assert _conv_step(weight_grad_only, frozen=True) == []
     assert _conv_step(weight_grad_only) != []
+    # a frozen stem: its backward computes the bias gradient alone
+    assert _conv_step(options, frozen=True, input_grad=False) == []
 
 
 class _TokenExperts(nn.Module):
@@ -263,17 +265,29 @@ class _SharedGather(nn.Module):
         return torch.bmm(torch.bmm(x, w), w)
 
 
-def test_a_gathered_weight_two_matmuls_share_warns_naming_the_second():
+def _gather_step(frozen: bool = False, grad: bool = True) -> list[str]:
+    """The per-matmul options' warnings of a step of :class:`_SharedGather` (or of a forward
+    without ``grad``)."""
     torch._dynamo.reset()
     torch.manual_seed(0)
     model, x, expert = _SharedGather(), torch.randn(6, 3, 16, requires_grad=True), torch.randint(0, 4, (6,))
-    with warnings.catch_warnings(record=True) as caught:
+    model.weight.requires_grad_(not frozen)
+    compiled = torch.compile(model, backend="lowprec", options={"recipe": "fp8-rowwise-gw-hp"})
+    with warnings.catch_warnings(record=True) as caught, torch.set_grad_enabled(grad):
         warnings.simplefilter("always")
-        compiled = torch.compile(model, backend="lowprec", options={"recipe": "fp8-rowwise-gw-hp"})
-        compiled(x, expert).square().mean().backward()
-    (said,) = [str(w.message) for w in caught if "per-matmul options" in str(w.message)]
+        out = compiled(x, expert)
+        if grad:
+            out.square().mean().backward()
+    return [str(w.message) for w in caught if "per-matmul options" in str(w.message)]
+
+
+def test_a_gathered_weight_two_matmuls_share_warns_naming_the_second():
+    (said,) = _gather_step()
     assert "'bmm_1' (a weight another matmul rounds, read as an activation; activation_for" in said, said
     assert "'bmm' " not in said
+    (said,) = _gather_step(frozen=True)  # no weight gradient to miss
+    assert "'bmm_1' (a weight another matmul rounds, read as an activation; weight_for_input_grad)" in said
+    assert _gather_step(grad=False) == []  # no backward
 
 
 def test_options_and_their_errors():

@@ -45,6 +45,7 @@ from typing import Any
 
 import torch
 import torch.fx
+from torch._functorch._aot_autograd.fx_utils import get_all_input_and_grad_nodes
 from torch._functorch.partitioners import _is_tangent as is_tangent
 from torch.fx.experimental.symbolic_shapes import guard_or_false
 
@@ -134,8 +135,14 @@ def round_operands_per_matmul(gm: torch.fx.GraphModule, ctx: CompileContext) -> 
     unfollowed: dict[str, str] = {}  # layer -> the op between its site and a matmul
     untransformed: dict[str, str] = {}  # layer -> why its weight gradient takes no Hadamard transform
     unrounded: dict[tuple[str, str], set[str]] = {}  # (layer, matmul) -> the options leaving operands so
-    unresolved: dict[str, str] = {}  # layer -> a backward product that is no matmul of one kind
+    # layer -> a backward product that is no matmul of one kind, and the kinds it computes
+    unresolved: dict[str, tuple[str, set[str]]] = {}
     seen: dict[str, set[str]] = {}  # layer -> the kinds of its backward matmuls told apart
+
+    def note(layer: str, op: str, kinds: Iterable[str] = ("input_grad", "weight_grad")) -> None:
+        first, noted = unresolved.get(layer, (op, set()))
+        unresolved[layer] = (first, noted | set(kinds))
+
     for node in list(graph.nodes):
         if node.op != "call_function":
             continue
@@ -165,20 +172,20 @@ def round_operands_per_matmul(gm: torch.fx.GraphModule, ctx: CompileContext) -> 
                     unfollowed[ctx.sites[found[0].args[5]].layer] = str(found[1].target)
             if matmul is None and not all(sources.values()):
                 for site in layers.errors_of_weighted(sources.values()):
-                    unresolved[site.layer] = str(node.target)
+                    note(site.layer, str(node.target))
         elif node.target in WHOLE_TENSOR_PRODUCTS:
             for index, operand in enumerate(node.args):
                 if not (isinstance(operand, torch.fx.Node) and (found := _site_source(operand, ctx))):
                     continue
                 for site in layers.errors_of_weighted([found]):
-                    unresolved[site.layer] = str(node.target)
+                    note(site.layer, str(node.target), _gradients_computed(node))
                 if is_rowwise(scaling := _scaling(found[0])):
                     replaced += [found[0], *found[1]]
                     node.update_arg(index, roundings.whole(node, *found, per_tensor(scaling)))
         elif ctx.config.per_matmul and (layer := layers.outer_product(node)):
-            unresolved[layer] = str(node.target)
+            note(layer, str(node.target), ["weight_grad"])
     for layer in layers.rereading:
-        unresolved.setdefault(layer, "a weight another matmul rounds, read as an activation")
+        note(layer, "a weight another matmul rounds, read as an activation")
     for node in sorted(set(replaced), key=list(graph.nodes).index, reverse=True):
         if not node.users:
             graph.erase_node(node)
@@ -201,8 +208,12 @@ def round_operands_per_matmul(gm: torch.fx.GraphModule, ctx: CompileContext) -> 
         )
     unreached = {
         layer: (op, options)
-        for layer, op in sorted(unresolved.items())
-        if (options := [o for o in ctx.config.per_matmul if PER_MATMUL[o][1] in layers.unseen(layer, seen)])
+        for layer, (op, kinds) in sorted(unresolved.items())
+        if (
+            options := [
+                o for o in ctx.config.per_matmul if PER_MATMUL[o][1] in layers.unseen(layer, seen) & kinds
+            ]
+        )
     }
     if unreached:
         found = ", ".join(f"{layer!r} ({op}; {', '.join(o)})" for layer, (op, o) in unreached.items())
@@ -227,8 +238,9 @@ class _Layers:
     weighted: frozenset[str]
     shared: frozenset[int]  # offsets of activation sites multiplied with another activation
     frozen: frozenset[str]  # layers whose every weight is a graph input that gets no gradient
-    # layers without a weight site that round, as an activation, the tensor a weight site
-    # rounds (a weight gathered once and read by two matmuls): the options miss their weight
+    # layers without a weight site that round, as an activation, a trained weight site's
+    # rounding or the weight it computes (a weight gathered once and read by two matmuls):
+    # the options miss their weight
     rereading: frozenset[str]
 
     @classmethod
@@ -240,16 +252,29 @@ class _Layers:
                 sites = _operand_sites(node, ctx)
                 if len(sites) == 2 and {site.role for site in sites} == {"activation"} and _one_layer(sites):
                     shared.update(site.offset for site in sites)
-        weight_roots: set[Any] = set()
+        gradients = _input_gradients(gm)
+        frozen, trained = set(), set()
+        # a weight site's rounding, or the weight computed in the graph it rounds -> whether
+        # that weight is frozen
+        weight_roots: dict[Any, bool] = {}
         readers: dict[Any, set[str]] = {}  # the tensor an activation site rounds -> its layers
         for node in gm.graph.find_nodes(op="call_function", target=QUANTIZE):
             site = ctx.sites.get(node.args[5])
-            if site is not None and site.role == "weight":  # (read rounded, or its source)
-                weight_roots.update((node, _copied_from(node.args[0])))
-            elif site is not None and site.role == "activation" and site.layer not in weighted:
-                readers.setdefault(_copied_from(node.args[0]), set()).add(site.layer)
+            if site is None:
+                continue
+            source = _copied_from(node.args[0])
+            if site.role == "weight":
+                is_frozen = source in gradients and gradients[source] is None
+                (frozen if is_frozen else trained).add(site.layer)
+                for root in (node, source) if source.op != "placeholder" else (node,):
+                    weight_roots[root] = weight_roots.get(root, True) and is_frozen
+            elif site.role == "activation" and site.layer not in weighted and gradients:
+                readers.setdefault(source, set()).add(site.layer)
+        for root, is_frozen in weight_roots.items():
+            for layer in readers.get(root, ()):
+                (frozen if is_frozen else trained).add(layer)
         rereading = frozenset(layer for root in weight_roots for layer in readers.get(root, ()))
-        return cls(ctx, weighted, frozenset(shared), _frozen_layers(gm, ctx), rereading)
+        return cls(ctx, weighted, frozenset(shared), frozenset(frozen - trained), rereading)
 
     def unseen(self, layer: str, seen: dict[str, set[str]]) -> set[str]:
         """The matmuls of ``layer``'s backward not told apart (in ``seen``): of the input
@@ -293,23 +318,26 @@ class _Layers:
         ]
 
 
-def _frozen_layers(gm: torch.fx.GraphModule, ctx: CompileContext) -> frozenset[str]:
-    """The layers of a joint graph whose weight sites all read (through copies) primal
-    inputs that get no gradient: frozen weights. A weight computed in the graph counts as
-    trained."""
-    primals = [node for node in gm.graph.find_nodes(op="placeholder") if not is_tangent(node)]
-    (outputs,) = gm.graph.output_node().args
-    if len(primals) == len(gm.graph.find_nodes(op="placeholder")) or len(outputs) < len(primals):
-        return frozenset()  # no backward in the graph
-    gradients = dict(zip(primals, outputs[len(outputs) - len(primals) :], strict=True))
-    frozen, trained = set(), set()
-    for node in gm.graph.find_nodes(op="call_function", target=QUANTIZE):
-        site = ctx.sites.get(node.args[5])
-        if site is None or site.role != "weight":
-            continue
-        source = _copied_from(node.args[0])
-        (frozen if source in gradients and gradients[source] is None else trained).add(site.layer)
-    return frozenset(frozen - trained)
+def _input_gradients(gm: torch.fx.GraphModule) -> dict[torch.fx.Node, torch.fx.Node | None]:
+    """Each differentiable input of a joint graph and its gradient output (``None``: it gets
+    none, a frozen weight), as AOT autograd's descriptors pair them; empty without a
+    backward, or where the descriptors do not pair them (tensor subclasses)."""
+    if not any(map(is_tangent, gm.graph.find_nodes(op="placeholder"))):
+        return {}
+    try:
+        pairs = get_all_input_and_grad_nodes(gm.graph)
+    except (RuntimeError, KeyError, AttributeError, AssertionError):
+        return {}
+    return dict(pairs.values())
+
+
+def _gradients_computed(node: torch.fx.Node) -> list[str]:
+    """The kinds of a layer's backward matmuls a product that is no matmul computes: a
+    convolution's backward those its output mask asks for, the others both."""
+    if node.target is aten.convolution_backward.default:
+        mask = node.args[10]
+        return [kind for kind, wanted in zip(("input_grad", "weight_grad"), mask[:2], strict=True) if wanted]
+    return ["input_grad", "weight_grad"]
 
 
 def _copied_from(node: Any) -> Any:
