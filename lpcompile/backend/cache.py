@@ -12,6 +12,7 @@ the joint graph's passes gave are kept beside Inductor's cache
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import json
@@ -70,12 +71,17 @@ class SourceStamp(CustomGraphPass):
         return package_hash()
 
 
+# graph inputs whose value (not only type) goes into joint_warnings_key
+_PLAIN_INPUTS = (bool, int, float, str, torch.SymInt, torch.SymFloat, torch.SymBool)
+
+
 def joint_warnings_key(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], stamp: str) -> str | None:
-    """A key of what decides the joint passes' warnings, as AOT autograd's cache key does:
-    the graph before them (its subgraphs' code too), its inputs' metadata (of other inputs
-    their type, and their value where it is a number, a string or a symbol), the grad and
-    autocast modes, and ``stamp`` (the joint passes' uuid and the graph's tag). ``None``
-    where an input has no such metadata (a sparse tensor's strides)."""
+    """A key of what decides the joint passes' warnings (finer than AOT autograd's cache key:
+    a hit of that cache at other sizes finds none): the graph before them (its subgraphs'
+    code too), its inputs' metadata (of other inputs their type, and their value where it is
+    a number, a string or a symbol), the grad and autocast modes, and ``stamp`` (the joint
+    passes' uuid and the graph's tag). ``None`` where an input has no such metadata (a
+    sparse CSR tensor's strides)."""
     digest = hashlib.sha256(stamp.encode())
     for module in gm.modules():
         if isinstance(module, torch.fx.GraphModule):
@@ -98,10 +104,6 @@ def joint_warnings_key(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], 
     return digest.hexdigest()
 
 
-# graph inputs whose value (not only type) goes into joint_warnings_key
-_PLAIN_INPUTS = (bool, int, float, str, torch.SymInt, torch.SymFloat, torch.SymBool)
-
-
 def _joint_warnings_file(key: str) -> Path:
     from torch._inductor.runtime.cache_dir_utils import cache_dir
 
@@ -111,6 +113,7 @@ def _joint_warnings_file(key: str) -> Path:
 def save_joint_warnings(key: str, messages: Sequence[str]) -> None:
     """Keep ``messages`` under ``key``, replacing what was kept (none: remove it); a cache
     that cannot be written keeps nothing."""
+    written: Path | None = None
     try:
         path = _joint_warnings_file(key)
         if not messages:
@@ -118,10 +121,13 @@ def save_joint_warnings(key: str, messages: Sequence[str]) -> None:
             return
         path.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.NamedTemporaryFile("w", dir=path.parent, suffix=".tmp", delete=False) as f:
+            written = Path(f.name)
             f.write(json.dumps(list(dict.fromkeys(messages))))
-        os.replace(f.name, path)  # (whole: another process may read it meanwhile)
+        os.replace(written, path)  # (whole: another process may read it meanwhile)
     except OSError:
-        pass
+        if written is not None:
+            with contextlib.suppress(OSError):
+                written.unlink(missing_ok=True)
 
 
 def load_joint_warnings(key: str) -> list[str]:

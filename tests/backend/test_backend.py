@@ -574,6 +574,32 @@ def test_inductor_cache_keys_follow_the_operator_sources(tmp_path):
     assert source_hash(copy) != source_hash(package)
 
 
+def test_joint_warnings_are_kept_by_graph_inputs_and_modes(tmp_path, monkeypatch):
+    """What the joint passes warned, kept beside Inductor's cache for compiles it serves."""
+    from lpcompile.backend.cache import joint_warnings_key, load_joint_warnings, save_joint_warnings
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    gm = torch.fx.symbolic_trace(nn.ReLU())
+    key = joint_warnings_key(gm, [torch.randn(2)], "stamp")
+    assert key == joint_warnings_key(gm, [torch.randn(2)], "stamp")
+    assert key != joint_warnings_key(gm, [torch.randn(3)], "stamp")
+    assert key != joint_warnings_key(gm, [torch.randn(2)], "other stamp")
+    with torch.no_grad():
+        assert key != joint_warnings_key(gm, [torch.randn(2)], "stamp")
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert key != joint_warnings_key(gm, [torch.randn(2)], "stamp")
+    # no address in the key: the same in every process
+    generators = [joint_warnings_key(gm, [torch.Generator()], "stamp") for _ in range(2)]
+    assert generators[0] == generators[1]
+    csr = torch.eye(2).to_sparse_csr()
+    assert joint_warnings_key(gm, [csr], "stamp") is None  # no strides
+    assert load_joint_warnings(key) == []
+    save_joint_warnings(key, ["a", "b", "a"])
+    assert load_joint_warnings(key) == ["a", "b"]
+    save_joint_warnings(key, [])  # a compile that warned nothing: nothing to repeat
+    assert load_joint_warnings(key) == [] and not list(tmp_path.rglob("*.tmp"))
+
+
 @pytest.mark.parametrize(
     ("first", "second", "removed"),
     [

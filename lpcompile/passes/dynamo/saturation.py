@@ -98,7 +98,7 @@ def _forward_counts(gm: torch.fx.GraphModule, ctx: CompileContext) -> tuple[list
 
     def count(parts: list[Any]) -> torch.Tensor:
         blocks = [
-            torch.stack([_whole_counts(x, limits) for x, limits in part]) if isinstance(part, list) else part
+            torch.stack([_whole_counts(x, spec) for x, spec in part]) if isinstance(part, list) else part
             for part in parts
         ]
         return torch.cat(blocks) if len(blocks) > 1 else blocks[0]
@@ -106,11 +106,11 @@ def _forward_counts(gm: torch.fx.GraphModule, ctx: CompileContext) -> tuple[list
     return sites, inline(gm, gm.graph.output_node(), count, {"parts": parts})
 
 
-def _whole_counts(x: torch.fx.Proxy, limits: tuple[str, str]) -> torch.fx.Proxy:
+def _whole_counts(x: torch.fx.Proxy, spec: tuple[str, str]) -> torch.fx.Proxy:
     """:func:`range_counts` of ``x``, of the whole tensor where ``x`` is a DTensor (tensor
     parallelism: DTensor's sums of a split tensor hold each rank's part until then),
     decided when AOT autograd traces the graph."""
-    return x.tracer.create_proxy("call_function", whole_tensor, (range_counts(x, *limits),), {})
+    return x.tracer.create_proxy("call_function", whole_tensor, (range_counts(x, *spec),), {})
 
 
 def _return_also(body: torch.fx.GraphModule, value: torch.fx.Node) -> int:

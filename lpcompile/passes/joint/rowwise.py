@@ -238,8 +238,8 @@ class _Layers:
     weighted: frozenset[str]
     shared: frozenset[int]  # offsets of activation sites multiplied with another activation
     frozen: frozenset[str]  # layers whose every weight is a graph input that gets no gradient
-    # layers without a weight site that round, as an activation, a trained weight site's
-    # rounding or the weight it computes (a weight gathered once and read by two matmuls):
+    # layers without a weight site that round, as an activation, a weight site's rounding
+    # or the weight it computes (a weight gathered once and read by two matmuls):
     # the options miss their weight
     rereading: frozenset[str]
 
@@ -253,6 +253,7 @@ class _Layers:
                 if len(sites) == 2 and {site.role for site in sites} == {"activation"} and _one_layer(sites):
                     shared.update(site.offset for site in sites)
         gradients = _input_gradients(gm)
+        backward = any(map(is_tangent, gm.graph.find_nodes(op="placeholder")))
         frozen, trained = set(), set()
         # a weight site's rounding, or the weight computed in the graph it rounds -> whether
         # that weight is frozen
@@ -266,9 +267,9 @@ class _Layers:
             if site.role == "weight":
                 is_frozen = source in gradients and gradients[source] is None
                 (frozen if is_frozen else trained).add(site.layer)
-                for root in (node, source) if source.op != "placeholder" else (node,):
+                for root in (node, source) if source.op not in ("placeholder", "get_attr") else (node,):
                     weight_roots[root] = weight_roots.get(root, True) and is_frozen
-            elif site.role == "activation" and site.layer not in weighted and gradients:
+            elif site.role == "activation" and site.layer not in weighted and backward:
                 readers.setdefault(source, set()).add(site.layer)
         for root, is_frozen in weight_roots.items():
             for layer in readers.get(root, ()):
@@ -340,9 +341,9 @@ def _gradients_computed(node: torch.fx.Node) -> list[str]:
     return ["input_grad", "weight_grad"]
 
 
-def _copied_from(node: Any) -> Any:
+def _copied_from(node: torch.fx.Node) -> torch.fx.Node:
     """The value ``node`` copies through :data:`COPIES` (itself if it is no copy)."""
-    while isinstance(node, torch.fx.Node) and node.op == "call_function" and node.target in COPIES:
+    while node.op == "call_function" and node.target in COPIES:
         node = node.args[0]
     return node
 
