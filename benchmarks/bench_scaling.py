@@ -11,11 +11,11 @@ its scales rounded down to powers of two, and with attention's operands left unr
 (the products torchao's float8 training converts: its ``nn.Linear`` layers); ``fp8-rowwise``
 (E4M3 everywhere, a power-of-two factor per row of each matmul operand), and with its
 errors scaled per tensor instead; ``fp8-rowwise-gw-hp`` (the weight per tensor for the
-input gradient, the weight gradient's operands unrounded); ``mxfp8`` (the same, a factor per block of 32);
+input gradient, the weight gradient's operands unrounded); ``mxfp8`` (the same, a factor
+per block of 32), and with torchao's ``EVEN`` scales (``scaling="mx_even"``);
 ``fp8-blockwise`` (DeepSeek-V3's: E4M3, FP32 factors per block of 128 and per weight tile of
 128 x 128: the 64-wide operands in one block or tile, the 192- and 256-wide ones in two);
-``nvfp4``
-(E2M1 everywhere, an E4M3 factor per block of 16 under an FP32 one per tensor, errors
+``nvfp4`` (E2M1 everywhere, an E4M3 factor per block of 16 under an FP32 one per tensor, errors
 rounded stochastically), and with its errors rounded to nearest; torchao's
 ``convert_to_float8_training`` in its CPU emulation (its tensorwise, rowwise and
 rowwise_with_gw_hp recipes).
@@ -74,6 +74,7 @@ def torchao_float8(recipe: str) -> Callable[[nn.Module], nn.Module]:
 
 
 POW2 = {"scaling": "tensorwise_pow2"}
+EVEN = {"scaling": "mx_even"}
 # row -> (how the model is prepared, loss scaling)
 ROWS: dict[str, tuple[Callable[[nn.Module], nn.Module], str]] = {
     "FP32": (lambda model: model, "none"),
@@ -97,6 +98,10 @@ ROWS: dict[str, tuple[Callable[[nn.Module], nn.Module], str]] = {
     "fp8-rowwise-gw-hp": (lowprec({"recipe": "fp8-rowwise-gw-hp"}), "none"),
     "torchao float8 (rowwise_with_gw_hp, emulated)": (torchao_float8("rowwise_with_gw_hp"), "none"),
     "mxfp8": (lowprec({"recipe": "mxfp8"}), "none"),
+    "mxfp8, EVEN scales": (
+        lowprec({"recipe": "mxfp8", "weight": EVEN, "activation": EVEN, "error": EVEN}),
+        "none",
+    ),
     "fp8-blockwise": (lowprec({"recipe": "fp8-blockwise"}), "none"),
     "nvfp4": (lowprec({"recipe": "nvfp4"}), "none"),
     "nvfp4, errors rounded to nearest": (
