@@ -252,8 +252,8 @@ class _Layers:
                 sites = _operand_sites(node, ctx)
                 if len(sites) == 2 and {site.role for site in sites} == {"activation"} and _one_layer(sites):
                     shared.update(site.offset for site in sites)
-        gradients = _input_gradients(gm)
         backward = any(map(is_tangent, gm.graph.find_nodes(op="placeholder")))
+        gradients = _input_gradients(gm) if backward else {}
         frozen, trained = set(), set()
         # a weight site's rounding, or the weight computed in the graph it rounds -> whether
         # that weight is frozen
@@ -320,11 +320,9 @@ class _Layers:
 
 
 def _input_gradients(gm: torch.fx.GraphModule) -> dict[torch.fx.Node, torch.fx.Node | None]:
-    """Each differentiable input of a joint graph and its gradient output (``None``: it gets
-    none, a frozen weight), as AOT autograd's descriptors pair them; empty without a
-    backward, or where the descriptors do not pair them (tensor subclasses)."""
-    if not any(map(is_tangent, gm.graph.find_nodes(op="placeholder"))):
-        return {}
+    """Each differentiable input of a joint graph (with a backward) and its gradient output
+    (``None``: it gets none, a frozen weight), as AOT autograd's descriptors pair them;
+    empty where they do not pair them (tensor subclasses)."""
     try:
         pairs = get_all_input_and_grad_nodes(gm.graph)
     except (RuntimeError, KeyError, AttributeError, AssertionError):
