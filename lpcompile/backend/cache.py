@@ -25,6 +25,8 @@ from typing import Any
 import torch.fx
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
+from lpcompile.numerics import source_digest
+
 # The modules whose Python ends up in Inductor's compiled code: the operators and their
 # decompositions, what they call, the function traced in place of small convolutions,
 # the passes run inside Inductor's compile and the lists that order them.
@@ -50,10 +52,7 @@ TRACED_SOURCES = (
 
 def source_hash(package: Path) -> str:
     """Hash of :data:`TRACED_SOURCES` under ``package`` (the lpcompile folder)."""
-    digest = hashlib.sha256()
-    for name in TRACED_SOURCES:
-        digest.update((package / name).read_bytes())
-    return digest.hexdigest()
+    return source_digest(package, TRACED_SOURCES)
 
 
 @functools.cache

@@ -8,11 +8,24 @@ imports it once Inductor itself is loaded, so ``import lpcompile`` stays cheap.
 
 from __future__ import annotations
 
+import hashlib
 import importlib
 import importlib.abc
 import importlib.util
 import sys
+from collections.abc import Iterable
+from pathlib import Path
 from types import ModuleType
+
+
+def source_digest(folder: Path, names: Iterable[str]) -> str:
+    """The SHA-256 of the files ``names`` under ``folder``, in order (a cache key of the
+    code compiled from them)."""
+    digest = hashlib.sha256()
+    for name in names:
+        digest.update((folder / name).read_bytes())
+    return digest.hexdigest()
+
 
 # The Inductor module whose import brings lowprec's decompositions and lowerings in.
 INDUCTOR_MODULE = "torch._inductor.compile_fx"

@@ -574,6 +574,36 @@ def test_inductor_cache_keys_follow_the_operator_sources(tmp_path):
     assert source_hash(copy) != source_hash(package)
 
 
+def test_plain_inductor_keys_lowprec_operators_by_their_lowering(monkeypatch):
+    """A plain ``torch.compile`` of ``lpcompile.quantize`` never passes through the backend's
+    cache stamp: the lowerings' source hash in ``cache_key_tag`` keys its graphs."""
+    from pathlib import Path
+
+    from torch._dynamo.utils import counters
+    from torch._inductor.utils import fresh_cache
+
+    from lpcompile.numerics import lowering, source_digest
+
+    folder = Path(lowering.__file__).parent
+    digest = source_digest(folder, sorted(path.name for path in folder.glob("*.py")))
+    tag = torch.compiler.config.cache_key_tag
+    assert f"lowprec-{digest[:16]}" in tag
+
+    def compile_once() -> None:
+        torch._dynamo.reset()
+        torch.compile(lambda x: lpcompile.quantize(x, "e4m3"))(torch.randn(64))
+
+    counters.clear()
+    with fresh_cache():
+        compile_once()
+        compile_once()
+        assert counters["inductor"]["fxgraph_cache_hit"] == 1, dict(counters["inductor"])
+        edited = tag.replace("lowprec-", "lowprec-edited-")
+        monkeypatch.setattr(torch.compiler.config, "cache_key_tag", edited)
+        compile_once()  # (as after an upgrade of the lowerings)
+        assert counters["inductor"]["fxgraph_cache_miss"] == 2, dict(counters["inductor"])
+
+
 def test_joint_warnings_are_kept_by_graph_inputs_and_modes(tmp_path, monkeypatch):
     """What the joint passes warned, kept beside Inductor's cache for compiles it serves."""
     from lpcompile.backend.cache import joint_warnings_key, load_joint_warnings, save_joint_warnings
