@@ -8,6 +8,7 @@ imports it once Inductor itself is loaded, so ``import lpcompile`` stays cheap.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib
 import importlib.abc
@@ -19,12 +20,37 @@ from types import ModuleType
 
 
 def source_digest(folder: Path, names: Iterable[str]) -> str:
-    """The SHA-256 of the files ``names`` under ``folder``, in order (a cache key of the
-    code compiled from them)."""
+    """The SHA-256 of the files ``names`` under ``folder``, each with its name and length,
+    in order (a cache key of the code compiled from them)."""
     digest = hashlib.sha256()
     for name in names:
-        digest.update((folder / name).read_bytes())
+        data = (folder / name).read_bytes()
+        digest.update(f"{name}\0{len(data)}\0".encode() + data)
     return digest.hexdigest()
+
+
+def lowering_tag(folder: Path) -> str:
+    """``lowprec-`` and a hash of the modules under ``folder`` (this package's), which
+    define lowprec's operators and how Inductor lowers them."""
+    return "lowprec-" + source_digest(folder, sorted(path.name for path in folder.glob("*.py")))[:16]
+
+
+@functools.cache
+def _own_lowering_tag() -> str:
+    return lowering_tag(Path(__file__).parent)
+
+
+def tag_inductor_cache_keys() -> None:
+    """Append :func:`lowering_tag` to ``torch.compiler.config.cache_key_tag``
+    (process-wide) unless it is there, so that Inductor's and AOT autograd's caches key
+    every graph by the code that lowers lowprec's operators, whichever backend compiles it
+    (a plain ``torch.compile`` of :func:`lpcompile.quantize` too)."""
+    import torch.compiler.config
+
+    tag = _own_lowering_tag()
+    current = torch.compiler.config.cache_key_tag
+    if tag not in current:
+        torch.compiler.config.cache_key_tag = f"{current}-{tag}" if current else tag
 
 
 # The Inductor module whose import brings lowprec's decompositions and lowerings in.
@@ -53,7 +79,10 @@ class _AfterInductor(importlib.abc.MetaPathFinder):
 
 def register_when_inductor_loads() -> None:
     """Register lowprec's Inductor decompositions now if Inductor is loaded, else as soon
-    as it is (before its first compile copies its decomposition table)."""
+    as it is (before its first compile copies its decomposition table); tag the cache keys
+    now (:func:`tag_inductor_cache_keys`: Dynamo's profile-guided shapes key on the tag
+    too, before Inductor loads)."""
+    tag_inductor_cache_keys()
     if INDUCTOR_MODULE in sys.modules:
         importlib.import_module("lpcompile.numerics.lowering")
     elif not any(isinstance(finder, _AfterInductor) for finder in sys.meta_path):

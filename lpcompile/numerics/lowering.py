@@ -27,7 +27,6 @@ Inductor itself is imported (a plain ``torch.compile`` of code that calls
 from __future__ import annotations
 
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 from torch._inductor import decomposition, ir
@@ -36,7 +35,7 @@ from torch._inductor.lowering import lowerings, register_lowering, to_dtype
 from torch._inductor.utils import sympy_product
 from torch._inductor.virtualized import V, ops
 
-from lpcompile.numerics import predict, rng, scale_grad, source_digest  # noqa: F401  (their operators)
+from lpcompile.numerics import predict, rng, scale_grad, tag_inductor_cache_keys  # noqa: F401  (operators)
 from lpcompile.numerics.formats import parse_format
 from lpcompile.numerics.quantize import (
     AMAX_FLOOR,
@@ -332,23 +331,11 @@ def refresh_inductor_decompositions() -> None:
     through the entry point) lacks them: Inductor would call the reference
     operators instead of fusing them (the same numbers, several times slower),
     and its cache would keep that graph. The backend runs this before each of
-    its Inductor compiles.
+    its Inductor compiles; it also puts lowprec's tag back into the cache keys.
     """
     if not decomposition.decompositions.keys() <= decomposition.select_decomp_table().keys():
         decomposition.fast_random_decomps.cache_clear()  # registered since the copy was made
-
-
-def tag_inductor_cache_keys() -> None:
-    """Append a hash of these modules' sources to ``torch.compiler.config.cache_key_tag``
-    (process-wide), so that Inductor's cache keys every graph it compiles by the code that
-    lowers lowprec's operators, whichever backend compiles them (a plain ``torch.compile``
-    of :func:`lpcompile.quantize` too, which the backend's own cache stamp never reaches)."""
-    folder = Path(__file__).parent
-    tag = "lowprec-" + source_digest(folder, sorted(path.name for path in folder.glob("*.py")))[:16]
-    current = torch.compiler.config.cache_key_tag
-    if tag not in current:
-        torch.compiler.config.cache_key_tag = f"{current}-{tag}" if current else tag
+    tag_inductor_cache_keys()  # (again, where a config patch or assignment dropped it)
 
 
 refresh_inductor_decompositions()
-tag_inductor_cache_keys()

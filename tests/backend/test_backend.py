@@ -574,20 +574,26 @@ def test_inductor_cache_keys_follow_the_operator_sources(tmp_path):
     assert source_hash(copy) != source_hash(package)
 
 
-def test_plain_inductor_keys_lowprec_operators_by_their_lowering(monkeypatch):
+def test_plain_inductor_keys_lowprec_operators_by_their_lowering(tmp_path):
     """A plain ``torch.compile`` of ``lpcompile.quantize`` never passes through the backend's
     cache stamp: the lowerings' source hash in ``cache_key_tag`` keys its graphs."""
+    import shutil
     from pathlib import Path
 
     from torch._dynamo.utils import counters
     from torch._inductor.utils import fresh_cache
 
-    from lpcompile.numerics import lowering, source_digest
+    from lpcompile import numerics
+    from lpcompile.numerics import lowering_tag
 
-    folder = Path(lowering.__file__).parent
-    digest = source_digest(folder, sorted(path.name for path in folder.glob("*.py")))
+    folder = Path(numerics.__file__).parent
+    copy = tmp_path / "numerics"
+    shutil.copytree(folder, copy)
     tag = torch.compiler.config.cache_key_tag
-    assert f"lowprec-{digest[:16]}" in tag
+    assert lowering_tag(folder) == lowering_tag(copy) in tag
+    with open(copy / "quantize.py", "a") as f:  # an upgraded lowering
+        f.write("\n# a change to the rounding\n")
+    assert lowering_tag(copy) != lowering_tag(folder)
 
     def compile_once() -> None:
         torch._dynamo.reset()
@@ -598,10 +604,15 @@ def test_plain_inductor_keys_lowprec_operators_by_their_lowering(monkeypatch):
         compile_once()
         compile_once()
         assert counters["inductor"]["fxgraph_cache_hit"] == 1, dict(counters["inductor"])
-        edited = tag.replace("lowprec-", "lowprec-edited-")
-        monkeypatch.setattr(torch.compiler.config, "cache_key_tag", edited)
-        compile_once()  # (as after an upgrade of the lowerings)
+        edited = tag.replace(lowering_tag(folder), lowering_tag(copy))
+        with torch.compiler.config.patch(cache_key_tag=edited):
+            compile_once()
         assert counters["inductor"]["fxgraph_cache_miss"] == 2, dict(counters["inductor"])
+    # a config patch that dropped the tag: the backend's next compile puts it back
+    with torch.compiler.config.patch(cache_key_tag=""):
+        torch._dynamo.reset()
+        torch.compile(nn.Linear(4, 4), backend="lowprec")(torch.randn(2, 4))
+        assert torch.compiler.config.cache_key_tag == lowering_tag(folder)
 
 
 def test_joint_warnings_are_kept_by_graph_inputs_and_modes(tmp_path, monkeypatch):
