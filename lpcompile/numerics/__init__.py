@@ -3,7 +3,8 @@ their reference implementations, and how Inductor compiles them. Knows no graphs
 
 The operator modules (:mod:`.quantize`, :mod:`.scale_grad`, :mod:`.predict`) import
 torch only. :mod:`.lowering` imports Inductor; :func:`register_when_inductor_loads`
-imports it once Inductor itself is loaded, so ``import lpcompile`` stays cheap.
+imports it once Inductor itself is loaded, so ``import lpcompile`` stays cheap. It also
+tags every Inductor cache key with a hash of these modules (:func:`tag_inductor_cache_keys`).
 """
 
 from __future__ import annotations

@@ -35,7 +35,7 @@ from torch._inductor.lowering import lowerings, register_lowering, to_dtype
 from torch._inductor.utils import sympy_product
 from torch._inductor.virtualized import V, ops
 
-from lpcompile.numerics import predict, rng, scale_grad, tag_inductor_cache_keys  # noqa: F401  (operators)
+from lpcompile.numerics import predict, rng, scale_grad, tag_inductor_cache_keys  # noqa: F401  (scale_grad's ops)
 from lpcompile.numerics.formats import parse_format
 from lpcompile.numerics.quantize import (
     AMAX_FLOOR,
