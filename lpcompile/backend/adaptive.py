@@ -141,6 +141,7 @@ class AdaptiveScaleState:
         self.weights = [None if w is None else weakref.ref(w) for w in weights]
         self.owners = [None if w is None else weakref.ref(w) for w in owners]
         self.out_dims = layout.out_dims
+        self.groups = layout.groups
         self.fmt = parse_format(layout.fmt)
         self.config = config = layout.config
         count = len(self.layers)
@@ -246,8 +247,8 @@ class AdaptiveScaleState:
             needed = [quantile_scale(s, self.fmt, self.config.underflow) for s in stats]
         else:
             needed = [
-                approx_range_scale(s, None if w is None else w(), self.fmt, self.config.underflow, dim)
-                for s, w, dim in zip(stats, self.weights, self.out_dims, strict=True)
+                approx_range_scale(s, None if w is None else w(), self.fmt, self.config.underflow, dim, g)
+                for s, w, dim, g in zip(stats, self.weights, self.out_dims, self.groups, strict=True)
             ]
         return needed, [overflow_cap(s, self.fmt) for s in stats]
 

@@ -99,7 +99,12 @@ def quantile_scale(stats: torch.Tensor, fmt: FloatFormat, underflow: float) -> f
 
 
 def approx_range_scale(
-    stats: torch.Tensor, weight: torch.Tensor | None, fmt: FloatFormat, underflow: float, out_dim: int = 0
+    stats: torch.Tensor,
+    weight: torch.Tensor | None,
+    fmt: FloatFormat,
+    underflow: float,
+    out_dim: int = 0,
+    groups: int = 1,
 ) -> float | None:
     """The authors' Gaussian rule, on the products ``g·W`` of the input-gradient matmul.
 
@@ -107,7 +112,8 @@ def approx_range_scale(
     ``fan_in`` is the number of products each input-gradient element sums: the
     weight's output features (times the kernel size for a convolution), as in the
     authors' ``get_fan_in`` on Chainer's (out, in, ...) weights; ``out_dim`` is the
-    dimension holding them (1 for a transposed convolution's (in, out/groups, ...)).
+    dimension holding them (1 for a transposed convolution's (in, out/groups, ...)), and a
+    grouped convolution's element sums one of its ``groups`` of them.
     Layers without a weight fall back to :func:`quantile_scale`.
     """
     if weight is None:
@@ -116,7 +122,7 @@ def approx_range_scale(
     second_g = stats[EXP_BINS + 1].item() / max(numel, 1)  # σ_g² + μ_g² is the second moment
     w = weight.detach().to(torch.float64)
     second_w = whole_tensor((w * w).mean()).item()  # a tensor-parallel weight's shards together
-    fan_in = w.shape[out_dim] * math.prod(w.shape[2:])
+    fan_in = w.shape[out_dim] // groups * math.prod(w.shape[2:])
     sigma = math.sqrt(second_g * second_w * fan_in / 2)
     if sigma == 0 or not math.isfinite(sigma):
         return None

@@ -111,6 +111,15 @@ def test_approx_range_rule_matches_its_formula():
         math.sqrt(2) * torch.special.erfinv(torch.tensor(1e-3, dtype=torch.float64)).item() * sigma
     )
     assert s == 2.0 ** math.floor(math.log2(alpha))
+    # a depthwise convolution's weight is (out, in/groups, kh, kw): each input-gradient
+    # element sums one group's 64/64 output channels over the 3 x 3 taps
+    w = torch.randn(64, 1, 3, 3) * 0.05
+    s = approx_range_scale(gradient_stats(g, "histogram"), w, E5M2, 1e-3, groups=64)
+    sigma = math.sqrt(second_g * (w.double() ** 2).mean().item() * 1 * 9 / 2)
+    alpha = E5M2.min_subnormal / (
+        math.sqrt(2) * torch.special.erfinv(torch.tensor(1e-3, dtype=torch.float64)).item() * sigma
+    )
+    assert s == 2.0 ** math.floor(math.log2(alpha))
 
 
 def test_a_transposed_convolution_is_scaled_by_its_output_channels():
@@ -128,6 +137,44 @@ def test_a_transposed_convolution_is_scaled_by_its_output_channels():
     (state,) = REGISTRY.adaptive_states(model)
     assert state.layers == ["0", "2"] and state.out_dims == (1, 0)
     assert all(t.history for t in state.telemetry) and min(state.scales.tolist()) > 1
+
+
+def test_a_grouped_convolution_is_scaled_by_one_group(monkeypatch):
+    """The layout carries each convolution's groups, which the approx_range rule divides
+    the summed output channels by; ``groups`` passed by keyword counts too."""
+    torch.manual_seed(0)
+    called = []
+
+    def spy(stats, weight, fmt, underflow, out_dim=0, groups=1):
+        called.append((tuple(weight.shape) if weight is not None else None, groups))
+        return approx_range_scale(stats, weight, fmt, underflow, out_dim, groups)
+
+    monkeypatch.setattr(lpcompile.backend.adaptive, "approx_range_scale", spy)
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.depthwise = nn.Conv2d(8, 8, 3, groups=8)
+            self.grouped = nn.Conv2d(8, 4, 1, groups=2)
+            self.head = nn.Linear(4 * 3 * 3, 3)
+
+        def forward(self, x):
+            x = F.conv2d(x, self.depthwise.weight, groups=8)
+            return self.head(self.grouped(x).flatten(1))
+
+    model = Net()
+    options = {"recipe": "fp8-e5m2-als", "executor": "eager", "loss_scale_rule": "approx_range"}
+    run = torch.compile(model, backend="lowprec", options=options)
+    opt, scaler = torch.optim.SGD(model.parameters(), lr=0.01), LossScaler("adaptive")
+    for _ in range(3):
+        opt.zero_grad()
+        scaler.scale(run(torch.randn(4, 8, 5, 5)).square().mean() * 2.0**-12).backward()
+        scaler.step(opt)
+        scaler.update()
+    (state,) = REGISTRY.adaptive_states(model)
+    assert state.layers == ["depthwise.weight", "grouped", "head"] and state.groups == (8, 2, 1)
+    assert all(t.history for t in state.telemetry)
+    assert set(called) == {((8, 1, 3, 3), 8), ((4, 4, 1, 1), 2), ((3, 36), 1)}
 
 
 def test_bounds_apply_top_down_and_overflow_wins():

@@ -87,6 +87,7 @@ class AdaptiveLayout:
     fmt: str  # the error format
     config: AdaptiveScaleConfig
     out_dims: tuple[int, ...]  # the dimension of each weight that holds the output features
+    groups: tuple[int, ...]  # each layer's convolution groups (1 for every other layer)
     recording: str = RECORD_IN_VARIANT  # RECORD_UNDER_COND, RECORD_EVERY_CALL or RECORD_IN_VARIANT
 
 
@@ -129,6 +130,16 @@ def _out_dim(call: torch.fx.Node, weight: torch.fx.Node | None) -> int:
     operands = [call.args[i] for i in product_operands(call)]
     right = operands.index(weight) == len(operands) - 1
     return int(right != _transposes(weight))
+
+
+def _groups(call: torch.fx.Node) -> int:
+    """A convolution's ``groups`` (its weight's output features split among them: each
+    input-gradient element sums one group's); 1 for a transposed convolution, whose weight
+    holds one group's output features already, and for every other layer."""
+    if call.target not in CONV_TARGETS:
+        return 1
+    groups = call.kwargs.get("groups", call.args[6] if len(call.args) > 6 else 1)
+    return groups if isinstance(groups, int) else 1
 
 
 def _nodes_in(arg: Any) -> list[torch.fx.Node]:
@@ -202,7 +213,7 @@ def insert_loss_scale(gm: torch.fx.GraphModule, ctx: CompileContext) -> None:
     }
     for name, example in examples.items():  # the Dynamo graph's inputs first, in this order
         ctx.add_input(gm, name, example)
-    layers, weight_inputs, out_dims = [], [], []
+    layers, weight_inputs, out_dims, groups = [], [], [], []
     for i, (graph, call) in enumerate(calls):
         layer = layer_name(call)
         scales, inverses, hist, flags, *record = (
@@ -225,6 +236,7 @@ def insert_loss_scale(gm: torch.fx.GraphModule, ctx: CompileContext) -> None:
             weight = None if is_function_call(call) else weight_operand(call)
             is_weight = weight is not None
             out_dims.append(_out_dim(call, weight))  # before the operands are wrapped below
+            groups.append(_groups(call))
             trained = is_weight and needs_grad(weight)
             counted = None if trained else min((arg for _, arg in inputs), key=_numel, default=None)
             for where, arg in inputs:
@@ -254,5 +266,6 @@ def insert_loss_scale(gm: torch.fx.GraphModule, ctx: CompileContext) -> None:
         ctx.config.error.fmt,
         ctx.config.adaptive,
         tuple(out_dims),
+        tuple(groups),
         recording,
     )
