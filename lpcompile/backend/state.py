@@ -111,8 +111,9 @@ class Entry:
     adaptive: dict[int, AdaptiveScaleState] = field(default_factory=dict)  # graph id -> state
     optimizer: weakref.ref | None = None  # the optimizer serving this weight's predictions
     graphs: set[int] = field(default_factory=set)  # ids of the graphs compiled for this model
-    # graph id -> (its counted sites, per site its range counts summed over its calls, calls)
-    saturation: dict[int, tuple[list[Site], torch.Tensor, int]] = field(default_factory=dict)
+    # graph id -> (its counted sites, per site its range counts and the calls that ran it,
+    # summed over the graph's calls)
+    saturation: dict[int, tuple[list[Site], torch.Tensor]] = field(default_factory=dict)
     # graph id -> (its counted gradient sites, the probe whose gradient sums per site its
     # range counts and the backward passes)
     gradient_saturation: dict[int, tuple[list[Site], torch.Tensor]] = field(default_factory=dict)
@@ -394,15 +395,14 @@ class Registry:
     def count_saturation(
         self, key: torch.Tensor, graph_id: int, sites: list[Site], counts: torch.Tensor
     ) -> None:
-        """Add one call's saturation ``counts`` (per site: its range counts) of graph
-        ``graph_id`` to ``key``'s model's totals (on the device: no synchronisation)."""
+        """Add one call's saturation ``counts`` (per site: its range counts, and 1 where the
+        call ran it) of graph ``graph_id`` to ``key``'s model's totals (on the device: no
+        synchronisation)."""
         totals = self.entry(key).saturation
-        found = totals.get(graph_id)
-        if found is None:
-            totals[graph_id] = (sites, counts.clone(), 1)
+        if graph_id not in totals:
+            totals[graph_id] = (sites, counts.clone())
         else:
-            found[1].add_(counts)
-            totals[graph_id] = (sites, found[1], found[2] + 1)
+            totals[graph_id][1].add_(counts)
 
     def gradient_probe(
         self, key: torch.Tensor, graph_id: int, sites: list[Site], device: torch.device
@@ -520,8 +520,9 @@ class SaturationCount:
     role: str
     fmt: str
     graph_id: int
-    # what was counted: calls of the graph (weights, activations), or backward passes
-    # through the site (errors, weight gradients)
+    # what was counted: calls of the graph that ran the site (weights, activations: a
+    # torch.cond branch's only where it was taken), or backward passes through the site
+    # (errors, weight gradients)
     calls: int
     saturated: int  # inputs beyond the largest finite value, infinities included
     nonfinite: int  # inputs that were inf or NaN
@@ -545,8 +546,9 @@ def saturation(model: torch.nn.Module) -> list[SaturationCount]:
         for graph_id in sorted(set(entry.saturation) | set(entry.gradient_saturation)):
             found = []
             if graph_id in entry.saturation:
-                sites, counts, calls = entry.saturation[graph_id]
-                found += [(site, calls, *row) for site, row in zip(sites, counts.tolist(), strict=True)]
+                sites, counts = entry.saturation[graph_id]
+                per_site = zip(sites, counts.tolist(), strict=True)
+                found += [(site, calls, *row) for site, (*row, calls) in per_site]
             if graph_id in entry.gradient_saturation:
                 sites, probe = entry.gradient_saturation[graph_id]
                 totals = torch.zeros_like(probe) if probe.grad is None else probe.grad

@@ -164,7 +164,8 @@ def range_counts(x: torch.Tensor, fmt: str, scaling: str = "none") -> torch.Tens
     )
 
 
-# counts per gradient site in a count_grad probe: range_counts' four, then backward passes
+# counts per site, in a count_grad probe (a gradient site's) as in the forward sites' rows:
+# range_counts' four, then the backward passes (calls) that ran the site
 PROBE_SIZE = 5
 
 

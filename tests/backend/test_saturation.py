@@ -123,6 +123,87 @@ def test_counts_what_each_layer_saturates(executor, checkpointed):
     assert counted == expected
 
 
+class Branches(nn.Module):
+    """A layer in each branch of a ``torch.cond``, then one after it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b, self.head = nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 2)
+        with torch.no_grad():
+            self.b.weight[0, 0] = 1e5
+
+    def forward(self, x: torch.Tensor, take_a: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.cond(take_a, lambda x: self.a(x), lambda x: self.b(x), (x,)))
+
+
+@pytest.mark.parametrize("executor", ["eager", pytest.param("inductor", marks=pytest.mark.slow)])
+def test_counts_the_branch_each_call_took(executor):
+    """A ``torch.cond`` branch's weights and activations are counted on the calls that take
+    it; the branch not taken adds nothing, its call count included."""
+    model = Branches()
+    options = {"recipe": "fp8-e5m2", "saturation": "count", "executor": executor}
+    run = torch.compile(model, backend="lowprec", options=options)
+    inputs = [(_input(), True), (torch.randn(3, 4), False), (torch.randn(3, 4) * 1e5, True)]
+    for x, take_a in inputs:
+        run(x, torch.tensor(take_a)).sum().backward()
+    rows = {(r.layer, r.role): _row(r) for r in lpcompile.saturation(model) if r.role in FORWARD_ROLES}
+
+    def total(xs: list[torch.Tensor]) -> tuple[int, ...]:
+        return (len(xs), *(sum(n) for n in zip(*map(_counts, xs), strict=True)))
+
+    taken = {name: [x for x, take_a in inputs if take_a == (name == "a")] for name in ("a", "b")}
+    for name in ("a", "b"):
+        layer = getattr(model, name)
+        assert rows[(name, "activation")] == total(taken[name])
+        assert rows[(name, "weight")] == total([layer.weight] * len(taken[name]))
+    assert rows[("b", "weight")][1] == 1, "b's saturated weight, counted on the one call that took b"
+    assert rows[("head", "weight")][0] == 3
+    backward = {
+        (r.layer, r.role): r.calls for r in lpcompile.saturation(model) if r.role not in FORWARD_ROLES
+    }
+    assert backward[("a", "error")] == 2 and backward[("b", "error")] == 1
+
+
+def test_roundings_inside_a_function_are_named_as_uncounted():
+    class Product(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, w):
+            ctx.save_for_backward(x, w)
+            return x @ w.T
+
+        @staticmethod
+        def backward(ctx, g):
+            x, w = ctx.saved_tensors
+            return g @ w, g.T @ x
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = nn.Parameter(torch.randn(4, 4))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return Product.apply(x, self.w)
+
+    class Model(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inner, self.head = Net(), nn.Linear(4, 2)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.head(self.inner(x))
+
+    model = Model()
+    options = {"recipe": "fp8-e5m2", "saturation": "count", "executor": "eager"}
+    run = torch.compile(model, backend="lowprec", options=options)
+    with pytest.warns(UserWarning, match=r"saturation counts skip the roundings inside .*'inner'"):
+        run(torch.randn(3, 4)).sum().backward()
+    # the Function's weight gradient is rounded outside its bodies: counted
+    assert {(r.layer, r.role) for r in lpcompile.saturation(model) if r.layer != "head"} == {
+        ("inner", "weight_grad")
+    }
+
+
 def test_counts_add_up_over_calls_and_name_a_saturated_weight():
     model = _mlp()
     with torch.no_grad():

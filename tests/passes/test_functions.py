@@ -33,6 +33,22 @@ class LinearFunction(torch.autograd.Function):
         return grad @ w, grad.t() @ x
 
 
+class LinearFunctionT(torch.autograd.Function):
+    """``x @ w.T`` with the ``.T`` attribute: Dynamo passes the forward's ``w.T`` as an input
+    of its own, which gets no gradient, and the gradient to ``w``, which the forward only
+    saves."""
+
+    @staticmethod
+    def forward(ctx, x, w):
+        ctx.save_for_backward(x, w)
+        return x @ w.T
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, w = ctx.saved_tensors
+        return grad @ w, grad.T @ x
+
+
 class TwoOutputs(torch.autograd.Function):
     """Two outputs whose gradients the backward adds: a non-tensor input (``k``) too."""
 
@@ -51,12 +67,13 @@ class TwoOutputs(torch.autograd.Function):
 
 
 class Custom(nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, function: type[torch.autograd.Function] = LinearFunction) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.randn(8, 8) / 3)
+        self.function = function
 
     def forward(self, x):
-        return LinearFunction.apply(x, self.weight)
+        return self.function.apply(x, self.weight)
 
 
 class Model(nn.Module):
@@ -95,11 +112,12 @@ def e5(t: torch.Tensor) -> torch.Tensor:
     return t.to(torch.float8_e5m2).float()
 
 
-def test_a_function_matches_a_hand_written_reference():
+@pytest.mark.parametrize("function", [LinearFunction, LinearFunctionT])
+def test_a_function_matches_a_hand_written_reference(function):
     """Round to nearest even: the forward reads E5M2 operands, the backward an E5M2 error
     and the forward's E5M2 operands, and the weight gradient leaves on the grid (torch's
     own casts as the reference)."""
-    model = Custom()
+    model = Custom(function)
     x = torch.randn(4, 8, requires_grad=True)
     c = torch.randn(4, 8)
     torch._dynamo.reset()

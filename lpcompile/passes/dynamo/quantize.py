@@ -745,16 +745,24 @@ def _quantize_function(gm: torch.fx.GraphModule, ctx: CompileContext, call: torc
     operands computed from the outputs' gradients as errors and those read from saved
     tensors with their forward role, a saved tensor the forward rounded with the forward's
     random stream (the same bits). The gradient it returns for a parameter its forward
-    multiplies is rounded as a weight gradient.
+    multiplies is rounded as a weight gradient: on each input reading that parameter that
+    the backward returns a gradient for (Dynamo may pass a view the forward multiplies,
+    ``w.T``, as an input of its own, and the gradient to the parameter itself).
     """
     config, layer = ctx.config, layer_name(call)
     forward, backward = function_bodies(gm, call)
     rounded = _round_body_operands(forward, ctx, layer, set(), {})
     if torch.is_grad_enabled():  # (compiled under no_grad, its backward never runs)
         spec = config.weight_grad
-        for index, inner in enumerate(forward.graph.find_nodes(op="placeholder")[: len(call.args) - 2], 2):
-            weight = inner in rounded and rounded[inner].role == Role.WEIGHT.value
-            if spec.enabled and weight and needs_grad(arg := call.args[index]):
+        inputs = forward.graph.find_nodes(op="placeholder")[: len(call.args) - 2]
+        multiplied = {
+            id(parameter_of(inner)) for inner, site in rounded.items() if site.role == Role.WEIGHT.value
+        }
+        (gradients,) = backward.graph.output_node().args
+        for index, inner in enumerate(inputs, 2):
+            weight = parameter_of(inner) is not None and id(parameter_of(inner)) in multiplied
+            returned = len(gradients) != len(inputs) or gradients[index - 2] is not None
+            if spec.enabled and weight and returned and needs_grad(arg := call.args[index]):
                 call.update_arg(index, _insert(gm, ctx, arg, Role.WEIGHT_GRAD, layer, spec, True, call))
         grads, saved = backward_inputs(forward, backward)
         pairs = zip(saved, saved_values(forward), strict=True)

@@ -13,20 +13,27 @@ any loss scale), and returns its counts as its row of the probe's gradient.
 from __future__ import annotations
 
 import operator
+import warnings
 from typing import Any
 
 import torch
 import torch.fx
 
 from lpcompile.numerics.quantize import scaling_argument, whole_tensor
-from lpcompile.numerics.scale_grad import count_probe, range_counts
+from lpcompile.numerics.scale_grad import PROBE_SIZE, count_probe, range_counts
 from lpcompile.passes.driver import CompileContext, Site
-from lpcompile.passes.dynamo.quantize import checkpoint_bodies, graph_input, nodes_in_run_order
-from lpcompile.passes.graph import inline, needs_grad
+from lpcompile.passes.dynamo.quantize import (
+    checkpoint_bodies,
+    cond_branches,
+    graph_input,
+    nodes_in_run_order,
+)
+from lpcompile.passes.graph import FUNCTION_APPLY, inline, layer_name, needs_grad, shown_name
 
 QUANTIZE = torch.ops.lowprec.quantize.default
 QUANTIZE_GRAD = torch.ops.lowprec.quantize_grad.default
 COUNT_GRAD = torch.ops.lowprec.count_grad.default
+COUNTED = (QUANTIZE, QUANTIZE_GRAD)
 # The probe input: per counted gradient site, its range_counts, then backward passes.
 SATURATION_INPUT = "lowprec_saturation"
 
@@ -36,8 +43,7 @@ def counts_saturation(gm: torch.fx.GraphModule, ctx: CompileContext, kind: str) 
     if ctx.config.saturation == "off":
         return False
     graphs = [module.graph for module in gm.modules() if isinstance(module, torch.fx.GraphModule)]
-    targets = (QUANTIZE, QUANTIZE_GRAD)
-    return any(graph.find_nodes(op="call_function", target=t) for graph in graphs for t in targets)
+    return any(graph.find_nodes(op="call_function", target=t) for graph in graphs for t in COUNTED)
 
 
 def gradient_sites(gm: torch.fx.GraphModule) -> list[tuple[torch.fx.GraphModule, torch.fx.Node]]:
@@ -55,13 +61,15 @@ def gradient_sites(gm: torch.fx.GraphModule) -> list[tuple[torch.fx.GraphModule,
 def insert_saturation_counts(gm: torch.fx.GraphModule, ctx: CompileContext) -> None:
     """Count, per call, where the inputs of each forward quantize node of ``gm`` and of the
     checkpoint bodies it calls lie against the format's range
-    (:func:`~lpcompile.numerics.scale_grad.range_counts`), in an int64 ``(sites, 4)`` tensor
-    appended to the outputs (:attr:`CompileContext.counted` names its sites; the backend's
-    wrapper takes it off; a body returns its rows as one more output). With a backward to
+    (:func:`~lpcompile.numerics.scale_grad.range_counts`, then 1: the call ran the site), in
+    an int64 ``(sites, PROBE_SIZE)`` tensor appended to the outputs
+    (:attr:`CompileContext.counted` names its sites; the backend's wrapper takes it off; a
+    body returns its rows as one more output). With a backward to
     come, count the same of each gradient a ``quantize_grad`` site rounds, and the backward
     passes that reached it, in the gradient of the float64 probe input
     ``lowprec_saturation`` (a row of ``PROBE_SIZE`` per site;
     :attr:`CompileContext.counted_grads` names its sites)."""
+    warn_uncounted_functions(gm)
     counted, counts = _forward_counts(gm, ctx)
     if counts is not None:
         ctx.counted = counted
@@ -73,11 +81,36 @@ def insert_saturation_counts(gm: torch.fx.GraphModule, ctx: CompileContext) -> N
         _count_gradients(gm, ctx)
 
 
+def warn_uncounted_functions(gm: torch.fx.GraphModule) -> None:
+    """Warn about the custom ``torch.autograd.Function`` calls (in ``gm`` or in the bodies it
+    calls) whose bodies round values: their sites are not counted."""
+    found = []
+    for graph in gm.modules():
+        if not isinstance(graph, torch.fx.GraphModule):
+            continue
+        for call in graph.graph.find_nodes(op="call_function", target=FUNCTION_APPLY):
+            bodies = [getattr(graph, body.target) for body in call.args[:2]]
+            if any(b.graph.find_nodes(op="call_function", target=t) for b in bodies for t in COUNTED):
+                found.append(repr(shown_name(layer_name(call))))
+    if found:
+        warnings.warn(
+            f"lowprec: saturation counts skip the roundings inside custom autograd.Function calls"
+            f" {', '.join(dict.fromkeys(found))}: they round, uncounted (products written as modules"
+            " outside a Function are counted)",
+            stacklevel=1,
+        )
+
+
 def _forward_counts(gm: torch.fx.GraphModule, ctx: CompileContext) -> tuple[list[Site], torch.fx.Node | None]:
-    """The sites of the forward quantize nodes of ``gm`` and of the checkpoint bodies it
-    calls (each call has a body of its own), in the order they run, and a node before
-    ``gm``'s output holding their range counts, one row each (None without sites)."""
+    """The sites of the forward quantize nodes of ``gm`` and of the checkpoint bodies and
+    ``torch.cond`` branches it calls (each call has bodies of its own), in the order they
+    run (a cond's true branch first), and a node before ``gm``'s output holding their range
+    counts, one row each (None without sites). A branch returns a row for each site of
+    both branches, the other's zero."""
     bodies = {call: body for body, call in checkpoint_bodies(gm)}
+    branches: dict[torch.fx.Node, list[torch.fx.GraphModule]] = {}
+    for branch, call in cond_branches(gm):
+        branches.setdefault(call, []).append(branch)
     sites: list[Site] = []
     parts: list[Any] = []  # runs of own quantize nodes (node, range), and bodies' count nodes
     for node in list(gm.graph.nodes):
@@ -93,12 +126,23 @@ def _forward_counts(gm: torch.fx.GraphModule, ctx: CompileContext) -> tuple[list
             if body_counts is not None:
                 sites += body_sites
                 parts.append(_output_of(gm, node, _return_also(body, body_counts), body))
+        elif node in branches:
+            found = [_forward_counts(branch, ctx) for branch in branches[node]]
+            rows = [len(branch_sites) for branch_sites, _ in found]
+            if sum(rows):
+                index = [
+                    _return_also(branch, _branch_rows(branch, counts, sum(rows[:k]), sum(rows[k + 1 :])))
+                    for k, (branch, (_, counts)) in enumerate(zip(branches[node], found, strict=True))
+                ][0]
+                sites += [site for branch_sites, _ in found for site in branch_sites]
+                rows_node = _output_of(gm, node, index, branches[node][0])
+                parts.append(inline(gm, gm.graph.output_node(), _as_counts, {"rows": rows_node}))
     if not parts:
         return sites, None
 
     def count(parts: list[Any]) -> torch.Tensor:
         blocks = [
-            torch.stack([_whole_counts(x, spec) for x, spec in part]) if isinstance(part, list) else part
+            torch.stack([_site_row(x, spec) for x, spec in part]) if isinstance(part, list) else part
             for part in parts
         ]
         return torch.cat(blocks) if len(blocks) > 1 else blocks[0]
@@ -106,11 +150,34 @@ def _forward_counts(gm: torch.fx.GraphModule, ctx: CompileContext) -> tuple[list
     return sites, inline(gm, gm.graph.output_node(), count, {"parts": parts})
 
 
-def _whole_counts(x: torch.fx.Proxy, spec: tuple[str, str]) -> torch.fx.Proxy:
-    """:func:`range_counts` of ``x``, of the whole tensor where ``x`` is a DTensor (tensor
-    parallelism: DTensor's sums of a split tensor hold each rank's part until then),
-    decided when AOT autograd traces the graph."""
-    return x.tracer.create_proxy("call_function", whole_tensor, (range_counts(x, *spec),), {})
+def _site_row(x: torch.fx.Proxy, spec: tuple[str, str]) -> torch.fx.Proxy:
+    """A site's row: :func:`range_counts` of ``x``, of the whole tensor where ``x`` is a
+    DTensor (tensor parallelism: DTensor's sums of a split tensor hold each rank's part
+    until then, decided when AOT autograd traces the graph), then 1 (the call ran it)."""
+    counts = x.tracer.create_proxy("call_function", whole_tensor, (range_counts(x, *spec),), {})
+    return torch.cat([counts, counts.new_ones(1)])
+
+
+def _branch_rows(
+    branch: torch.fx.GraphModule, counts: torch.fx.Node | None, before: int, after: int
+) -> torch.fx.Node:
+    """A node of ``branch`` holding its sites' ``counts`` (None: it has none) between
+    ``before`` and ``after`` zero rows, the other branch's sites, in float64: both branches
+    of a ``torch.cond`` return tensors of one shape, and torch's cond differentiates only
+    float outputs (float64 holds counts exactly up to 2^53)."""
+    # a branch with no sites of its own takes the other's operands, which hold its weights
+    like = counts if counts is not None else branch.graph.find_nodes(op="placeholder")[0]
+
+    def rows(like: torch.fx.Proxy) -> torch.Tensor:
+        zeros = [like.new_zeros((n, PROBE_SIZE), dtype=torch.float64) for n in (before, after)]
+        own = [] if counts is None else [like.to(torch.float64)]
+        return torch.cat([zeros[0], *own, zeros[1]])
+
+    return inline(branch, branch.graph.output_node(), rows, {"like": like})
+
+
+def _as_counts(rows: torch.fx.Proxy) -> torch.Tensor:
+    return rows.detach().to(torch.int64)
 
 
 def _return_also(body: torch.fx.GraphModule, value: torch.fx.Node) -> int:
