@@ -77,6 +77,7 @@ class LayerTelemetry:
     overflow: int = 0  # inf/NaN seen in this layer's gradients since the last refresh
     # (recording call, the s_i that call used, underflow at it)
     history: list[tuple[int, float, float]] = field(default_factory=list)
+    graph_id: int | None = None  # the compiled graph, in lpcompile.stats' rows (None here)
 
 
 # The keys every AdaptiveScaleState.state_dict() has ("recorded", "recorded_call",

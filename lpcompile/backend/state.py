@@ -564,15 +564,16 @@ def saturation(model: torch.nn.Module) -> list[SaturationCount]:
 
 
 def stats(model: torch.nn.Module) -> list[LayerTelemetry]:
-    """Per layer of ``model`` (graph order): scale α, cumulative scale, the last
-    refresh's underflow fraction, overflows since, and the history of refreshes."""
+    """Per compiled graph of ``model`` (compile order) and layer (graph order): scale α,
+    cumulative scale, the last refresh's underflow fraction, overflows since, the history
+    of refreshes, and the graph's id."""
     found = [
         (graph_id, name, s)
         for entry, name in REGISTRY.named_entries(model)
         for graph_id, s in entry.adaptive.items()
     ]
     return [
-        dataclasses.replace(t, layer=qualified_name(name, t.layer)) if name else t
-        for _, name, state in sorted(found, key=lambda item: item[0])
+        dataclasses.replace(t, layer=qualified_name(name, t.layer), graph_id=graph_id)
+        for graph_id, name, state in sorted(found, key=lambda item: item[0])
         for t in state.telemetry
     ]

@@ -426,6 +426,14 @@ def test_a_new_graph_of_the_model_starts_at_its_scales(fresh_dynamo):
     torch.compile(model, backend="lowprec", options=options)(torch.randn(8, 12)).sum().backward()
     fixed = next(s for s in REGISTRY.adaptive_states(model) if s.config.rule == "fixed")
     assert fixed.scales.tolist() == [4.0] * 3
+    # stats lists each graph's layers under its id
+    rows = stats(model)
+    ids = sorted({t.graph_id for t in rows})
+    assert len(ids) == 4 and None not in ids
+    for graph_id, state in zip(ids, (idle, trained, new, fixed), strict=True):
+        assert REGISTRY.adaptive_states(model, graph_id=graph_id) == [state]
+        assert [t.layer for t in rows if t.graph_id == graph_id] == ["0", "2", "4"]
+    assert [t.cumulative for t in rows if t.graph_id == ids[3]] == [4.0] * 3
 
 
 def test_statistics_of_a_skipped_step_hold_no_later_step_back(fresh_dynamo):
