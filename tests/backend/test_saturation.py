@@ -6,6 +6,8 @@ float8 casts."""
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 from grid import torchao_nvfp4
@@ -165,43 +167,64 @@ def test_counts_the_branch_each_call_took(executor):
     assert backward[("a", "error")] == 2 and backward[("b", "error")] == 1
 
 
-def test_roundings_inside_a_function_are_named_as_uncounted():
-    class Product(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, x, w):
-            ctx.save_for_backward(x, w)
-            return x @ w.T
+class Product(torch.autograd.Function):
+    """``x @ w.T`` with a hand-written backward."""
 
-        @staticmethod
-        def backward(ctx, g):
-            x, w = ctx.saved_tensors
-            return g @ w, g.T @ x
+    @staticmethod
+    def forward(ctx, x, w):
+        ctx.save_for_backward(x, w)
+        return x @ w.t()
 
-    class Net(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.w = nn.Parameter(torch.randn(4, 4))
+    @staticmethod
+    def backward(ctx, g):
+        x, w = ctx.saved_tensors
+        return g @ w, g.t() @ x
 
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return Product.apply(x, self.w)
 
-    class Model(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.inner, self.head = Net(), nn.Linear(4, 2)
+class FunctionNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.w = nn.Parameter(torch.randn(2, 4))
+        with torch.no_grad():
+            self.w[1, 2] = 1e5
 
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return self.head(self.inner(x))
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return Product.apply(x, self.w)
 
-    model = Model()
-    options = {"recipe": "fp8-e5m2", "saturation": "count", "executor": "eager"}
+
+class CheckpointedFunction(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = FunctionNet()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.utils.checkpoint.checkpoint(self.net, x, use_reentrant=False)
+
+
+@EXECUTORS_AND_CHECKPOINTING
+def test_counts_the_roundings_of_a_functions_bodies(executor, checkpointed):
+    """A custom Function's forward body counts its weight and activation into the graph's
+    rows, its backward body its error into the probe's gradient; the weight gradient it
+    returns is rounded, and counted, outside it. The saved tensors its backward reads
+    again are the forward's roundings: not counted twice."""
+    model = CheckpointedFunction() if checkpointed else FunctionNet()
+    net, layer = (model.net, "net") if checkpointed else (model, "w")  # (named after its call)
+    options = {"recipe": "fp8-e5m2", "saturation": "count", "executor": executor}
     run = torch.compile(model, backend="lowprec", options=options)
-    with pytest.warns(UserWarning, match=r"saturation counts skip the roundings inside .*'inner'"):
-        run(torch.randn(3, 4)).sum().backward()
-    # the Function's weight gradient is rounded outside its bodies: counted
-    assert {(r.layer, r.role) for r in lpcompile.saturation(model) if r.layer != "head"} == {
-        ("inner", "weight_grad")
+    x, g = _input(), _large_error()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        (run(x) * g).sum().backward()
+    assert not [w for w in caught if "lowprec" in str(w.message)]
+    rows = {(r.layer, r.role): _row(r) for r in lpcompile.saturation(model)}
+    assert rows == {
+        (layer, "activation"): (1, *_counts(x)),
+        (layer, "weight"): (1, *_counts(net.w)),
+        (layer, "error"): (1, *_counts(g)),
+        (layer, "weight_grad"): (1, *_counts(_rounded(g).t() @ _saturated(x))),
     }
+    assert rows[(layer, "weight")][1] == 1 and rows[(layer, "error")][1:3] == (3, 2)
 
 
 def test_counts_add_up_over_calls_and_name_a_saturated_weight():

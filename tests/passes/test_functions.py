@@ -133,10 +133,12 @@ def test_a_function_matches_a_hand_written_reference(function):
         assert torch.equal(float_bits(got.detach()), float_bits(expected))
 
 
-def test_the_backward_reads_saved_tensors_with_the_forwards_bits():
+@pytest.mark.parametrize("function", [LinearFunction, LinearFunctionT])
+def test_the_backward_reads_saved_tensors_with_the_forwards_bits(function):
     """Stochastic rounding: the backward body rounds the saved input and weight with the
-    forward's random stream, so its products read the very operands the forward did."""
-    model, x = Custom(), torch.randn(4, 8, requires_grad=True)
+    forward's random stream, so its products read the very operands the forward did (the
+    forward rounds the weight itself where Dynamo hands it ``w.T`` too)."""
+    model, x = Custom(function), torch.randn(4, 8, requires_grad=True)
     mode = Calls(aten.mm.default)
     torch._dynamo.reset()
     y = torch.compile(model, backend=watched_backend(SR_EVERYWHERE, mode))(x)

@@ -751,6 +751,7 @@ def _quantize_function(gm: torch.fx.GraphModule, ctx: CompileContext, call: torc
     """
     config, layer = ctx.config, layer_name(call)
     forward, backward = function_bodies(gm, call)
+    _take_views_inside(forward, call)
     rounded = _round_body_operands(forward, ctx, layer, set(), {})
     if torch.is_grad_enabled():  # (compiled under no_grad, its backward never runs)
         spec = config.weight_grad
@@ -773,6 +774,22 @@ def _quantize_function(gm: torch.fx.GraphModule, ctx: CompileContext, call: torc
         warn_opaque_operators(body, ctx)
         body.graph.lint()
         body.recompile()
+
+
+def _take_views_inside(forward: torch.fx.GraphModule, call: torch.fx.Node) -> None:
+    """Where Dynamo passes the Function ``call`` a view of a parameter (``w.T``) beside the
+    parameter itself, have its forward body take that view of the parameter's input: the
+    forward then rounds the parameter, the tensor its backward reads saved, whose
+    rounding the backward reuses (the same stochastic bits)."""
+    inputs = forward.graph.find_nodes(op="placeholder")
+    outer = call.args[2 : 2 + len(inputs)]
+    position = {arg: i for i, arg in enumerate(outer) if isinstance(arg, torch.fx.Node)}
+    for inner, arg in zip(inputs, outer, strict=True):
+        if not isinstance(arg, torch.fx.Node) or (base := base_of(arg)) is arg:
+            continue
+        if base in position and parameter_of(base) is not None and inner.users:
+            view = _views_of(forward, arg, base, inputs[position[base]], inputs[-1].next)
+            inner.replace_all_uses_with(view)
 
 
 def _round_body_operands(

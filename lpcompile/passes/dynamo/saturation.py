@@ -1,19 +1,21 @@
 """Counting what the quantize nodes saturate (option ``saturation``).
 
-The forward quantize nodes (weights and activations) of the graph and of the
-activation-checkpoint bodies it calls are counted in one more output of the graph (a
-body returns its rows as one more output of its own). The quantize nodes autograd puts
-into the backward for each ``quantize_grad`` site (errors and weight gradients), in the
-graph and in the activation-checkpoint bodies and ``torch.cond`` branches it calls, are
-counted in the gradient of a probe input: a ``lowprec::count_grad`` node right after
-each ``quantize_grad`` sees the incoming gradient exactly as that quantize will (after
-any loss scale), and returns its counts as its row of the probe's gradient.
+The forward quantize nodes (weights and activations) of the graph and of the bodies it
+calls (activation checkpoints, ``torch.cond`` branches, custom Functions' forwards) are
+counted in one more output of the graph (a body returns its rows as one more output of
+its own). The quantize nodes autograd puts into the backward for each ``quantize_grad``
+site (errors and weight gradients), in the graph and in the activation-checkpoint bodies
+and ``torch.cond`` branches it calls, are counted in the gradient of a probe input: a
+``lowprec::count_grad`` node right after each ``quantize_grad`` sees the incoming
+gradient exactly as that quantize will (after any loss scale), and returns its counts as
+its row of the probe's gradient. A custom Function's backward body, whose errors are
+rounded by plain quantize nodes, returns their rows as the gradient of the probe,
+passed to the Function.
 """
 
 from __future__ import annotations
 
 import operator
-import warnings
 from typing import Any
 
 import torch
@@ -22,13 +24,14 @@ import torch.fx
 from lpcompile.numerics.quantize import scaling_argument, whole_tensor
 from lpcompile.numerics.scale_grad import PROBE_SIZE, count_probe, range_counts
 from lpcompile.passes.driver import CompileContext, Site
+from lpcompile.passes.dynamo.functions import backward_inputs, function_bodies
 from lpcompile.passes.dynamo.quantize import (
     checkpoint_bodies,
     cond_branches,
     graph_input,
     nodes_in_run_order,
 )
-from lpcompile.passes.graph import FUNCTION_APPLY, inline, layer_name, needs_grad, shown_name
+from lpcompile.passes.graph import FUNCTION_APPLY, inline, is_function_call, needs_grad
 
 QUANTIZE = torch.ops.lowprec.quantize.default
 QUANTIZE_GRAD = torch.ops.lowprec.quantize_grad.default
@@ -60,16 +63,15 @@ def gradient_sites(gm: torch.fx.GraphModule) -> list[tuple[torch.fx.GraphModule,
 
 def insert_saturation_counts(gm: torch.fx.GraphModule, ctx: CompileContext) -> None:
     """Count, per call, where the inputs of each forward quantize node of ``gm`` and of the
-    checkpoint bodies it calls lie against the format's range
+    bodies it calls lie against the format's range
     (:func:`~lpcompile.numerics.scale_grad.range_counts`, then 1: the call ran the site), in
     an int64 ``(sites, PROBE_SIZE)`` tensor appended to the outputs
     (:attr:`CompileContext.counted` names its sites; the backend's wrapper takes it off; a
     body returns its rows as one more output). With a backward to
     come, count the same of each gradient a ``quantize_grad`` site rounds, and the backward
     passes that reached it, in the gradient of the float64 probe input
-    ``lowprec_saturation`` (a row of ``PROBE_SIZE`` per site;
-    :attr:`CompileContext.counted_grads` names its sites)."""
-    warn_uncounted_functions(gm)
+    ``lowprec_saturation`` (a row of ``PROBE_SIZE`` per site, those of Functions' backward
+    bodies last; :attr:`CompileContext.counted_grads` names its sites)."""
     counted, counts = _forward_counts(gm, ctx)
     if counts is not None:
         ctx.counted = counted
@@ -79,26 +81,6 @@ def insert_saturation_counts(gm: torch.fx.GraphModule, ctx: CompileContext) -> N
         gm.recompile()
     if torch.is_grad_enabled():
         _count_gradients(gm, ctx)
-
-
-def warn_uncounted_functions(gm: torch.fx.GraphModule) -> None:
-    """Warn about the custom ``torch.autograd.Function`` calls (in ``gm`` or in the bodies it
-    calls) whose bodies round values: their sites are not counted."""
-    found = []
-    for graph in gm.modules():
-        if not isinstance(graph, torch.fx.GraphModule):
-            continue
-        for call in graph.graph.find_nodes(op="call_function", target=FUNCTION_APPLY):
-            bodies = [getattr(graph, body.target) for body in call.args[:2]]
-            if any(b.graph.find_nodes(op="call_function", target=t) for b in bodies for t in COUNTED):
-                found.append(repr(shown_name(layer_name(call))))
-    if found:
-        warnings.warn(
-            f"lowprec: saturation counts skip the roundings inside custom autograd.Function calls"
-            f" {', '.join(dict.fromkeys(found))}: they round, uncounted (products written as modules"
-            " outside a Function are counted)",
-            stacklevel=1,
-        )
 
 
 def _forward_counts(gm: torch.fx.GraphModule, ctx: CompileContext) -> tuple[list[Site], torch.fx.Node | None]:
@@ -118,7 +100,7 @@ def _forward_counts(gm: torch.fx.GraphModule, ctx: CompileContext) -> tuple[list
             site = ctx.sites[node.meta["lowprec"]["offset"]]
             if not parts or not isinstance(parts[-1], list):
                 parts.append([])
-            parts[-1].append((node.args[0], (site.fmt, site.scaling)))
+            parts[-1].append((node.args[0], _spec(site)))
             sites.append(site)
         elif node in bodies:
             body = bodies[node]
@@ -126,6 +108,12 @@ def _forward_counts(gm: torch.fx.GraphModule, ctx: CompileContext) -> tuple[list
             if body_counts is not None:
                 sites += body_sites
                 parts.append(_output_of(gm, node, _return_also(body, body_counts), body))
+        elif is_function_call(node):
+            forward, backward = function_bodies(gm, node)
+            body_sites, body_counts = _forward_counts(forward, ctx)
+            if body_counts is not None:
+                sites += body_sites
+                parts.append(_function_output(gm, node, forward, backward, body_counts))
         elif node in branches:
             found = [_forward_counts(branch, ctx) for branch in branches[node]]
             rows = [len(branch_sites) for branch_sites, _ in found]
@@ -203,14 +191,107 @@ def _output_of(
     return item
 
 
+def _function_output(
+    gm: torch.fx.GraphModule,
+    call: torch.fx.Node,
+    forward: torch.fx.GraphModule,
+    backward: torch.fx.GraphModule,
+    counts: torch.fx.Node,
+) -> torch.fx.Node:
+    """Return ``counts`` (a node of the Function's forward body) as one more output of the
+    Function ``call``, without a gradient (its backward body takes one more, unused,
+    gradient input); the node of ``gm`` reading it."""
+    output = forward.graph.output_node()
+    ((outputs, saved),) = output.args
+    index = len(outputs)
+    output.args = (((*outputs, counts), saved),)
+    forward.recompile()
+    grads, _ = backward_inputs(forward, backward)
+    with backward.graph.inserting_after(grads[-1]):
+        backward.graph.placeholder("lowprec_saturation_counts_grad")
+    backward.recompile()
+    call.update_kwarg("non_differentiable_idx", [*call.kwargs.get("non_differentiable_idx", ()), index])
+    with gm.graph.inserting_after(call):
+        item = gm.graph.call_function(operator.getitem, (call, index))
+    item.meta["example_value"] = value = counts.meta.get("example_value")
+    example = call.meta.get("example_value")
+    if isinstance(example, tuple | list) and len(example) == index:
+        call.meta["example_value"] = (*example, value)
+    return item
+
+
+def function_gradient_sites(
+    gm: torch.fx.GraphModule,
+) -> list[tuple[torch.fx.GraphModule, torch.fx.Node, list[torch.fx.Node]]]:
+    """The Functions ``gm`` and the bodies it calls run, in the order they run, each with
+    its graph and the quantize nodes of its backward body that round a value of the
+    backward's own (its errors; not the saved tensors the forward rounded)."""
+    found = []
+    calls = nodes_in_run_order(gm, lambda g: g.graph.find_nodes(op="call_function", target=FUNCTION_APPLY))
+    for graph, call in calls:
+        forward, backward = function_bodies(graph, call)
+        own = {
+            node.meta["lowprec"]["offset"]
+            for node in forward.graph.find_nodes(op="call_function", target=QUANTIZE)
+        }
+        nodes = [
+            node
+            for node in backward.graph.find_nodes(op="call_function", target=QUANTIZE)
+            if node.meta["lowprec"]["offset"] not in own
+        ]
+        if nodes:
+            found.append((graph, call, nodes))
+    return found
+
+
+def _count_in_function(
+    graph: torch.fx.GraphModule,
+    call: torch.fx.Node,
+    nodes: list[torch.fx.Node],
+    ctx: CompileContext,
+    example: torch.Tensor,
+    first: int,
+) -> None:
+    """Pass the probe to the Function ``call`` of ``graph``, whose backward body returns, as
+    the probe's gradient, the rows ``first``, ... of its quantize ``nodes`` (the others zero)."""
+    forward, backward = function_bodies(graph, call)
+    inner = graph_input(forward, ctx, SATURATION_INPUT, example)
+    position = forward.graph.find_nodes(op="placeholder").index(inner)
+    specs = [_spec(ctx.sites[node.meta["lowprec"]["offset"]]) for node in nodes]
+    after = example.shape[0] - first - len(nodes)
+
+    def rows(xs: list[torch.fx.Proxy]) -> torch.Tensor:
+        own = torch.stack([_site_row(x, spec) for x, spec in zip(xs, specs, strict=True)]).to(torch.float64)
+        return torch.nn.functional.pad(own, (0, 0, first, after))
+
+    output = backward.graph.output_node()
+    value = inline(backward, output, rows, {"xs": [node.args[0] for node in nodes]})
+    (gradients,) = output.args
+    output.args = ((*gradients[:position], value, *gradients[position + 1 :]),)
+    backward.graph.lint()
+    backward.recompile()
+
+
+def _spec(site: Site) -> tuple[str, str]:
+    return site.fmt, site.scaling
+
+
 def _count_gradients(gm: torch.fx.GraphModule, ctx: CompileContext) -> None:
     found = gradient_sites(gm)
-    if not found:
+    functions = function_gradient_sites(gm)
+    if not found and not functions:
         return
     ctx.counted_grads = [ctx.sites[node.meta["lowprec"]["offset"]] for _, node in found]
+    firsts = []
+    for _, _, nodes in functions:
+        firsts.append(len(ctx.counted_grads))
+        ctx.counted_grads += [ctx.sites[node.meta["lowprec"]["offset"]] for node in nodes]
     # (count_grad delivers each site's counts on the probe's device)
-    example = count_probe(len(found), found[0][1].meta["example_value"].device).detach()
-    for i, ((graph, node), site) in enumerate(zip(found, ctx.counted_grads, strict=True)):
+    like = found[0][1] if found else functions[0][2][0]
+    example = count_probe(len(ctx.counted_grads), like.meta["example_value"].device).detach()
+    for (graph, call, nodes), first in zip(functions, firsts, strict=True):
+        _count_in_function(graph, call, nodes, ctx, example, first)
+    for i, ((graph, node), site) in enumerate(zip(found, ctx.counted_grads[: len(found)], strict=True)):
         probe = graph_input(graph, ctx, SATURATION_INPUT, example)
         users = list(node.users)
         with graph.graph.inserting_after(node):
@@ -223,6 +304,6 @@ def _count_gradients(gm: torch.fx.GraphModule, ctx: CompileContext) -> None:
         counted.meta["lowprec"] = {"role": "saturation_count", "layer": site.layer}
         for user in users:
             user.replace_input_with(node, counted)
-    for graph in {id(g): g for g, _ in found}.values():
+    for graph in {id(g): g for g, *_ in found + functions}.values():
         graph.graph.lint()
         graph.recompile()
