@@ -51,7 +51,7 @@ from lpcompile.backend.watch import (
     instance_of,
     outermost_module,
     warn_in_eager_function,
-    warn_past_recompile_limit,
+    watch_frame_compiles,
 )
 from lpcompile.codegen import fuse_lowprec_kernels
 from lpcompile.config import LowPrecConfig, recipes
@@ -95,8 +95,9 @@ torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = True
 # up on with the layers it calls: see backend/distributed.py.
 trace_wrapped_forwards()
 # Past Dynamo's recompile limit, a frame compiled for lowprec runs uncompiled, unrounded:
-# warn, naming the model (backend/watch.py).
-warn_past_recompile_limit(REGISTRY.watches)
+# warn, naming the model; and a model whose frames compile to no graph never calls the
+# backend: watch it from the start of each frame's compile (backend/watch.py).
+watch_frame_compiles(REGISTRY.watches)
 
 # codegen="triton": after the AOT passes, each fusion group becomes one generated Triton kernel.
 CODEGEN_PASSES = (fuse_lowprec_kernels,)

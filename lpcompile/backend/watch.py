@@ -17,8 +17,9 @@ them, so their products run uncompiled.
 Dynamo also runs a frame it compiled before uncompiled, unrounded, once that code has been
 compiled ``torch._dynamo.config.recompile_limit`` times: each new input shape and each
 ``torch.compile`` with other options (a sweep over recipes in one process) compiles it
-anew. :func:`warn_past_recompile_limit` makes Dynamo's check warn, naming the model, where
-that frame was compiled for lowprec.
+anew. :func:`watch_frame_compiles` makes Dynamo's check warn, naming the model, where
+that frame was compiled for lowprec; the same check, which Dynamo runs as it begins each
+frame's compile, starts the watch of a model whose frames compile to no graph.
 """
 
 from __future__ import annotations
@@ -300,6 +301,14 @@ class CoverageWatches:
 
         return call
 
+    def start_compiling(self, compiling: types.FrameType) -> None:
+        """Watch the outermost module running where Dynamo, in ``compiling`` (its frame of
+        ``_compile``), compiles a frame for lowprec."""
+        compiler_fn = compiling.f_locals.get("compiler_fn")
+        if compiler_fn is not None and is_lowprec_backend(compiler_fn):
+            if (root := outermost_module()) is not None:
+                self.start(root)
+
     def warn_past_limit(self, compiling: types.FrameType, limit_type: str) -> None:
         """Warn where Dynamo, in ``compiling`` (its frame of ``_compile``), hit its
         ``limit_type`` for a frame compiled for lowprec, which it then runs uncompiled; once
@@ -344,17 +353,24 @@ class CoverageWatches:
         )
 
 
-def warn_past_recompile_limit(watches: CoverageWatches) -> None:
-    """Make Dynamo's recompile-limit check call ``watches.warn_past_limit`` where a frame
-    goes past the limit (once per process)."""
+def watch_frame_compiles(watches: CoverageWatches) -> None:
+    """Make Dynamo's recompile-limit check, which it runs as it begins compiling each frame,
+    start a coverage watch for the outermost module running where that frame compiles for
+    lowprec (a model whose frames all compile to no graph, its forward only a
+    ``torch.utils.checkpoint`` call whose body breaks the graph, never calls the backend,
+    and would otherwise run in FP32 unnamed), and call ``watches.warn_past_limit`` where the
+    frame goes past the limit (once per process)."""
     if hasattr(convert_frame.exceeds_recompile_limit, "lowprec_original"):
         return
     original = convert_frame.exceeds_recompile_limit
 
     def exceeds_recompile_limit(*args: Any, **kwargs: Any) -> tuple[bool, str]:
+        compiling = sys._getframe(1)
         exceeded, limit_type = original(*args, **kwargs)
         if exceeded:
-            watches.warn_past_limit(sys._getframe(1), limit_type)
+            watches.warn_past_limit(compiling, limit_type)
+        else:
+            watches.start_compiling(compiling)
         return exceeded, limit_type
 
     exceeds_recompile_limit.lowprec_original = original

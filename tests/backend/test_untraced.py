@@ -163,6 +163,38 @@ def test_a_layer_run_through_dynamo_disable_is_named_once():
     assert _steps(torch.compile(Disabled(disable_head=False), backend="lowprec", options=EAGER_SR)) == []
 
 
+class CheckpointBreak(nn.Module):
+    """A forward that is only a checkpoint call, whose body breaks the graph: Dynamo runs
+    the checkpoint uncompiled and compiles no graph at all."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 4)
+
+    def body(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        torch._dynamo.graph_break()
+        return self.b(h)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.utils.checkpoint.checkpoint(self.body, x, use_reentrant=False)
+
+
+def test_a_model_that_compiles_no_graph_is_named():
+    """No lowprec graph ever runs, so the backend is never called: the watch starts when
+    Dynamo begins compiling the frame for lowprec (after torch._dynamo.reset() too)."""
+    for _ in range(2):
+        torch._dynamo.reset()
+        model = CheckpointBreak()
+        found = _steps(torch.compile(model, backend="lowprec", options=EAGER_SR))
+        assert len(found) == 1
+        assert "of a (Linear: weight), b (Linear: weight) while CheckpointBreak ran" in found[0]
+        assert not lpcompile.coverage(model)
+    torch._dynamo.reset()
+    assert _steps(torch.compile(CheckpointBreak(), backend="inductor")) == []
+
+
 def test_models_that_share_graphs_or_copy_a_watched_root_are_quiet():
     torch._dynamo.reset()
     first = PerBlock(outputs=4)
