@@ -13,7 +13,12 @@ from lpcompile.passes.dynamo.attention import (
     decompose_attention,
     decompose_multihead_attention,
 )
-from lpcompile.passes.dynamo.chains import MATRIX_CHAINS, write_matrix_chains
+from lpcompile.passes.dynamo.chains import (
+    MATRIX_CHAINS,
+    has_einsum_chain,
+    write_einsum_chains,
+    write_matrix_chains,
+)
 from lpcompile.passes.dynamo.conv import im2col_applies, use_im2col_convs
 from lpcompile.passes.dynamo.loss_scale import insert_loss_scale, loss_scale_applies
 from lpcompile.passes.dynamo.pipeline import insert_predict_weight, remove_pipe_splits, split_stages
@@ -53,6 +58,10 @@ def has_einsum(gm: torch.fx.GraphModule, ctx: CompileContext, kind: str) -> bool
     return rewrites(gm, ctx, kind) and bool(find_calls(gm, {torch.einsum}))
 
 
+def has_einsum_chains(gm: torch.fx.GraphModule, ctx: CompileContext, kind: str) -> bool:
+    return ctx.config.quantizes and any(has_einsum_chain(call) for _, call in find_calls(gm, {torch.einsum}))
+
+
 def has_sparse_products(gm: torch.fx.GraphModule, ctx: CompileContext, kind: str) -> bool:
     return ctx.config.quantizes and bool(find_calls(gm, SPARSE_PRODUCTS.keys()))
 
@@ -82,6 +91,7 @@ DYNAMO_PASSES = (
     Pass(flatten_einsum_operands, has_einsum),
     Pass(write_dense_sparse_products, has_sparse_products),
     Pass(write_matrix_chains, has_matrix_chains),
+    Pass(write_einsum_chains, has_einsum_chains),
     Pass(decompose_multihead_attention, has_multihead_attention),
     Pass(decompose_attention, attention_full),
     Pass(decompose_recurrent_layers, has_recurrent_layers),

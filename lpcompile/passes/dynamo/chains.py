@@ -1,11 +1,17 @@
-"""Matrix chains (``linalg.multi_dot``, ``chain_matmul``) as the ``mm`` calls ATen makes.
+"""Chains of products as the pairwise products ATen makes of them.
 
-ATen computes a chain as ``mm`` calls in an order it picks from the shapes, so a chain
-can be written out, in that order, as products the quantize pass rounds like any other:
-each ``mm``'s operands, the partial products included, and its error. The result is
-ATen's, bit for bit, before rounding. Of symbolic sizes, the order is the one ATen
-picked for the sizes Dynamo traced with: picking it compared the sizes, so the graph's
-guards hold those comparisons (or the sizes themselves) wherever the graph runs.
+Matrix chains (``linalg.multi_dot``, ``chain_matmul``): ATen computes a chain as ``mm``
+calls in an order it picks from the shapes, so a chain can be written out, in that order,
+as products the quantize pass rounds like any other: each ``mm``'s operands, the partial
+products included, and its error. The result is ATen's, bit for bit, before rounding. Of
+symbolic sizes, the order is the one ATen picked for the sizes Dynamo traced with: picking
+it compared the sizes, so the graph's guards hold those comparisons (or the sizes
+themselves) wherever the graph runs.
+
+An ``einsum`` of three or more operands: ATen contracts them two at a time, left to
+right, or in the order ``opt_einsum`` picks where torch uses it
+(``torch.backends.opt_einsum``); each pair becomes an ``einsum`` of two operands, whose
+result is the next pair's operand, rounded as an activation.
 """
 
 from __future__ import annotations
@@ -77,3 +83,80 @@ def _chain_order(dims: list[int]) -> list[list[int]]:
             cost[i][j] = min(costs)
             split[i][j] = i + costs.index(cost[i][j])  # the lowest split of least cost
     return split
+
+
+def has_einsum_chain(call: torch.fx.Node) -> bool:
+    """Whether ``call`` (an ``einsum(equation, *operands)``) multiplies three or more operands."""
+    return call.target is torch.einsum and len(call.args) > 3
+
+
+def write_einsum_chains(gm: torch.fx.GraphModule, ctx: CompileContext) -> None:
+    """Write each ``einsum`` of three or more operands as ``einsum`` calls of two, in the
+    order ATen contracts them."""
+    for graph, call in find_calls(gm, {torch.einsum}):
+        if not has_einsum_chain(call):
+            continue
+        equation, *operands = call.args
+        shapes = [
+            tuple(optimization_hint(size, 1) for size in op.meta["example_value"].shape) for op in operands
+        ]
+        path = einsum_path(equation, shapes)
+        replace_with(
+            call,
+            inline(graph, call, contract_pairs, {"equation": equation, "operands": operands, "path": path}),
+        )
+    recompile_bodies(gm)
+
+
+def einsum_terms(equation: str, count: int) -> tuple[list[str], str]:
+    """The subscripts of each of ``count`` operands of ``equation``, and of its output (an
+    implicit one: ``...`` if an operand has it, then the letters that appear once, A-Z then
+    a-z, as torch orders them)."""
+    inputs, arrow, output = equation.replace(" ", "").partition("->")
+    terms = inputs.split(",")
+    if len(terms) != count:
+        raise ValueError(f"einsum equation {equation!r} names {len(terms)} operands, got {count}")
+    if not arrow:
+        letters = [c for term in terms for c in term if c != "."]
+        ellipsis = "..." if any("..." in term for term in terms) else ""
+        output = ellipsis + "".join(sorted(c for c in set(letters) if letters.count(c) == 1))
+    return terms, output
+
+
+def einsum_path(equation: str, shapes: list[tuple[int, ...]]) -> list[tuple[int, ...]] | None:
+    """The pairs ``opt_einsum`` contracts, as ``torch.einsum`` asks it for them (each pair's
+    result goes last); None where torch contracts left to right (``opt_einsum`` missing or
+    disabled)."""
+    opt_einsum = torch.backends.opt_einsum
+    if not (opt_einsum.enabled and opt_einsum.is_available()):
+        return None
+    path, _ = opt_einsum.get_opt_einsum().contract_path(
+        equation, *shapes, optimize=opt_einsum.strategy, shapes=True
+    )
+    return [tuple(pair) for pair in path]
+
+
+def contract_pairs(equation: str, operands: list[Any], path: list[tuple[int, ...]] | None) -> Any:
+    """``einsum(equation, *operands)`` as ``einsum`` calls of two operands: left to right
+    (``path`` None), or along ``path`` (each pair's result goes last, as ATen does). Each
+    pair keeps the letters a later operand or the output has, and ``...`` if it has it."""
+    terms, output = einsum_terms(equation, len(operands))
+    values = list(operands)
+    pairs = (
+        path if path is not None else [(0, 1)] + [(len(terms) - 1 - k, 0) for k in range(1, len(terms) - 1)]
+    )
+    for pair in pairs:
+        first, second = pair
+        left, right = terms[first], terms[second]
+        x, y = values[first], values[second]
+        for index in sorted(pair, reverse=True):
+            del terms[index], values[index]
+        if terms:
+            later = set("".join(terms) + output)
+            kept = "".join(dict.fromkeys(c for c in left + right if c != "." and c in later))
+            result = ("..." if "..." in left + right else "") + kept
+        else:
+            result = output
+        values.append(torch.einsum(f"{left},{right}->{result}", x, y))
+        terms.append(result)
+    return values[0]
