@@ -1,4 +1,5 @@
-"""``linalg.multi_dot`` and ``chain_matmul`` written out as the ``mm`` calls ATen makes:
+"""``linalg.multi_dot``, ``chain_matmul`` and ``linalg.matrix_power`` written out as the
+``mm``/``matmul`` calls ATen makes:
 unrounded, the result is torch's bit for bit (another order gives other bits), of static
 or symbolic sizes; under a recipe every product, partial products included, runs on the
 E5M2 grid."""
@@ -94,3 +95,52 @@ def test_a_chain_of_symbolic_sizes_is_written_out_in_the_order_its_guards_hold()
     for rows, inner in [(7, 4), (9, 4), (9, 40), (2, 40)]:
         tensors = [t.detach() for t in _chain([(rows, inner), (inner, 8), (8, 3), (3, 5)])]
         assert torch.equal(chain(*tensors), torch.linalg.multi_dot(tensors))
+
+
+POWERS = [2, 3, 4, 5, 6, 7, 11]
+
+
+@pytest.mark.parametrize("power", POWERS)
+@pytest.mark.parametrize("form", ["linalg", "torch", "method"])
+def test_an_unrounded_matrix_power_is_torchs_bit_for_bit(power, form):
+    torch.manual_seed(0)
+    a = (torch.randn(3, 6, 6) / 2).requires_grad_()
+    raise_to = {
+        "linalg": lambda m: torch.linalg.matrix_power(m, power),
+        "torch": lambda m: torch.matrix_power(m, power),
+        "method": lambda m: m.matrix_power(power),
+    }[form]
+    want = torch.linalg.matrix_power(a, power)
+    (want_grad,) = torch.autograd.grad(want.sum(), a)
+    torch._dynamo.reset()
+    options = {"recipe": "fp8-e5m2-sr", "executor": "eager", "exclude": ["*"]}
+    got = torch.compile(raise_to, backend="lowprec", options=options)(a)
+    (grad,) = torch.autograd.grad(got.sum(), a)
+    assert torch.equal(got, want) and torch.equal(grad, want_grad)
+
+
+def test_another_order_of_a_power_gives_other_bits():
+    """What makes the test above able to fail: a^5 as a @ a^4, not a^4 @ a."""
+    torch.manual_seed(0)
+    a = torch.randn(6, 6) / 2
+    square = a @ a
+    fourth = square @ square
+    assert torch.equal(torch.linalg.matrix_power(a, 5), a @ fourth)
+    assert not torch.equal(a @ fourth, fourth @ a)
+
+
+class Power(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.w = nn.Parameter(torch.randn(8, 8) / 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x @ torch.linalg.matrix_power(self.w, 5)
+
+
+def test_every_product_of_a_matrix_power_runs_on_the_grid():
+    model = nn.Sequential(Power())
+    check = grid_step(model, {"input": torch.randn(6, 8)}, {"recipe": "fp8-e5m2-sr", "executor": "eager"})
+    # a^2, a^4, a @ a^4, x @ a^5 forward; each one's two gradients but the input's
+    assert check.products == {("mm.default", True): 11}, check.products

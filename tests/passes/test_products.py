@@ -73,6 +73,41 @@ class DenseSparseCalls(nn.Module):
         return torch.sparse.addmm(self.b, adj, torch.sparse.mm(sparse=h, dense=self.w))
 
 
+class InPlace(nn.Module):
+    """The in-place forms: ``out.addmm_(x, w)`` and its siblings, into a tensor of the graph's."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.w = nn.Parameter(torch.randn(8, 8) / 3)
+        self.v = nn.Parameter(torch.randn(8) / 3)
+        self.b = nn.Parameter(torch.randn(8) / 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.b.expand(x.shape[0], 8).clone()
+        out.addmm_(x, self.w)
+        batch = out.view(2, 2, 8)
+        acc = torch.zeros(2, 2, 2)
+        acc.baddbmm_(batch, batch.transpose(1, 2))
+        total = torch.zeros(8, 8)
+        total.addbmm_(batch.transpose(1, 2), batch)
+        vec = torch.zeros(4)
+        vec.addmv_(out, self.v)
+        total.addr_(self.v, self.b)
+        return acc.sum() + total.sum() + vec.sum() + out.sum()
+
+
+def test_inplace_products_run_on_the_grid_and_compute_as_torch():
+    """Each in-place product becomes its product copied into the tensor: rounded like the
+    others, and, unrounded, the model's own values."""
+    check = grid_step(InPlace(), {"x": torch.randn(4, 8)}, OPTIONS)
+    assert check.count == 11 and check.off_grid == {} and not check.unknown, check.products
+    torch._dynamo.reset()
+    x = torch.randn(4, 8)
+    unrounded = {**OPTIONS, "exclude": ["*"]}
+    assert torch.equal(torch.compile(InPlace(), backend="lowprec", options=unrounded)(x), InPlace()(x))
+
+
 # every role scaled per row (the rowwise recipe leaves weight gradients unrounded)
 ROWWISE = {
     "recipe": "fp8-rowwise",

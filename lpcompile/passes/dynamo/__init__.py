@@ -16,24 +16,28 @@ from lpcompile.passes.dynamo.attention import (
 from lpcompile.passes.dynamo.chains import (
     MATRIX_CHAINS,
     has_einsum_chain,
+    is_matrix_power,
     write_einsum_chains,
     write_matrix_chains,
+    write_matrix_powers,
 )
 from lpcompile.passes.dynamo.conv import im2col_applies, use_im2col_convs
 from lpcompile.passes.dynamo.loss_scale import insert_loss_scale, loss_scale_applies
 from lpcompile.passes.dynamo.pipeline import insert_predict_weight, remove_pipe_splits, split_stages
 from lpcompile.passes.dynamo.quantize import (
+    INPLACE_PRODUCTS,
     SPARSE_PRODUCTS,
     flatten_einsum_operands,
     forget_body_parents,
     has_bodies,
     insert_quantize,
     write_dense_sparse_products,
+    write_inplace_products,
 )
 from lpcompile.passes.dynamo.recurrent import CELLS, RECURRENT, decompose_recurrent_layers
 from lpcompile.passes.dynamo.regions import has_regions, inline_nested_regions
 from lpcompile.passes.dynamo.saturation import counts_saturation, insert_saturation_counts
-from lpcompile.passes.graph import find_calls
+from lpcompile.passes.graph import find_calls, with_bodies
 from lpcompile.passes.stages import is_pipe_split
 
 
@@ -60,6 +64,15 @@ def has_einsum(gm: torch.fx.GraphModule, ctx: CompileContext, kind: str) -> bool
 
 def has_einsum_chains(gm: torch.fx.GraphModule, ctx: CompileContext, kind: str) -> bool:
     return ctx.config.quantizes and any(has_einsum_chain(call) for _, call in find_calls(gm, {torch.einsum}))
+
+
+def has_matrix_powers(gm: torch.fx.GraphModule, ctx: CompileContext, kind: str) -> bool:
+    return ctx.config.quantizes and any(is_matrix_power(n) for g in with_bodies(gm) for n in g.graph.nodes)
+
+
+def has_inplace_products(gm: torch.fx.GraphModule, ctx: CompileContext, kind: str) -> bool:
+    nodes = (n for g in with_bodies(gm) for n in g.graph.nodes)
+    return ctx.config.quantizes and any(n.op == "call_method" and n.target in INPLACE_PRODUCTS for n in nodes)
 
 
 def has_sparse_products(gm: torch.fx.GraphModule, ctx: CompileContext, kind: str) -> bool:
@@ -92,6 +105,8 @@ DYNAMO_PASSES = (
     Pass(write_dense_sparse_products, has_sparse_products),
     Pass(write_matrix_chains, has_matrix_chains),
     Pass(write_einsum_chains, has_einsum_chains),
+    Pass(write_matrix_powers, has_matrix_powers),
+    Pass(write_inplace_products, has_inplace_products),
     Pass(decompose_multihead_attention, has_multihead_attention),
     Pass(decompose_attention, attention_full),
     Pass(decompose_recurrent_layers, has_recurrent_layers),

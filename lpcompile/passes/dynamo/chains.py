@@ -8,6 +8,9 @@ symbolic sizes, the order is the one ATen picked for the sizes Dynamo traced wit
 it compared the sizes, so the graph's guards hold those comparisons (or the sizes
 themselves) wherever the graph runs.
 
+A matrix power (``linalg.matrix_power`` of a constant exponent of 2 or more): ATen's
+``matmul`` calls, by its binary decomposition of the exponent.
+
 An ``einsum`` of three or more operands: ATen contracts them two at a time, left to
 right, or in the order ``opt_einsum`` picks where torch uses it
 (``torch.backends.opt_einsum``); each pair becomes an ``einsum`` of two operands, whose
@@ -23,7 +26,7 @@ import torch.fx
 
 from lpcompile.numerics.compat import optimization_hint
 from lpcompile.passes.driver import CompileContext
-from lpcompile.passes.graph import find_calls, inline, recompile_bodies, replace_with
+from lpcompile.passes.graph import find_calls, inline, recompile_bodies, replace_with, with_bodies
 
 MATRIX_CHAINS = {torch.linalg.multi_dot, torch.chain_matmul}
 
@@ -160,3 +163,44 @@ def contract_pairs(equation: str, operands: list[Any], path: list[tuple[int, ...
         values.append(torch.einsum(f"{left},{right}->{result}", x, y))
         terms.append(result)
     return values[0]
+
+
+MATRIX_POWERS = {torch.linalg.matrix_power, torch._C._linalg.linalg_matrix_power, torch.matrix_power}
+
+
+def is_matrix_power(call: torch.fx.Node) -> bool:
+    """Whether ``call`` raises a matrix to a constant power of 2 or more (a product)."""
+    if call.op == "call_method":
+        found = call.target == "matrix_power"
+    else:
+        found = call.op == "call_function" and call.target in MATRIX_POWERS
+    exponent = call.args[1] if len(call.args) > 1 else call.kwargs.get("n")
+    return found and isinstance(exponent, int) and exponent >= 2
+
+
+def write_matrix_powers(gm: torch.fx.GraphModule, ctx: CompileContext) -> None:
+    """Write each matrix power of a constant exponent of 2 or more as ATen's ``matmul`` calls."""
+    for graph in with_bodies(gm):
+        for call in [node for node in graph.graph.nodes if is_matrix_power(node)]:
+            matrix = call.args[0]
+            exponent = call.args[1] if len(call.args) > 1 else call.kwargs["n"]
+            replace_with(call, inline(graph, call, raise_matrix, {"matrix": matrix, "exponent": exponent}))
+            graph.graph.erase_node(call)
+    recompile_bodies(gm)
+
+
+def raise_matrix(matrix: Any, exponent: int) -> Any:
+    """``linalg.matrix_power(matrix, exponent)``, ``exponent >= 2``, as ATen computes it:
+    ``a @ a`` and ``(a @ a) @ a`` for 2 and 3; else from the exponent's lowest bit up, the
+    running product times each power of two (``z``, squared at each bit) its bit holds."""
+    if exponent == 2:
+        return torch.matmul(matrix, matrix)
+    if exponent == 3:
+        return torch.matmul(torch.matmul(matrix, matrix), matrix)
+    square, result = None, None
+    while exponent > 0:
+        bit, exponent = exponent % 2, exponent // 2
+        square = matrix if square is None else torch.matmul(square, square)
+        if bit:
+            result = square if result is None else torch.matmul(result, square)
+    return result

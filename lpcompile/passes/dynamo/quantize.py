@@ -69,6 +69,7 @@ from lpcompile.passes.graph import (
     recompile_bodies,
     shown_name,
     weight_operand,
+    with_bodies,
 )
 
 SEED_INPUT = "lowprec_seed"
@@ -297,6 +298,25 @@ def write_dense_sparse_products(gm: torch.fx.GraphModule, ctx: CompileContext) -
     for _, call in find_calls(gm, SPARSE_PRODUCTS.keys()):
         call.target, names = SPARSE_PRODUCTS[call.target]
         call.kwargs = {names.get(key, key): value for key, value in call.kwargs.items()}
+    recompile_bodies(gm)
+
+
+# In-place products, each the method of its out-of-place product
+INPLACE_PRODUCTS = {f"{name}_": name for name in ("addmm", "baddbmm", "addbmm", "addmv", "addr")}
+
+
+def write_inplace_products(gm: torch.fx.GraphModule, ctx: CompileContext) -> None:
+    """Write each in-place product (``out.addmm_(x, w)``) as its product into a copy
+    (``out.copy_(out.addmm(x, w))``), which the quantize pass rounds like any other."""
+    for graph in with_bodies(gm):
+        for call in [n for n in graph.graph.nodes if n.op == "call_method" and n.target in INPLACE_PRODUCTS]:
+            call.target = INPLACE_PRODUCTS[call.target]
+            users = list(call.users)
+            with graph.graph.inserting_after(call):
+                copy = graph.graph.call_method("copy_", (call.args[0], call))
+            copy.meta = dict(call.meta)
+            for user in users:
+                user.replace_input_with(call, copy)
     recompile_bodies(gm)
 
 
