@@ -78,9 +78,7 @@ def test_seed_option_changes_the_stream():
     stream = records.only().stream
     assert_same_step(
         got,
-        step(
-            model, lambda: convnet_ref(model, x, Ref.for_recipe("fp8-e5m2-sr", step_seed(1234, 0), stream))
-        ),
+        step(model, lambda: convnet_ref(model, x, Ref.for_recipe("fp8-e5m2-sr", step_seed(1234, 0), stream))),
     )
     default = step(
         model, lambda: convnet_ref(model, x, Ref.for_recipe("fp8-e5m2-sr", step_seed(0, 0), stream))

@@ -227,6 +227,19 @@ def test_counts_the_roundings_of_a_functions_bodies(executor, checkpointed):
     assert rows[(layer, "weight")][1] == 1 and rows[(layer, "error")][1:3] == (3, 2)
 
 
+def test_a_frozen_function_is_not_counted_into_the_backward():
+    """A Function no gradient flows through (a frozen weight, an input batch) keeps its
+    backward from running: the probe is not passed to it."""
+    model = nn.Sequential(FunctionNet(), nn.Linear(2, 2))
+    model[0].w.requires_grad_(False)
+    options = {"recipe": "fp8-e5m2", "saturation": "count", "executor": "eager"}
+    run = torch.compile(model, backend="lowprec", options=options)
+    run(torch.randn(3, 4)).sum().backward()
+    roles = {(r.layer, r.role) for r in lpcompile.saturation(model)}
+    assert ("0", "weight") in roles and ("1", "error") in roles
+    assert ("0", "error") not in roles
+
+
 def test_counts_add_up_over_calls_and_name_a_saturated_weight():
     model = _mlp()
     with torch.no_grad():

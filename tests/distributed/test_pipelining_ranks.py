@@ -86,7 +86,12 @@ def _parts() -> tuple[nn.Module, nn.Module]:
 def _summary(scaler: LossScaler, parts: list[nn.Module]) -> dict:
     return {
         "weights": [p.detach().clone() for part in parts for p in part.parameters()],
-        "telemetry": [t.__dict__ for part in parts for t in lpcompile.stats(part)],
+        # (without graph_id: each process numbers its own compiles)
+        "telemetry": [
+            {k: v for k, v in t.__dict__.items() if k != "graph_id"}
+            for part in parts
+            for t in lpcompile.stats(part)
+        ],
         "skipped": scaler.skipped_steps,
         "calibration": scaler.calibration_steps,
     }

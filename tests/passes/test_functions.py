@@ -133,15 +133,20 @@ def test_a_function_matches_a_hand_written_reference(function):
         assert torch.equal(float_bits(got.detach()), float_bits(expected))
 
 
+ADAPTIVE_SR = {**SR_EVERYWHERE, "recipe": "fp8-e5m2-als"}
+
+
+@pytest.mark.parametrize("options", [SR_EVERYWHERE, ADAPTIVE_SR], ids=["sr", "adaptive"])
 @pytest.mark.parametrize("function", [LinearFunction, LinearFunctionT])
-def test_the_backward_reads_saved_tensors_with_the_forwards_bits(function):
+def test_the_backward_reads_saved_tensors_with_the_forwards_bits(function, options):
     """Stochastic rounding: the backward body rounds the saved input and weight with the
     forward's random stream, so its products read the very operands the forward did (the
-    forward rounds the weight itself where Dynamo hands it ``w.T`` too)."""
+    forward rounds the weight itself where Dynamo hands it ``w.T`` too, through adaptive
+    loss scaling's nodes around the arguments)."""
     model, x = Custom(function), torch.randn(4, 8, requires_grad=True)
     mode = Calls(aten.mm.default)
     torch._dynamo.reset()
-    y = torch.compile(model, backend=watched_backend(SR_EVERYWHERE, mode))(x)
+    y = torch.compile(model, backend=watched_backend(options, mode))(x)
     with mode:
         (y * torch.randn(4, 8)).sum().backward()
     # x @ w.T; grad @ w; grad.T @ x

@@ -101,7 +101,7 @@ POWERS = [2, 3, 4, 5, 6, 7, 11]
 
 
 @pytest.mark.parametrize("power", POWERS)
-@pytest.mark.parametrize("form", ["linalg", "torch", "method"])
+@pytest.mark.parametrize("form", ["linalg", "torch", "method", "keywords"])
 def test_an_unrounded_matrix_power_is_torchs_bit_for_bit(power, form):
     torch.manual_seed(0)
     a = (torch.randn(3, 6, 6) / 2).requires_grad_()
@@ -109,6 +109,7 @@ def test_an_unrounded_matrix_power_is_torchs_bit_for_bit(power, form):
         "linalg": lambda m: torch.linalg.matrix_power(m, power),
         "torch": lambda m: torch.matrix_power(m, power),
         "method": lambda m: m.matrix_power(power),
+        "keywords": lambda m: torch.linalg.matrix_power(input=m, n=power),
     }[form]
     want = torch.linalg.matrix_power(a, power)
     (want_grad,) = torch.autograd.grad(want.sum(), a)

@@ -176,7 +176,7 @@ def test_adaptive_run_records_per_layer_telemetry_that_report_plots(tmp_path, mo
 
 
 def test_report_shows_the_runs_final_loss_and_reads_partial_files(recorded, tmp_path):
-    """"final loss" is the run's own (mean over its last epoch, as ``lowprec demo``
+    """ "final loss" is the run's own (mean over its last epoch, as ``lowprec demo``
     prints it), not the last step's; a file without per-layer or step sections is read."""
     (recorded / "telemetry" / "bare.json").write_text(json.dumps({"format": TELEMETRY_FORMAT}))
     runs = {r["name"]: r for r in load_runs(recorded)}

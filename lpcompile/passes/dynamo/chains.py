@@ -90,7 +90,7 @@ def _chain_order(dims: list[int]) -> list[list[int]]:
 
 def has_einsum_chain(call: torch.fx.Node) -> bool:
     """Whether ``call`` (an ``einsum(equation, *operands)``) multiplies three or more operands."""
-    return call.target is torch.einsum and len(call.args) > 3
+    return len(call.args) > 3
 
 
 def write_einsum_chains(gm: torch.fx.GraphModule, ctx: CompileContext) -> None:
@@ -142,7 +142,7 @@ def einsum_path(equation: str, shapes: list[tuple[int, ...]]) -> list[tuple[int,
 def contract_pairs(equation: str, operands: list[Any], path: list[tuple[int, ...]] | None) -> Any:
     """``einsum(equation, *operands)`` as ``einsum`` calls of two operands: left to right
     (``path`` None), or along ``path`` (each pair's result goes last, as ATen does). Each
-    pair keeps the letters a later operand or the output has, and ``...`` if it has it."""
+    pair keeps the letters, and the ``...``, that a later operand or the output has."""
     terms, output = einsum_terms(equation, len(operands))
     values = list(operands)
     pairs = (
@@ -155,9 +155,9 @@ def contract_pairs(equation: str, operands: list[Any], path: list[tuple[int, ...
         for index in sorted(pair, reverse=True):
             del terms[index], values[index]
         if terms:
-            later = set("".join(terms) + output)
+            later = "".join(terms) + output
             kept = "".join(dict.fromkeys(c for c in left + right if c != "." and c in later))
-            result = ("..." if "..." in left + right else "") + kept
+            result = ("..." if "..." in left + right and "..." in later else "") + kept
         else:
             result = output
         values.append(torch.einsum(f"{left},{right}->{result}", x, y))
@@ -165,27 +165,38 @@ def contract_pairs(equation: str, operands: list[Any], path: list[tuple[int, ...
     return values[0]
 
 
-MATRIX_POWERS = {torch.linalg.matrix_power, torch._C._linalg.linalg_matrix_power, torch.matrix_power}
+MATRIX_POWERS = {torch.linalg.matrix_power, torch.matrix_power}
+
+
+def _matrix_power_args(call: torch.fx.Node) -> tuple[Any, Any] | None:
+    """The matrix and the exponent of a matrix power ``call`` (positional or keyword: ``A``
+    or ``input``, and ``n``), or None for another call or one writing into ``out``."""
+    if not (call.op == "call_method" and call.target == "matrix_power") and not (
+        call.op == "call_function" and call.target in MATRIX_POWERS
+    ):
+        return None
+    if "out" in call.kwargs:
+        return None
+    named = {"A": 0, "input": 0, "self": 0, "n": 1}
+    args = list(call.args) + [None] * (2 - len(call.args))
+    for key, value in call.kwargs.items():
+        if key in named:
+            args[named[key]] = value
+    return args[0], args[1]
 
 
 def is_matrix_power(call: torch.fx.Node) -> bool:
     """Whether ``call`` raises a matrix to a constant power of 2 or more (a product)."""
-    if call.op == "call_method":
-        found = call.target == "matrix_power"
-    else:
-        found = call.op == "call_function" and call.target in MATRIX_POWERS
-    exponent = call.args[1] if len(call.args) > 1 else call.kwargs.get("n")
-    return found and isinstance(exponent, int) and exponent >= 2
+    found = _matrix_power_args(call)
+    return found is not None and isinstance(found[1], int) and found[1] >= 2
 
 
 def write_matrix_powers(gm: torch.fx.GraphModule, ctx: CompileContext) -> None:
     """Write each matrix power of a constant exponent of 2 or more as ATen's ``matmul`` calls."""
     for graph in with_bodies(gm):
         for call in [node for node in graph.graph.nodes if is_matrix_power(node)]:
-            matrix = call.args[0]
-            exponent = call.args[1] if len(call.args) > 1 else call.kwargs["n"]
+            matrix, exponent = _matrix_power_args(call)
             replace_with(call, inline(graph, call, raise_matrix, {"matrix": matrix, "exponent": exponent}))
-            graph.graph.erase_node(call)
     recompile_bodies(gm)
 
 

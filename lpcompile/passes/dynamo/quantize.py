@@ -51,6 +51,7 @@ from lpcompile.passes.graph import (
     FLEX_ATTENTION,
     LIBRARY_PRODUCTS,
     OPERAND_NAMES,
+    SCALE_GRAD,
     append_input,
     base_of,
     computed_from_parameters,
@@ -799,17 +800,35 @@ def _quantize_function(gm: torch.fx.GraphModule, ctx: CompileContext, call: torc
 def _take_views_inside(forward: torch.fx.GraphModule, call: torch.fx.Node) -> None:
     """Where Dynamo passes the Function ``call`` a view of a parameter (``w.T``) beside the
     parameter itself, have its forward body take that view of the parameter's input: the
-    forward then rounds the parameter, the tensor its backward reads saved, whose
-    rounding the backward reuses (the same stochastic bits)."""
+    forward then rounds the parameter, whose rounding the backward reuses where it reads
+    the parameter saved (the same stochastic bits). Adaptive loss scaling's ``scale_grad``
+    nodes around the arguments are looked through."""
     inputs = forward.graph.find_nodes(op="placeholder")
-    outer = call.args[2 : 2 + len(inputs)]
+    outer = [_unscaled(arg) for arg in call.args[2 : 2 + len(inputs)]]
     position = {arg: i for i, arg in enumerate(outer) if isinstance(arg, torch.fx.Node)}
     for inner, arg in zip(inputs, outer, strict=True):
-        if not isinstance(arg, torch.fx.Node) or (base := base_of(arg)) is arg:
+        if not isinstance(arg, torch.fx.Node) or (base := base_of(arg)) is arg or not inner.users:
             continue
-        if base in position and parameter_of(base) is not None and inner.users:
+        if base in position and parameter_of(base) is not None and _only_views(arg, base):
             view = _views_of(forward, arg, base, inputs[position[base]], inputs[-1].next)
             inner.replace_all_uses_with(view)
+
+
+def _unscaled(arg: object) -> object:
+    """``arg`` without the ``scale_grad`` nodes around it."""
+    while isinstance(arg, torch.fx.Node) and arg.op == "call_function" and arg.target is SCALE_GRAD:
+        arg = arg.args[0]
+    return arg
+
+
+def _only_views(node: torch.fx.Node, base: torch.fx.Node) -> bool:
+    """Whether ``node`` reads ``base`` through views only, each of it alone (no
+    ``scale_grad``, no other graph value among its arguments)."""
+    while node is not base:
+        if node.target is SCALE_GRAD or any(other is not node.args[0] for other in node.all_input_nodes):
+            return False
+        node = node.args[0]
+    return True
 
 
 def _round_body_operands(

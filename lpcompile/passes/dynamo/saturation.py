@@ -118,8 +118,12 @@ def _forward_counts(gm: torch.fx.GraphModule, ctx: CompileContext) -> tuple[list
             found = [_forward_counts(branch, ctx) for branch in branches[node]]
             rows = [len(branch_sites) for branch_sites, _ in found]
             if sum(rows):
+                # (the device of the rows a branch counts: the other's zero rows go there too)
+                device = next(c.meta["example_value"].device for _, c in found if c is not None)
                 index = [
-                    _return_also(branch, _branch_rows(branch, counts, sum(rows[:k]), sum(rows[k + 1 :])))
+                    _return_also(
+                        branch, _branch_rows(branch, counts, sum(rows[:k]), sum(rows[k + 1 :]), device)
+                    )
                     for k, (branch, (_, counts)) in enumerate(zip(branches[node], found, strict=True))
                 ][0]
                 sites += [site for branch_sites, _ in found for site in branch_sites]
@@ -147,17 +151,24 @@ def _site_row(x: torch.fx.Proxy, spec: tuple[str, str]) -> torch.fx.Proxy:
 
 
 def _branch_rows(
-    branch: torch.fx.GraphModule, counts: torch.fx.Node | None, before: int, after: int
+    branch: torch.fx.GraphModule,
+    counts: torch.fx.Node | None,
+    before: int,
+    after: int,
+    device: torch.device,
 ) -> torch.fx.Node:
     """A node of ``branch`` holding its sites' ``counts`` (None: it has none) between
-    ``before`` and ``after`` zero rows, the other branch's sites, in float64: both branches
-    of a ``torch.cond`` return tensors of one shape, and torch's cond differentiates only
-    float outputs (float64 holds counts exactly up to 2^53)."""
+    ``before`` and ``after`` zero rows, the other branch's sites, in float64 on ``device``:
+    both branches of a ``torch.cond`` return tensors of one shape, and torch's cond
+    differentiates only float outputs (float64 holds counts exactly up to 2^53)."""
     # a branch with no sites of its own takes the other's operands, which hold its weights
-    like = counts if counts is not None else branch.graph.find_nodes(op="placeholder")[0]
+    like = counts
+    if like is None:
+        inputs = branch.graph.find_nodes(op="placeholder")
+        like = next(node for node in inputs if isinstance(node.meta.get("example_value"), torch.Tensor))
 
     def rows(like: torch.fx.Proxy) -> torch.Tensor:
-        zeros = [like.new_zeros((n, PROBE_SIZE), dtype=torch.float64) for n in (before, after)]
+        zeros = [like.new_zeros((n, PROBE_SIZE), dtype=torch.float64, device=device) for n in (before, after)]
         own = [] if counts is None else [like.to(torch.float64)]
         return torch.cat([zeros[0], *own, zeros[1]])
 
@@ -229,6 +240,8 @@ def function_gradient_sites(
     found = []
     calls = nodes_in_run_order(gm, lambda g: g.graph.find_nodes(op="call_function", target=FUNCTION_APPLY))
     for graph, call in calls:
+        if not any(needs_grad(arg) for arg in call.args[2:]):
+            continue  # no backward runs through it (the probe, which needs one, would add one)
         forward, backward = function_bodies(graph, call)
         own = {
             node.meta["lowprec"]["offset"]
