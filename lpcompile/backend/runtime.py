@@ -190,7 +190,8 @@ def _with_inputs(
         return lambda *args: compiled(*args, *extras({}, args, None))
     # Adaptive loss scaling: refresh calls record gradient statistics, in the one compiled
     # graph (under torch.cond, or at every call), else in a variant of their own.
-    key_input = next((i for i in layout.weight_inputs if i is not None), None)
+    # (a graph whose layers have no weight of their own, Functions': its first parameter)
+    key_input = next((i for i in layout.weight_inputs if i is not None), model_input)
 
     def state_for(key: torch.Tensor, args: Sequence[Any]) -> AdaptiveScaleState:
         return REGISTRY.adaptive_state(key, ctx.graph_id, layout, tuple(args), ctx.split_from)

@@ -173,13 +173,15 @@ def weight_operand(node: torch.fx.Node) -> torch.fx.Node | None:
 
 def needs_grad(value: object) -> bool:
     """Whether the graph value ``value`` gets a gradient (as far as its example says: a
-    frozen weight, an input batch and anything under ``no_grad`` do not)."""
+    frozen weight, an input batch, a symbolic size and anything under ``no_grad`` do not)."""
     if not isinstance(value, torch.fx.Node):
         return False
     value = base_of(value)  # a view's (a vmapped slice's example may not say)
     if value.op == "get_attr":  # a parameter, or a subgraph or constant of the graph's own
         return (parameter := parameter_of(value)) is not None and parameter.requires_grad
     example = value.meta.get("example_value")
+    if isinstance(example, torch.SymInt | torch.SymFloat | torch.SymBool | int | float | bool):
+        return False
     return example is None or bool(getattr(example, "requires_grad", True))
 
 

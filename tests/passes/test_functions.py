@@ -157,6 +157,26 @@ def test_the_backward_reads_saved_tensors_with_the_forwards_bits(function, optio
     assert torch.equal(float_bits(w_bwd), float_bits(w_t_fwd.t()))
 
 
+def test_a_function_compiles_with_adaptive_scaling_at_symbolic_sizes():
+    """Dynamo passes a Function the batch size as an input of its own where it is symbolic:
+    no gradient reaches a size, so adaptive scaling's inf/NaN probe goes on a tensor. A
+    graph whose one layer is a Function keeps its scales under the model's first
+    parameter, where ``stats`` finds them."""
+    model = Custom(LinearFunctionT)
+    options = {"recipe": "fp8-e5m2-als", "executor": "eager"}
+    torch._dynamo.reset()
+    run = torch.compile(model, backend="lowprec", options=options, dynamic=True)
+    opt, scaler = torch.optim.SGD(model.parameters(), lr=0.01), lpcompile.LossScaler("adaptive")
+    for batch in (8, 5, 3):
+        opt.zero_grad()
+        scaler.scale(run(torch.randn(batch, 8)).square().mean()).backward()
+        scaler.step(opt)
+        scaler.update()
+    assert torch.isfinite(model.weight).all()
+    rows = lpcompile.stats(model)
+    assert rows and {t.layer for t in rows} == {"weight"} and all(t.history for t in rows)
+
+
 def test_a_function_call_is_a_layer_of_adaptive_loss_scaling():
     """Every output's gradient is scaled by the Function's own power of two and its input
     gradients unscaled: round to nearest even then gives the unscaled run's bits exactly

@@ -15,7 +15,7 @@ from torch.nn import functional as F
 from torch.nn.utils import prune
 
 import lpcompile
-from lpcompile.passes.dynamo.quantize import CDIST, OPAQUE
+from lpcompile.passes.dynamo.quantize import CDIST, OPAQUE, SOLVE
 
 OPTIONS = {"recipe": "fp8-e5m2-sr", "executor": "eager"}
 
@@ -456,3 +456,33 @@ def test_cdist_that_multiplies_inside_warns_and_is_listed(kwargs, multiplies):
 def test_distances_written_out_as_the_warning_says_run_on_the_grid():
     check = grid_step(Distances("written"), {"x": torch.randn(30, 8)}, OPTIONS)
     assert check.count == 2 and check.off_grid == {}, check.products  # forward, weight gradient
+
+
+class Inverse(nn.Module):
+    def __init__(self, form: str) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.w = nn.Parameter(torch.eye(8) + torch.randn(8, 8) / 8)
+        self.form = form
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.form == "inv":
+            return x @ torch.linalg.inv(self.w)
+        return x @ torch.linalg.matrix_power(self.w, -3)
+
+
+@pytest.mark.parametrize("form", ["inv", "power"])
+def test_an_inverse_warns_and_is_listed_and_its_power_is_rounded(form):
+    """The inverse multiplies inside its backward, unrounded (the check sees two products
+    off the grid there): a warning and coverage say so. A negative matrix power is the
+    power of the inverse: its products are rounded."""
+    model = Inverse(form)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        check = grid_step(model, {"x": torch.randn(4, 8)}, OPTIONS)
+    said = [str(w.message) for w in caught if "lowprec: linalg_inv in " in str(w.message)]
+    assert len(said) == 1 and SOLVE in said[0]
+    assert [(row.op, row.kept) for row in lpcompile.coverage(model) if row.kept] == [("linalg_inv", SOLVE)]
+    assert check.off_grid == {"mm.default": 2}, check.products  # the inverse's backward
+    rounded = {"inv": 2, "power": 8}[form]  # x @ inv(w) and its gradients; also a^2, a^3
+    assert check.products[("mm.default", True)] == rounded, check.products

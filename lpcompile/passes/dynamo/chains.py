@@ -186,17 +186,30 @@ def _matrix_power_args(call: torch.fx.Node) -> tuple[Any, Any] | None:
 
 
 def is_matrix_power(call: torch.fx.Node) -> bool:
-    """Whether ``call`` raises a matrix to a constant power of 2 or more (a product)."""
+    """Whether ``call`` raises a matrix to a constant power of 2 or more, or -2 or less (a
+    product, of the inverse)."""
     found = _matrix_power_args(call)
-    return found is not None and isinstance(found[1], int) and found[1] >= 2
+    return found is not None and isinstance(found[1], int) and abs(found[1]) >= 2
 
 
 def write_matrix_powers(gm: torch.fx.GraphModule, ctx: CompileContext) -> None:
-    """Write each matrix power of a constant exponent of 2 or more as ATen's ``matmul`` calls."""
+    """Write each matrix power of a constant exponent of 2 or more (-2 or less: of the
+    inverse, ``linalg.inv``, as ATen takes it) as ATen's ``matmul`` calls."""
     for graph in with_bodies(gm):
         for call in [node for node in graph.graph.nodes if is_matrix_power(node)]:
             matrix, exponent = _matrix_power_args(call)
-            replace_with(call, inline(graph, call, raise_matrix, {"matrix": matrix, "exponent": exponent}))
+            args = {"matrix": matrix, "exponent": exponent}
+            replace_with(
+                call,
+                inline(
+                    graph,
+                    call,
+                    lambda matrix, exponent: raise_matrix(
+                        torch.linalg.inv(matrix) if exponent < 0 else matrix, abs(exponent)
+                    ),
+                    args,
+                ),
+            )
     recompile_bodies(gm)
 
 

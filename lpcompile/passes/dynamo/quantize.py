@@ -478,6 +478,7 @@ def insert_quantize(gm: torch.fx.GraphModule, ctx: CompileContext) -> None:
     warn_unentered_subgraphs(gm, ctx)
     warn_opaque_operators(gm, ctx)
     warn_matmul_distances(gm, ctx)
+    warn_linear_algebra(gm, ctx)
 
 
 def warn_per_matmul_in_branches(ctx: CompileContext, sites: list[Site]) -> None:
@@ -615,6 +616,43 @@ def warn_matmul_distances(gm: torch.fx.GraphModule, ctx: CompileContext) -> None
     if found:
         layers = ", ".join(repr(layer_name(node)) for node in found)
         warnings.warn(f"lowprec: torch.cdist in {layers}: {CDIST}", stacklevel=1)
+
+
+# Linear algebra whose result or gradient is a product with an inverse, computed inside
+# the call: lowprec rounds products, not solves
+SOLVES = {
+    torch.linalg.inv,
+    torch.linalg.inv_ex,
+    torch.inverse,
+    torch.linalg.pinv,
+    torch.linalg.solve,
+    torch.linalg.solve_ex,
+    torch.linalg.solve_triangular,
+    torch.linalg.lstsq,
+    torch.linalg.lu_solve,
+    torch.cholesky_solve,
+    torch.linalg.tensorinv,
+    torch.linalg.tensorsolve,
+}
+SOLVE = (
+    "inverts or solves in the model's precision, and its backward multiplies by the inverse "
+    "unrounded: lowprec rounds products, not linear algebra (the products the model makes "
+    "of its result are rounded)"
+)
+
+
+def warn_linear_algebra(gm: torch.fx.GraphModule, ctx: CompileContext) -> None:
+    """Warn about inverses and solves (``linalg.inv``, ``solve``, ...), whose products,
+    forward and backward, run inside the call, unrounded."""
+    if not ctx.config.quantizes:
+        return
+    found = [n for n in gm.graph.nodes if n.op == "call_function" and n.target in SOLVES]
+    found += [n for n in gm.graph.nodes if n.op == "call_method" and n.target == "inverse"]
+    for node in found:
+        ctx.kept.append(KeptProduct(layer_name(node), op_name(node), SOLVE))
+    if found:
+        calls = ", ".join(f"{op_name(node)} in {layer_name(node)!r}" for node in found)
+        warnings.warn(f"lowprec: {calls}: {SOLVE}", stacklevel=1)
 
 
 def warn_unentered_subgraphs(gm: torch.fx.GraphModule, ctx: CompileContext, entered=BODIES) -> None:
