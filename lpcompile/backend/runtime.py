@@ -50,14 +50,19 @@ def instance_seed(seed: int, path: str) -> int:
     return seed ^ zlib.crc32(path.encode()) if path else seed
 
 
+def parameter_input(gm: torch.fx.GraphModule) -> int | None:
+    """The index of the Dynamo graph's first input that is a parameter, if any."""
+    placeholders = gm.graph.find_nodes(op="placeholder")
+    return next((i for i, node in enumerate(placeholders) if parameter_of(node) is not None), None)
+
+
 def model_key_input(gm: torch.fx.GraphModule) -> int | None:
     """The index of the Dynamo graph input that names the model at each call: its first
     parameter, else (functional code) its first input that requires grad."""
-    placeholders = gm.graph.find_nodes(op="placeholder")
-    params = [i for i, node in enumerate(placeholders) if parameter_of(node) is not None]
-    values = [node.meta.get("example_value") for node in placeholders]
-    trained = [i for i, v in enumerate(values) if isinstance(v, torch.Tensor) and v.requires_grad]
-    return next(iter(params or trained), None)
+    if (found := parameter_input(gm)) is not None:
+        return found
+    values = [node.meta.get("example_value") for node in gm.graph.find_nodes(op="placeholder")]
+    return next((i for i, v in enumerate(values) if isinstance(v, torch.Tensor) and v.requires_grad), None)
 
 
 def model_key_name(gm: torch.fx.GraphModule) -> str | None:
@@ -92,7 +97,7 @@ def wrap(
     model_input = model_key_input(gm)
     # a graph named from the model's root (ROOT_PATH) is the one module of its class there
     relative = None if ROOT_PATH in gm.meta else model_key_name(gm)
-    run = _with_inputs(inputs, ctx, compile_variant, model_input, relative)
+    run = _with_inputs(inputs, ctx, compile_variant, model_input, relative, parameter_input(gm))
     if not ctx.counted:
         return run
     sites, strict = ctx.counted, ctx.config.saturation == "raise"
@@ -143,9 +148,11 @@ def _with_inputs(
     compile_variant: Callable[..., Callable],
     model_input: int | None,
     relative: str | None,
+    first_parameter: int | None,
 ) -> Callable:
     """The compiled graph, called with lowprec's own inputs appended. ``relative``: the FQN
-    of the parameter at ``model_input`` from the module the graph's frame calls ``self``."""
+    of the parameter at ``model_input`` from the module the graph's frame calls ``self``;
+    ``first_parameter``: the graph's first parameter input, if any."""
 
     def instance(key: torch.Tensor) -> str | None:
         """Note a real call for ``key``: the FQN of the calling module in the model running
@@ -190,8 +197,9 @@ def _with_inputs(
         return lambda *args: compiled(*args, *extras({}, args, None))
     # Adaptive loss scaling: refresh calls record gradient statistics, in the one compiled
     # graph (under torch.cond, or at every call), else in a variant of their own.
-    # (a graph whose layers have no weight of their own, Functions': its first parameter)
-    key_input = next((i for i in layout.weight_inputs if i is not None), model_input)
+    # (a graph whose layers have no weight of their own, Functions': its first parameter;
+    # without one, no model: an input batch changes at every call)
+    key_input = next((i for i in layout.weight_inputs if i is not None), first_parameter)
 
     def state_for(key: torch.Tensor, args: Sequence[Any]) -> AdaptiveScaleState:
         return REGISTRY.adaptive_state(key, ctx.graph_id, layout, tuple(args), ctx.split_from)

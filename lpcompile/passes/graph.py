@@ -180,7 +180,7 @@ def needs_grad(value: object) -> bool:
     if value.op == "get_attr":  # a parameter, or a subgraph or constant of the graph's own
         return (parameter := parameter_of(value)) is not None and parameter.requires_grad
     example = value.meta.get("example_value")
-    if isinstance(example, torch.SymInt | torch.SymFloat | torch.SymBool | int | float | bool):
+    if isinstance(example, torch.SymInt | torch.SymFloat | torch.SymBool | int | float):
         return False
     return example is None or bool(getattr(example, "requires_grad", True))
 

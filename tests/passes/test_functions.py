@@ -177,6 +177,22 @@ def test_a_function_compiles_with_adaptive_scaling_at_symbolic_sizes():
     assert rows and {t.layer for t in rows} == {"weight"} and all(t.history for t in rows)
 
 
+def test_functional_code_of_one_function_keeps_one_adaptive_state():
+    """Without a parameter in the graph, the scales belong to no model (not to the input
+    batch, new at every call): one state, counting every call."""
+    from lpcompile.backend import REGISTRY
+
+    torch._dynamo.reset()
+    options = {"recipe": "fp8-e5m2-als", "executor": "eager"}
+    run = torch.compile(lambda x, w: LinearFunction.apply(x, w), backend="lowprec", options=options)
+    w = torch.randn(8, 8, requires_grad=True)
+    before = len(REGISTRY.adaptive_states())
+    for _ in range(4):
+        run(torch.randn(4, 8, requires_grad=True), w).sum().backward()
+    states = REGISTRY.adaptive_states()[before:]
+    assert [state.calls for state in states] == [4]
+
+
 def test_a_function_call_is_a_layer_of_adaptive_loss_scaling():
     """Every output's gradient is scaled by the Function's own power of two and its input
     gradients unscaled: round to nearest even then gives the unscaled run's bits exactly

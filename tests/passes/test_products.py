@@ -468,10 +468,10 @@ class Inverse(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.form == "inv":
             return x @ torch.linalg.inv(self.w)
-        return x @ torch.linalg.matrix_power(self.w, -3)
+        return x @ torch.linalg.matrix_power(self.w, {"power": -3, "inverse power": -1}[self.form])
 
 
-@pytest.mark.parametrize("form", ["inv", "power"])
+@pytest.mark.parametrize("form", ["inv", "power", "inverse power"])
 def test_an_inverse_warns_and_is_listed_and_its_power_is_rounded(form):
     """The inverse multiplies inside its backward, unrounded (the check sees two products
     off the grid there): a warning and coverage say so. A negative matrix power is the
@@ -484,5 +484,36 @@ def test_an_inverse_warns_and_is_listed_and_its_power_is_rounded(form):
     assert len(said) == 1 and SOLVE in said[0]
     assert [(row.op, row.kept) for row in lpcompile.coverage(model) if row.kept] == [("linalg_inv", SOLVE)]
     assert check.off_grid == {"mm.default": 2}, check.products  # the inverse's backward
-    rounded = {"inv": 2, "power": 8}[form]  # x @ inv(w) and its gradients; also a^2, a^3
+    rounded = {"inv": 2, "power": 8, "inverse power": 2}[form]  # x @ inv(w) and its gradients; a^2, a^3
     assert check.products[("mm.default", True)] == rounded, check.products
+
+
+class SolveFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, w):
+        ctx.save_for_backward(x, w)
+        return torch.linalg.solve(w, x.T).T
+
+    @staticmethod
+    def backward(ctx, g):
+        x, w = ctx.saved_tensors
+        return torch.linalg.solve(w.T, g.T).T, None
+
+
+def test_a_solve_inside_a_function_warns():
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = nn.Parameter(torch.eye(8))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return SolveFunction.apply(x, self.w)
+
+    torch._dynamo.reset()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        run = torch.compile(Net(), backend="lowprec", options=OPTIONS)
+        run(torch.randn(4, 8, requires_grad=True)).sum().backward()
+    said = [str(w.message) for w in caught if "lowprec: linalg_solve in" in str(w.message)]
+    # one warning, naming the forward body's solve and the backward body's
+    assert len(said) == 1 and said[0].count("linalg_solve in") == 2 and SOLVE in said[0], said

@@ -169,15 +169,15 @@ MATRIX_POWERS = {torch.linalg.matrix_power, torch.matrix_power}
 
 
 def _matrix_power_args(call: torch.fx.Node) -> tuple[Any, Any] | None:
-    """The matrix and the exponent of a matrix power ``call`` (positional or keyword: ``A``
-    or ``input``, and ``n``), or None for another call or one writing into ``out``."""
+    """The matrix and the exponent of a matrix power ``call`` (positional or keyword:
+    ``input`` and ``n``), or None for another call or one writing into ``out``."""
     if not (call.op == "call_method" and call.target == "matrix_power") and not (
         call.op == "call_function" and call.target in MATRIX_POWERS
     ):
         return None
     if "out" in call.kwargs:
         return None
-    named = {"A": 0, "input": 0, "self": 0, "n": 1}
+    named = {"input": 0, "n": 1}
     args = list(call.args) + [None] * (2 - len(call.args))
     for key, value in call.kwargs.items():
         if key in named:
@@ -186,15 +186,15 @@ def _matrix_power_args(call: torch.fx.Node) -> tuple[Any, Any] | None:
 
 
 def is_matrix_power(call: torch.fx.Node) -> bool:
-    """Whether ``call`` raises a matrix to a constant power of 2 or more, or -2 or less (a
-    product, of the inverse)."""
+    """Whether ``call`` raises a matrix to a constant power of 2 or more (a product), or a
+    negative one (of the inverse)."""
     found = _matrix_power_args(call)
-    return found is not None and isinstance(found[1], int) and abs(found[1]) >= 2
+    return found is not None and isinstance(found[1], int) and (found[1] >= 2 or found[1] < 0)
 
 
 def write_matrix_powers(gm: torch.fx.GraphModule, ctx: CompileContext) -> None:
-    """Write each matrix power of a constant exponent of 2 or more (-2 or less: of the
-    inverse, ``linalg.inv``, as ATen takes it) as ATen's ``matmul`` calls."""
+    """Write each matrix power of a constant exponent of 2 or more as ATen's ``matmul``
+    calls; of a negative one, of the inverse (``linalg.inv``) as ATen takes it."""
     for graph in with_bodies(gm):
         for call in [node for node in graph.graph.nodes if is_matrix_power(node)]:
             matrix, exponent = _matrix_power_args(call)

@@ -49,6 +49,7 @@ from lpcompile.passes.graph import (
     CONV_TARGETS,
     CONV_TRANSPOSE_TARGETS,
     FLEX_ATTENTION,
+    FUNCTION_APPLY,
     LIBRARY_PRODUCTS,
     OPERAND_NAMES,
     SCALE_GRAD,
@@ -605,12 +606,25 @@ def _cdist_multiplies(node: torch.fx.Node) -> bool:
     return mode == MM_ALWAYS or any(not isinstance(r, int) or r > CDIST_ROWS for r in rows)
 
 
+def _with_function_bodies(gm: torch.fx.GraphModule) -> list[torch.fx.GraphModule]:
+    """``gm`` and the forward and backward bodies of the custom Functions it calls (those
+    with products or without)."""
+    calls = gm.graph.find_nodes(op="call_function", target=FUNCTION_APPLY)
+    return [gm, *(getattr(gm, body.target) for call in calls for body in call.args[:2])]
+
+
 def warn_matmul_distances(gm: torch.fx.GraphModule, ctx: CompileContext) -> None:
-    """Warn about ``torch.cdist`` calls that multiply inside (p=2, more than 25 rows or
-    ``compute_mode="use_mm_for_euclid_dist"``): that product runs unrounded."""
+    """Warn about ``torch.cdist`` calls (in ``gm`` and its Functions' bodies) that multiply
+    inside (p=2, more than 25 rows or ``compute_mode="use_mm_for_euclid_dist"``): that
+    product runs unrounded."""
     if not ctx.config.quantizes:
         return
-    found = [n for n in gm.graph.find_nodes(op="call_function", target=torch.cdist) if _cdist_multiplies(n)]
+    found = [
+        node
+        for graph in _with_function_bodies(gm)
+        for node in graph.graph.find_nodes(op="call_function", target=torch.cdist)
+        if _cdist_multiplies(node)
+    ]
     for node in found:
         ctx.kept.append(KeptProduct(layer_name(node), "cdist", CDIST))
     if found:
@@ -633,7 +647,14 @@ SOLVES = {
     torch.cholesky_solve,
     torch.linalg.tensorinv,
     torch.linalg.tensorsolve,
+    torch.linalg.ldl_solve,
+    torch.pinverse,
+    torch.triangular_solve,
+    torch.lu_solve,
+    torch.cholesky_inverse,
 }
+# their method forms
+SOLVE_METHODS = {"inverse", "pinverse", "cholesky_solve", "cholesky_inverse", "triangular_solve", "lu_solve"}
 SOLVE = (
     "inverts or solves in the model's precision, and its backward multiplies by the inverse "
     "unrounded: lowprec rounds products, not linear algebra (the products the model makes "
@@ -642,12 +663,18 @@ SOLVE = (
 
 
 def warn_linear_algebra(gm: torch.fx.GraphModule, ctx: CompileContext) -> None:
-    """Warn about inverses and solves (``linalg.inv``, ``solve``, ...), whose products,
-    forward and backward, run inside the call, unrounded."""
+    """Warn about inverses and solves (``linalg.inv``, ``solve``, ...; in ``gm`` and its
+    Functions' bodies), whose products, forward and backward, run inside the call,
+    unrounded."""
     if not ctx.config.quantizes:
         return
-    found = [n for n in gm.graph.nodes if n.op == "call_function" and n.target in SOLVES]
-    found += [n for n in gm.graph.nodes if n.op == "call_method" and n.target == "inverse"]
+    found = [
+        n
+        for graph in _with_function_bodies(gm)
+        for n in graph.graph.nodes
+        if (n.op == "call_function" and n.target in SOLVES)
+        or (n.op == "call_method" and n.target in SOLVE_METHODS)
+    ]
     for node in found:
         ctx.kept.append(KeptProduct(layer_name(node), op_name(node), SOLVE))
     if found:
