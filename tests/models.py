@@ -187,6 +187,36 @@ def capture_dynamo_graphs(monkeypatch) -> list[torch.fx.GraphModule]:
     return graphs
 
 
+class LinearFunction(torch.autograd.Function):
+    """``x @ w.T`` with a hand-written backward, as a fused or custom layer is written."""
+
+    @staticmethod
+    def forward(ctx, x, w):
+        ctx.save_for_backward(x, w)
+        return x @ w.t()
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, w = ctx.saved_tensors
+        return grad @ w, grad.t() @ x
+
+
+class LinearFunctionT(torch.autograd.Function):
+    """``x @ w.T`` with the ``.T`` attribute: Dynamo passes the forward's ``w.T`` as an input
+    of its own, which gets no gradient, and the gradient to ``w``, which the forward only
+    saves."""
+
+    @staticmethod
+    def forward(ctx, x, w):
+        ctx.save_for_backward(x, w)
+        return x @ w.T
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, w = ctx.saved_tensors
+        return grad @ w, grad.T @ x
+
+
 class Records:
     """The ``CompiledGraph`` records made since this object was created."""
 

@@ -11,6 +11,7 @@ from torch import nn
 
 import lpcompile  # noqa: F401  (registers the ops and the backend)
 from lpcompile.backend import REGISTRY, stats, step_seed
+from lpcompile.backend.adaptive import AdaptiveScaleState
 from lpcompile.numerics.compat import INDUCTOR_COND_TAKES_SIZES
 from lpcompile.numerics.formats import parse_format
 from lpcompile.numerics.scale_grad import STATS_SIZE, gradient_stats
@@ -122,10 +123,9 @@ def test_approx_range_rule_matches_its_formula():
     assert s == 2.0 ** math.floor(math.log2(alpha))
 
 
-def test_a_transposed_convolution_is_scaled_by_its_output_channels():
-    """The graph's layout tells the approx_range rule which weight dimension sums."""
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.ConvTranspose2d(8, 2, 3), nn.Flatten(), nn.Linear(2 * 7 * 7, 3))
+def _approx_range_steps(model: nn.Module) -> AdaptiveScaleState:
+    """Three adaptive steps of ``model`` on 4 x 8 x 5 x 5 inputs, by the approx_range rule;
+    its one adaptive state."""
     options = {"recipe": "fp8-e5m2-als", "executor": "eager", "loss_scale_rule": "approx_range"}
     run = torch.compile(model, backend="lowprec", options=options)
     opt, scaler = torch.optim.SGD(model.parameters(), lr=0.01), LossScaler("adaptive")
@@ -135,6 +135,14 @@ def test_a_transposed_convolution_is_scaled_by_its_output_channels():
         scaler.step(opt)
         scaler.update()
     (state,) = REGISTRY.adaptive_states(model)
+    return state
+
+
+def test_a_transposed_convolution_is_scaled_by_its_output_channels():
+    """The graph's layout tells the approx_range rule which weight dimension sums."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.ConvTranspose2d(8, 2, 3), nn.Flatten(), nn.Linear(2 * 7 * 7, 3))
+    state = _approx_range_steps(model)
     assert state.layers == ["0", "2"] and state.out_dims == (1, 0)
     assert all(t.history for t in state.telemetry) and min(state.scales.tolist()) > 1
 
@@ -163,15 +171,7 @@ def test_a_grouped_convolution_is_scaled_by_one_group(monkeypatch):
             return self.head(self.grouped(x).flatten(1))
 
     model = Net()
-    options = {"recipe": "fp8-e5m2-als", "executor": "eager", "loss_scale_rule": "approx_range"}
-    run = torch.compile(model, backend="lowprec", options=options)
-    opt, scaler = torch.optim.SGD(model.parameters(), lr=0.01), LossScaler("adaptive")
-    for _ in range(3):
-        opt.zero_grad()
-        scaler.scale(run(torch.randn(4, 8, 5, 5)).square().mean() * 2.0**-12).backward()
-        scaler.step(opt)
-        scaler.update()
-    (state,) = REGISTRY.adaptive_states(model)
+    state = _approx_range_steps(model)
     assert state.layers == ["depthwise.weight", "grouped", "head"] and state.groups == (8, 2, 1)
     assert all(t.history for t in state.telemetry)
     assert set(called) == {((8, 1, 3, 3), 8), ((4, 4, 1, 1), 2), ((3, 36), 1)}

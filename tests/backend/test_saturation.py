@@ -11,6 +11,7 @@ import warnings
 import pytest
 import torch
 from grid import torchao_nvfp4
+from models import LinearFunction
 from torch import nn
 
 import lpcompile
@@ -167,20 +168,6 @@ def test_counts_the_branch_each_call_took(executor):
     assert backward[("a", "error")] == 2 and backward[("b", "error")] == 1
 
 
-class Product(torch.autograd.Function):
-    """``x @ w.T`` with a hand-written backward."""
-
-    @staticmethod
-    def forward(ctx, x, w):
-        ctx.save_for_backward(x, w)
-        return x @ w.t()
-
-    @staticmethod
-    def backward(ctx, g):
-        x, w = ctx.saved_tensors
-        return g @ w, g.t() @ x
-
-
 class FunctionNet(nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -190,7 +177,7 @@ class FunctionNet(nn.Module):
             self.w[1, 2] = 1e5
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return Product.apply(x, self.w)
+        return LinearFunction.apply(x, self.w)
 
 
 class CheckpointedFunction(nn.Module):

@@ -107,7 +107,7 @@ def _forward_counts(gm: torch.fx.GraphModule, ctx: CompileContext) -> tuple[list
             body_sites, body_counts = _forward_counts(body, ctx)
             if body_counts is not None:
                 sites += body_sites
-                parts.append(_output_of(gm, node, _return_also(body, body_counts), body))
+                parts.append(_output_of(gm, node, _return_also(body, body_counts), body_counts))
         elif is_function_call(node):
             forward, backward = function_bodies(gm, node)
             body_sites, body_counts = _forward_counts(forward, ctx)
@@ -120,14 +120,13 @@ def _forward_counts(gm: torch.fx.GraphModule, ctx: CompileContext) -> tuple[list
             if sum(rows):
                 # (the device of the rows a branch counts: the other's zero rows go there too)
                 device = next(c.meta["example_value"].device for _, c in found if c is not None)
-                index = [
-                    _return_also(
-                        branch, _branch_rows(branch, counts, sum(rows[:k]), sum(rows[k + 1 :]), device)
-                    )
+                returned = [
+                    _branch_rows(branch, counts, sum(rows[:k]), sum(rows[k + 1 :]), device)
                     for k, (branch, (_, counts)) in enumerate(zip(branches[node], found, strict=True))
-                ][0]
+                ]
+                index = [_return_also(b, r) for b, r in zip(branches[node], returned, strict=True)][0]
                 sites += [site for branch_sites, _ in found for site in branch_sites]
-                rows_node = _output_of(gm, node, index, branches[node][0])
+                rows_node = _output_of(gm, node, index, returned[0])
                 parts.append(inline(gm, gm.graph.output_node(), _as_counts, {"rows": rows_node}))
     if not parts:
         return sites, None
@@ -189,12 +188,13 @@ def _return_also(body: torch.fx.GraphModule, value: torch.fx.Node) -> int:
 
 
 def _output_of(
-    gm: torch.fx.GraphModule, call: torch.fx.Node, index: int, body: torch.fx.GraphModule
+    gm: torch.fx.GraphModule, call: torch.fx.Node, index: int, inner: torch.fx.Node
 ) -> torch.fx.Node:
-    """A node of ``gm`` reading output ``index`` of ``call``, which calls ``body``."""
+    """A node of ``gm`` reading output ``index`` of ``call``, which its body's node
+    ``inner`` returns."""
     with gm.graph.inserting_after(call):
         item = gm.graph.call_function(operator.getitem, (call, index))
-    value = body.graph.output_node().args[0][index].meta.get("example_value")
+    value = inner.meta.get("example_value")
     item.meta["example_value"] = value
     example = call.meta.get("example_value")
     if isinstance(example, tuple | list) and len(example) == index:
@@ -222,13 +222,7 @@ def _function_output(
         backward.graph.placeholder("lowprec_saturation_counts_grad")
     backward.recompile()
     call.update_kwarg("non_differentiable_idx", [*call.kwargs.get("non_differentiable_idx", ()), index])
-    with gm.graph.inserting_after(call):
-        item = gm.graph.call_function(operator.getitem, (call, index))
-    item.meta["example_value"] = value = counts.meta.get("example_value")
-    example = call.meta.get("example_value")
-    if isinstance(example, tuple | list) and len(example) == index:
-        call.meta["example_value"] = (*example, value)
-    return item
+    return _output_of(gm, call, index, counts)
 
 
 def function_gradient_sites(
