@@ -95,32 +95,25 @@ def test_rules_on_degenerate_inputs():
 def test_approx_range_rule_matches_its_formula():
     torch.manual_seed(0)
     g = torch.randn(4096) * 1e-4 + 2e-5
-    w = torch.randn(64, 256) * 0.05
-    s = approx_range_scale(gradient_stats(g, "histogram"), w, E5M2, 1e-3)
     second_g = (g.double() ** 2).mean().item()
+
+    def expected(w: torch.Tensor, fan_in: int) -> float:
+        """The authors' scale: σ of the fan_in products g·W each input-gradient element sums."""
+        sigma = math.sqrt(second_g * (w.double() ** 2).mean().item() * fan_in / 2)
+        erfinv = torch.special.erfinv(torch.tensor(1e-3, dtype=torch.float64)).item()
+        return 2.0 ** math.floor(math.log2(E5M2.min_subnormal / (math.sqrt(2) * erfinv * sigma)))
+
+    stats = gradient_stats(g, "histogram")
     # each input-gradient element sums 64 products g·W (the weight's output features)
-    sigma = math.sqrt(second_g * (w.double() ** 2).mean().item() * 64 / 2)
-    alpha = E5M2.min_subnormal / (
-        math.sqrt(2) * torch.special.erfinv(torch.tensor(1e-3, dtype=torch.float64)).item() * sigma
-    )
-    assert s == 2.0 ** math.floor(math.log2(alpha))
+    w = torch.randn(64, 256) * 0.05
+    assert approx_range_scale(stats, w, E5M2, 1e-3) == expected(w, 64)
     # a transposed convolution's weight is (in, out, kh, kw): 16 x 3 x 3 products each
     w = torch.randn(64, 16, 3, 3) * 0.05
-    s = approx_range_scale(gradient_stats(g, "histogram"), w, E5M2, 1e-3, out_dim=1)
-    sigma = math.sqrt(second_g * (w.double() ** 2).mean().item() * 16 * 9 / 2)
-    alpha = E5M2.min_subnormal / (
-        math.sqrt(2) * torch.special.erfinv(torch.tensor(1e-3, dtype=torch.float64)).item() * sigma
-    )
-    assert s == 2.0 ** math.floor(math.log2(alpha))
+    assert approx_range_scale(stats, w, E5M2, 1e-3, out_dim=1) == expected(w, 16 * 9)
     # a depthwise convolution's weight is (out, in/groups, kh, kw): each input-gradient
     # element sums one group's 64/64 output channels over the 3 x 3 taps
     w = torch.randn(64, 1, 3, 3) * 0.05
-    s = approx_range_scale(gradient_stats(g, "histogram"), w, E5M2, 1e-3, groups=64)
-    sigma = math.sqrt(second_g * (w.double() ** 2).mean().item() * 1 * 9 / 2)
-    alpha = E5M2.min_subnormal / (
-        math.sqrt(2) * torch.special.erfinv(torch.tensor(1e-3, dtype=torch.float64)).item() * sigma
-    )
-    assert s == 2.0 ** math.floor(math.log2(alpha))
+    assert approx_range_scale(stats, w, E5M2, 1e-3, groups=64) == expected(w, 1 * 9)
 
 
 def _approx_range_steps(model: nn.Module) -> AdaptiveScaleState:
