@@ -9,7 +9,8 @@ it compared the sizes, so the graph's guards hold those comparisons (or the size
 themselves) wherever the graph runs.
 
 A matrix power (``linalg.matrix_power`` of a constant exponent of 2 or more): ATen's
-``matmul`` calls, by its binary decomposition of the exponent.
+``matmul`` calls, by its binary decomposition of the exponent; of a negative exponent,
+those of the inverse (``linalg.inv``, which ATen takes first).
 
 An ``einsum`` of three or more operands: ATen contracts them two at a time, left to
 right, or in the order ``opt_einsum`` picks where torch uses it
