@@ -215,9 +215,10 @@ def write_matrix_powers(gm: torch.fx.GraphModule, ctx: CompileContext) -> None:
 
 
 def raise_matrix(matrix: Any, exponent: int) -> Any:
-    """``linalg.matrix_power(matrix, exponent)``, ``exponent >= 2``, as ATen computes it:
+    """``linalg.matrix_power(matrix, exponent)``, ``exponent >= 1``, as ATen computes it:
     ``a @ a`` and ``(a @ a) @ a`` for 2 and 3; else from the exponent's lowest bit up, the
-    running product times each power of two (``z``, squared at each bit) its bit holds."""
+    running product times each power of two (``z``, squared at each bit) its bit holds (for
+    1, the matrix itself: the inverse a power of -1 takes)."""
     if exponent == 2:
         return torch.matmul(matrix, matrix)
     if exponent == 3:
