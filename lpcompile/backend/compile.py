@@ -387,7 +387,12 @@ def overlapped_cpp_builds() -> Iterator[None]:
     the forward's build runs while the backward is lowered, and the backward's while the
     forward runs, as Inductor's Python wrapper builds its kernels side by side. With one
     compile thread (``TORCHINDUCTOR_COMPILE_THREADS=1``) it changes nothing.
+
+    The backward then gives no saved tensor's buffer to its outputs (AOT autograd's donated
+    buffers): a backward lowered lazily learns at its first call whether autograd keeps
+    the graph (``backward(retain_graph=True)``), one lowered with the forward cannot.
     """
+    from torch._functorch._aot_autograd import graph_compile
     from torch._inductor.async_compile import AsyncCompile, get_compile_threads
     from torch._inductor.codecache import CppWrapperCodeCache as cache
 
@@ -404,11 +409,20 @@ def overlapped_cpp_builds() -> Iterator[None]:
         return entry
 
     cache.load_pybinding = classmethod(load_in_background)
+    donated = graph_compile.collect_bw_donated_buffer_idxs
+    graph_compile.collect_bw_donated_buffer_idxs = _none_donated
     try:
         with torch._functorch.config.patch(force_non_lazy_backward_lowering=True):
             yield
     finally:
         del cache.load_pybinding  # back to the one it inherits
+        graph_compile.collect_bw_donated_buffer_idxs = donated
+
+
+def _none_donated(*args: Any) -> list[int]:
+    """AOT autograd's ``collect_bw_donated_buffer_idxs`` for a backward that may run with
+    ``retain_graph=True``: no saved tensor is donated."""
+    return []
 
 
 @contextlib.contextmanager

@@ -476,6 +476,22 @@ def test_no_grad_inference_is_quantized_and_recorded():
     assert not torch.equal(y, model(x))
 
 
+@pytest.mark.parametrize("compile_threads", [1, 2])
+def test_a_second_backward_through_a_kept_graph(compile_threads):
+    """``backward(retain_graph=True)`` then ``backward()`` (GAN and multi-loss training):
+    the second adds the same gradients, also where two compile threads have Inductor lower
+    the backward with the forward (then without a saved tensor to know it is kept)."""
+    model = mlp()
+    x = mlp_input()
+    with torch._inductor.config.patch(compile_threads=compile_threads):
+        loss = torch.compile(model, backend="lowprec", options={"recipe": "fp8-e5m2-sr"})(x).square().sum()
+        loss.backward(retain_graph=True)
+        first = {name: p.grad.clone() for name, p in model.named_parameters()}
+        loss.backward()
+    for name, p in model.named_parameters():
+        assert torch.equal(p.grad, 2 * first[name]), name
+
+
 @pytest.mark.parametrize("dynamic", [False, None])
 def test_recompile_for_a_new_batch_size(dynamic):
     """A recompile (static shapes, or Dynamo's automatic dynamic ones) keeps the random
