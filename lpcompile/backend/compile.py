@@ -392,7 +392,6 @@ def overlapped_cpp_builds() -> Iterator[None]:
     buffers): a backward lowered lazily learns at its first call whether autograd keeps
     the graph (``backward(retain_graph=True)``), one lowered with the forward cannot.
     """
-    from torch._functorch._aot_autograd import graph_compile
     from torch._inductor.async_compile import AsyncCompile, get_compile_threads
     from torch._inductor.codecache import CppWrapperCodeCache as cache
 
@@ -409,20 +408,26 @@ def overlapped_cpp_builds() -> Iterator[None]:
         return entry
 
     cache.load_pybinding = classmethod(load_in_background)
-    donated = graph_compile.collect_bw_donated_buffer_idxs
-    graph_compile.collect_bw_donated_buffer_idxs = _none_donated
     try:
-        with torch._functorch.config.patch(force_non_lazy_backward_lowering=True):
+        with torch._functorch.config.patch(force_non_lazy_backward_lowering=True), without_donated_buffers():
             yield
     finally:
         del cache.load_pybinding  # back to the one it inherits
+
+
+@contextlib.contextmanager
+def without_donated_buffers() -> Iterator[None]:
+    """AOT autograd compiles backwards that donate no saved tensor's buffer to their
+    outputs, so that ``backward(retain_graph=True)`` may run them at any call (AOT autograd
+    refuses that for a backward compiled with donated buffers)."""
+    from torch._functorch._aot_autograd import graph_compile
+
+    donated = graph_compile.collect_bw_donated_buffer_idxs
+    graph_compile.collect_bw_donated_buffer_idxs = lambda *args: []
+    try:
+        yield
+    finally:
         graph_compile.collect_bw_donated_buffer_idxs = donated
-
-
-def _none_donated(*args: Any) -> list[int]:
-    """AOT autograd's ``collect_bw_donated_buffer_idxs`` for a backward that may run with
-    ``retain_graph=True``: no saved tensor is donated."""
-    return []
 
 
 @contextlib.contextmanager
@@ -461,7 +466,8 @@ def _compile_aot(
             inference_compiler=_fx_compiler(ctx, record, "inference" + tag),
             partition_fn=_partition_after_joint_passes(ctx, tag),
         )
-        compiled = backend(gm, example_inputs)
+        with without_donated_buffers():  # buffers FX reuses nowhere
+            compiled = backend(gm, example_inputs)
     else:
         from torch._inductor.compile_fx import compile_fx
 

@@ -476,15 +476,22 @@ def test_no_grad_inference_is_quantized_and_recorded():
     assert not torch.equal(y, model(x))
 
 
-@pytest.mark.parametrize("compile_threads", [1, 2])
-def test_a_second_backward_through_a_kept_graph(compile_threads):
-    """``backward(retain_graph=True)`` then ``backward()`` (GAN and multi-loss training):
+@pytest.mark.parametrize(
+    "executor, compile_threads, steps_before", [("inductor", 1, 0), ("inductor", 2, 0), ("eager", 2, 1)]
+)
+def test_a_second_backward_through_a_kept_graph(executor, compile_threads, steps_before):
+    """``backward(retain_graph=True)`` then ``backward()`` (GAN and multi-task training):
     the second adds the same gradients, also where two compile threads have Inductor lower
-    the backward with the forward (then without a saved tensor to know it is kept)."""
+    the backward with the forward. Inductor, like torch's own, keeps a graph where the
+    first backward keeps it; the eager executor also after steps without."""
     model = mlp()
-    x = mlp_input()
+    options = {"recipe": "fp8-e5m2-sr", "executor": executor}
     with torch._inductor.config.patch(compile_threads=compile_threads):
-        loss = torch.compile(model, backend="lowprec", options={"recipe": "fp8-e5m2-sr"})(x).square().sum()
+        compiled = torch.compile(model, backend="lowprec", options=options)
+        for _ in range(steps_before):
+            compiled(mlp_input()).sum().backward()
+        model.zero_grad()
+        loss = compiled(mlp_input()).square().sum()
         loss.backward(retain_graph=True)
         first = {name: p.grad.clone() for name, p in model.named_parameters()}
         loss.backward()
