@@ -57,8 +57,9 @@ LIBRARY_PRODUCTS = {
 
 
 def on_e5m2_grid(t: torch.Tensor) -> bool:
-    """Every value survives torch's round trip through float8_e5m2 (NaN aside)."""
-    t = t.detach()
+    """Every value (of a complex ``t``: every real and imaginary part) survives torch's round
+    trip through float8_e5m2 (NaN aside)."""
+    t = torch.view_as_real(t.detach().resolve_conj()) if t.is_complex() else t.detach()
     back = t.to(torch.float8_e5m2).to(t.dtype)
     return bool(((back == t) | torch.isnan(t)).all())
 
@@ -265,7 +266,11 @@ class GridCheck(TorchDispatchMode):
         positions = HOP_PRODUCTS.get(func) if hop else PRODUCTS.get(func, LIBRARY_PRODUCTS.get(func.name()))
         if positions is not None:
             operands = [(i, args[i]) for i in positions if i < len(args)]
-            floats = [(i, a) for i, a in operands if isinstance(a, torch.Tensor) and a.is_floating_point()]
+            floats = [
+                (i, a)
+                for i, a in operands
+                if isinstance(a, torch.Tensor) and (a.is_floating_point() or a.is_complex())
+            ]
             on_grid = all(self.on_operand(func, i, a) for i, a in floats)
             self.products[(func.__name__, on_grid)] += 1
         elif not hop and any(word in func.__name__.replace("convert", "") for word in PRODUCT_WORDS):

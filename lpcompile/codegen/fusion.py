@@ -104,6 +104,8 @@ def fusable(node: torch.fx.Node, shape: tuple[int, ...], device: torch.device, s
         return False
     if static_shape(node) != shape or node.meta["val"].device != device:
         return False
+    if any(n.meta["val"].is_complex() for n in (node, *_tensor_args(node))):  # Triton has no complex dtype
+        return False
     for arg in _tensor_args(node):
         arg_shape = static_shape(arg)
         if arg_shape is None or not broadcasts_to(arg_shape, shape) or not on_device(arg, device):

@@ -46,9 +46,11 @@ from lpcompile.numerics.quantize import (
     TILED_SCALINGS,
     amax_factor,
     check_args,
+    complex_of,
     dynamic_scale,
     is_rowwise,
     mx_factor,
+    real_parts,
     round_value,
     scale_within,
 )
@@ -58,6 +60,11 @@ aten = torch.ops.aten
 
 @register_decomposition(torch.ops.lowprec.quantize.default)
 def _decompose_quantize(x, fmt, rounding, overflow, seed, offset, scale, scaling="none"):
+    if x.is_complex():  # Inductor lowers no complex values: the parts, rounded as floats
+        parts = real_parts(x)
+        return complex_of(
+            torch.ops.lowprec.quantize(parts, fmt, rounding, overflow, seed, offset, scale, scaling), x
+        )
     if scaling in TILED_SCALINGS:  # the reference's steps around an unscaled quantize
         target = check_args(x, fmt, rounding, overflow, scaling)
         scale = dynamic_scale(x, target, scaling)

@@ -108,17 +108,37 @@ def _f32_bits(value: float) -> int:
 def check_args(x: torch.Tensor, fmt: str, rounding: str, overflow: str, scaling: str = "none") -> FloatFormat:
     """Validate the arguments of a quantize call; return the parsed format."""
     target = _format(fmt)
-    if x.dtype not in FLOAT_DTYPES:
-        raise TypeError(f"lowprec.quantize takes float32, float16 or bfloat16 tensors, got {x.dtype}")
+    if part_dtype(x.dtype) not in FLOAT_DTYPES:
+        raise TypeError(
+            f"lowprec.quantize takes float32, float16 or bfloat16 tensors (or complex ones of those"
+            f" parts), got {x.dtype}"
+        )
     if rounding not in ROUNDINGS:
         raise ValueError(f"rounding must be one of {ROUNDINGS}, got {rounding!r}")
     if overflow not in OVERFLOWS:
         raise ValueError(f"overflow must be one of {OVERFLOWS}, got {overflow!r}")
     if scaling not in SCALINGS:
         raise ValueError(f"scaling must be one of {SCALINGS}, got {scaling!r}")
-    if not target.fits_in(x.dtype):
+    if not target.fits_in(part_dtype(x.dtype)):
         raise ValueError(f"format {target.name} has values that {x.dtype} cannot hold exactly")
     return target
+
+
+def part_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype of a complex ``dtype``'s real and imaginary parts; a real one itself."""
+    return dtype.to_real() if dtype.is_complex else dtype
+
+
+def real_parts(x: torch.Tensor) -> torch.Tensor:
+    """A complex ``x``'s real and imaginary parts, interleaved along its last dimension
+    (twice as long; a 0-dim ``x``: its two parts): what lowprec rounds of it."""
+    parts = torch.view_as_real(x.resolve_conj())
+    return parts.reshape(*x.shape[:-1], -1)
+
+
+def complex_of(parts: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """The complex tensor of ``like``'s shape whose parts :func:`real_parts` gave."""
+    return torch.view_as_complex(parts.reshape(*like.shape, 2).contiguous())
 
 
 def exact_power_steps(exponent: int) -> list[int]:
@@ -429,8 +449,12 @@ def quantize_reference(
     scale: torch.Tensor | None = None,
     scaling: str = "none",
 ) -> torch.Tensor:
-    """Reference implementation of ``lowprec::quantize`` in plain torch ops."""
+    """Reference implementation of ``lowprec::quantize`` in plain torch ops. A complex ``x``
+    has its real and imaginary parts rounded (:func:`real_parts`)."""
     target = check_args(x, fmt, rounding, overflow, scaling)
+    if x.is_complex():
+        rounded = quantize_reference(real_parts(x), fmt, rounding, overflow, seed, offset, scale, scaling)
+        return complex_of(rounded, x)
     if scaling != "none" and scale is not None:
         raise ValueError(f"scaling={scaling!r} computes the scale: pass no scale with it")
     # Contiguous, as the fake kernel promises (a transposed input would otherwise
@@ -670,6 +694,13 @@ def quantize(
     if not 0 <= offset < 2**32:
         raise ValueError(f"offset must be in [0, 2**32) (the streams' 32-bit offset), got {offset}")
     offset = int(offset)
+    if x.is_complex():
+        check_args(x, name, rounding, overflow, scaling)
+        parts = real_parts(x)
+        rounded = quantize(
+            parts, name, rounding, seed=seed, offset=offset, scale=scale, overflow=overflow, scaling=scaling
+        )
+        return complex_of(rounded, x)
     if rounding == "stochastic" and not isinstance(seed, torch.Tensor):
         if isinstance(seed, bool) or not isinstance(seed, numbers.Integral):
             raise TypeError(f"seed must be an int or an int64 tensor, got {type(seed).__name__}")

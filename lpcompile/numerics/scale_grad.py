@@ -34,7 +34,7 @@ from functools import partial
 import torch
 
 from lpcompile.numerics.formats import parse_format
-from lpcompile.numerics.quantize import dynamic_scale, is_dtensor, scale_within, whole_tensor
+from lpcompile.numerics.quantize import dynamic_scale, is_dtensor, real_parts, scale_within, whole_tensor
 
 EXP_BINS = 256
 STATS_SIZE = EXP_BINS + 2
@@ -42,8 +42,9 @@ STATS = ("none", "histogram", "nonfinite")
 
 
 def gradient_stats(grad: torch.Tensor, stats: str) -> torch.Tensor:
-    """The statistics ``scale_grad`` reports for ``grad`` (FP32)."""
-    g = grad.to(torch.float32)
+    """The statistics ``scale_grad`` reports for ``grad`` (FP32; of a complex one, of its real
+    and imaginary parts)."""
+    g = (real_parts(grad) if grad.is_complex() else grad).to(torch.float32)
     if stats == "nonfinite":
         return (~torch.isfinite(g)).sum().to(torch.float32)
     exponent = torch.bitwise_and(torch.bitwise_right_shift(g.view(torch.int32), 23), 0xFF)
@@ -147,8 +148,11 @@ def range_counts(x: torch.Tensor, fmt: str, scaling: str = "none") -> torch.Tens
     values beyond ``largest`` in magnitude (infinities included), of inf or NaN values, of
     non-zero values, and of non-zero values below ``smallest`` in magnitude (those rounding
     can only flush to zero or raise to ``smallest``). With a ``scaling`` other than
-    ``"none"``, of ``x`` scaled as the quantize with that scaling scales it."""
+    ``"none"``, of ``x`` scaled as the quantize with that scaling scales it. A complex ``x``'s
+    values are its real and imaginary parts."""
     target = parse_format(fmt)
+    if x.is_complex():
+        x = real_parts(x)
     largest, smallest = target.max, target.min_subnormal
     if scaling != "none":
         x = scale_within(x, dynamic_scale(x, target, scaling), largest)

@@ -60,6 +60,20 @@ class Block(nn.Module):
         return x + self.down(F.relu(self.up(self.norm2(x))))
 
 
+class ComplexMLP(nn.Module):
+    """A complex product between two linear layers."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.up, self.down = nn.Linear(8, 8), nn.Linear(16, 4)
+        self.w = nn.Parameter(torch.randn(8, 8, dtype=torch.cfloat) / 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.up(x)
+        return self.down(torch.view_as_real(torch.complex(h, h.flip(-1)) @ self.w).flatten(-2))
+
+
 def run(make, x, options, steps=2):
     torch._dynamo.reset()
     model = make().to(TEST_DEVICE)
@@ -122,6 +136,13 @@ def test_convnet_and_transformer_block_bit_identical():
     x = torch.randn(2, 5, 16, generator=torch.Generator().manual_seed(3))
     record, _ = compare(Block, x, {"recipe": "fp8-hybrid"}, steps=1)
     assert any("relu" in k.nodes for k in record.fused)
+
+
+def test_complex_roundings_run_unfused_and_match():
+    """Triton has no complex dtype: the complex product's roundings run as lowprec's
+    operator, the real layers' in generated kernels."""
+    record, _ = compare(ComplexMLP, torch.randn(4, 8), {"recipe": "fp8-e5m2-sr"})
+    assert any(kernels_by_graph(record).values())
 
 
 def test_adaptive_loss_scaling_statistics_fuse_and_match():

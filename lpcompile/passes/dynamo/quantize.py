@@ -30,7 +30,14 @@ import torch.fx
 import torch.nn.functional as F
 
 from lpcompile.config import QuantSpec, Role
-from lpcompile.numerics.quantize import FLOAT_DTYPES, is_rowwise, is_tiled, per_tensor, scaling_argument
+from lpcompile.numerics.quantize import (
+    FLOAT_DTYPES,
+    is_rowwise,
+    is_tiled,
+    part_dtype,
+    per_tensor,
+    scaling_argument,
+)
 from lpcompile.passes.driver import CompileContext, KeptProduct, Site
 from lpcompile.passes.dynamo.functions import (
     BACKWARD,
@@ -349,14 +356,14 @@ def kept_layers(gm: torch.fx.GraphModule, ctx: CompileContext) -> list[torch.fx.
 
 
 def is_constant_beyond_fp32(call: torch.fx.Node) -> bool:
-    """Whether ``call`` multiplies float64 tensors that are no parameters and get no
+    """Whether ``call`` multiplies float64 (or complex128) tensors that are no parameters and get no
     gradient: a table the model's code computes in float64 on purpose (the rotary-embedding
     angles of diffusers' Flux), which stays as written. A float64 product of a layer's
     weight or in the trained path is refused instead (:func:`check_operand_dtypes`)."""
     operands = [call.args[i] for i in product_operands(call) or () if i < len(call.args)]
     operands = [o for o in operands if isinstance(o, torch.fx.Node)]
     values = [o.meta.get("example_value") for o in operands]
-    beyond = any(isinstance(v, torch.Tensor) and v.dtype == torch.float64 for v in values)
+    beyond = any(isinstance(v, torch.Tensor) and part_dtype(v.dtype) == torch.float64 for v in values)
     trained = any(needs_grad(o) or parameter_of(o) is not None for o in operands)
     return beyond and not trained
 
@@ -726,13 +733,14 @@ def check_operand_dtypes(call: torch.fx.Node) -> None:
     (float64) or of two dtypes outside autocast (eager torch refuses those too; compiled,
     they fail deep inside Inductor)."""
     values = [call.args[i].meta.get("example_value") for i in product_operands(call)]
-    dtypes = [v.dtype for v in values if isinstance(v, torch.Tensor) and v.is_floating_point()]
+    dtypes = [v.dtype for v in values if _is_float_value(v)]
     layer = shown_name(layer_name(call))
     for dtype in dtypes:
-        if dtype not in FLOAT_DTYPES:
+        if part_dtype(dtype) not in FLOAT_DTYPES:
             raise TypeError(
                 f"lowprec: layer {layer!r} ({op_name(call)}) computes in {dtype}; lowprec"
-                " quantizes float32, float16 and bfloat16 models (convert it with model.float())"
+                " quantizes float32, float16 and bfloat16 models, and complex ones of those parts"
+                " (convert it with model.float())"
             )
     devices = {v.device.type for v in values if isinstance(v, torch.Tensor)}
     if len(set(dtypes)) > 1 and not any(runs_under_autocast(call, device) for device in devices):
@@ -756,13 +764,22 @@ def spec_for(call: torch.fx.Node, spec: QuantSpec) -> QuantSpec:
     per tensor for a product that is not a matmul (:data:`WHOLE_TENSOR_TARGETS`, other
     libraries' operators: a convolution's tiles would split the channels it sums over),
     and a rowwise one in a ``torch.cond`` branch too (a subgraph of the joint graph, which
-    the rounding per matmul does not enter)."""
+    the rounding per matmul does not enter). A complex product's are rounded per tensor too:
+    its rows interleave real and imaginary parts."""
     library = isinstance(call.target, torch._ops.OpOverload | torch._ops.OpOverloadPacket)
     branch = COND_PARENT in call.graph.owning_module.meta
-    not_matmul = call.target in WHOLE_TENSOR_TARGETS or library
+    not_matmul = call.target in WHOLE_TENSOR_TARGETS or library or _is_complex_product(call)
     if (is_rowwise(spec.scaling) and (not_matmul or branch)) or (is_tiled(spec.scaling) and not_matmul):
         return dataclasses.replace(spec, scaling=per_tensor(spec.scaling))
     return spec
+
+
+def _is_complex_product(call: torch.fx.Node) -> bool:
+    operands = (call.args[i] for i in product_operands(call) or () if i < len(call.args))
+    return any(
+        isinstance(o, torch.fx.Node) and getattr(o.meta.get("example_value"), "is_complex", bool)()
+        for o in operands
+    )
 
 
 def _quantize_operand(
@@ -930,8 +947,12 @@ def _round_body_operands(
 
 
 def _is_float(node: torch.fx.Node) -> bool:
-    value = node.meta.get("example_value")
-    return isinstance(value, torch.Tensor) and value.is_floating_point()
+    return _is_float_value(node.meta.get("example_value"))
+
+
+def _is_float_value(value: object) -> bool:
+    """Whether ``value`` is a tensor lowprec rounds the values of: real or complex floats."""
+    return isinstance(value, torch.Tensor) and (value.is_floating_point() or value.is_complex())
 
 
 def _views_of(
