@@ -35,6 +35,9 @@ PRODUCTS = {
     aten._sparse_addmm.default: (1, 2),  # torch.sparse.mm and addmm, also on dense tensors
     aten.dot.default: (0, 1),
     aten.mv.default: (0, 1),
+    aten.addmv.default: (1, 2),
+    aten.addr.default: (1, 2),
+    aten._trilinear.default: (0, 1, 2),  # F.bilinear's: input, weight, input
     aten.convolution.default: (0, 1),
     aten.convolution_backward.default: (0, 1, 2),
     aten._scaled_dot_product_flash_attention_for_cpu.default: (0, 1, 2),

@@ -101,7 +101,7 @@ def test_inplace_products_run_on_the_grid_and_compute_as_torch():
     """Each in-place product becomes its product copied into the tensor: rounded like the
     others, and, unrounded, the model's own values."""
     check = grid_step(InPlace(), {"x": torch.randn(4, 8)}, OPTIONS)
-    assert check.count == 11 and check.off_grid == {} and not check.unknown, check.products
+    assert check.count == 13 and check.off_grid == {} and not check.unknown, check.products
     torch._dynamo.reset()
     x = torch.randn(4, 8)
     unrounded = {**OPTIONS, "exclude": ["*"]}
