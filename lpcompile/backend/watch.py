@@ -286,15 +286,14 @@ class CoverageWatches:
             self._by_root[root] = CoverageWatch(root, self._active)
 
     def recording(self, run: Callable[..., Any]) -> Callable[..., Any]:
-        """``run``, a compiled graph, recording the parameters it is called with into the
-        active watches."""
+        """``run``, a compiled graph, recording the tensors it is called with into the active
+        watches: its parameters, and the tensors ``torch.func.functional_call`` puts in their
+        place while it runs."""
         active = self._active
 
         def call(*args: Any) -> Any:
             if active:
-                ids = {
-                    id(a) for a in args if isinstance(a, torch.nn.Parameter) and not isinstance(a, FakeTensor)
-                }
+                ids = {id(a) for a in args if isinstance(a, torch.Tensor) and not isinstance(a, FakeTensor)}
                 for watch in active:
                     watch.read |= ids
             return run(*args)

@@ -393,6 +393,28 @@ def parameter_of(node: torch.fx.Node) -> torch.nn.Parameter | None:
     return example if isinstance(example, torch.nn.Parameter) else None
 
 
+# Dynamo's source of an argument of the compiled frame itself (``*args``' and ``**kwargs``'
+# items too): the input batch, not a weight, where it requires grad
+FRAME_ARGUMENT = re.compile(r"L\['[^']*'\]|L\['(args|kwargs)'\]\[[^\]]*\]")
+
+
+def weight_of(node: torch.fx.Node) -> torch.Tensor | None:
+    """The weight ``node`` reads, possibly through views: a parameter; a tensor in a module's
+    parameter slot (``torch.func.functional_call``'s fast weights); or a leaf tensor that
+    requires grad reached other than as an argument of the compiled frame (a global, an
+    attribute or item of an object: ``self.w = torch.randn(..., requires_grad=True)``)."""
+    if (parameter := parameter_of(node)) is not None:
+        return parameter
+    node = base_of(node)
+    grapharg = node.meta.get("grapharg") if node.op == "placeholder" else None
+    example, source = getattr(grapharg, "example", None), getattr(grapharg, "source", None)
+    if not isinstance(example, torch.Tensor) or isinstance(example, FakeTensor) or source is None:
+        return None
+    slot = "._parameters[" in source.name
+    trained = example.is_leaf and example.requires_grad and not FRAME_ARGUMENT.fullmatch(source.name)
+    return example if slot or trained else None
+
+
 def append_input(gm: torch.fx.GraphModule, name: str, like: torch.fx.Node) -> torch.fx.Node:
     """A new last input of ``gm`` named ``name``, with the example value of ``like``."""
     with gm.graph.inserting_after(gm.graph.find_nodes(op="placeholder")[-1]):
@@ -402,11 +424,11 @@ def append_input(gm: torch.fx.GraphModule, name: str, like: torch.fx.Node) -> to
 
 
 def mark_parameters(pairs: Iterable[tuple[torch.fx.Node, Any]]) -> None:
-    """Give each input of a body (a subgraph another graph calls) that reads a parameter, in
-    ``pairs`` of (the body's input, what its caller passes it), the parameter's Dynamo record,
-    so that :func:`parameter_of` finds it there too."""
+    """Give each input of a body (a subgraph another graph calls) that reads a weight, in
+    ``pairs`` of (the body's input, what its caller passes it), the weight's Dynamo record,
+    so that :func:`parameter_of` and :func:`weight_of` find it there too."""
     for inner, outer in pairs:
-        if isinstance(outer, torch.fx.Node) and parameter_of(outer) is not None:
+        if isinstance(outer, torch.fx.Node) and weight_of(outer) is not None:
             source = base_of(outer)
             inner.meta["grapharg"] = source.meta.get("grapharg")
             if hasattr(source, "_dynamo_source"):

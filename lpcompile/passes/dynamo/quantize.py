@@ -77,6 +77,7 @@ from lpcompile.passes.graph import (
     product_output,
     recompile_bodies,
     shown_name,
+    weight_of,
     weight_operand,
     with_bodies,
 )
@@ -794,7 +795,7 @@ def _quantize_operand(
     weight) right before ``before``. A weight is a parameter, or (``computed_weight``) a
     tensor computed from parameters."""
     config, layer = ctx.config, layer_name(call)
-    weight = computed_weight or parameter_of(operand) is not None
+    weight = computed_weight or weight_of(operand) is not None
     value = operand
     if weight and config.weight_grad.enabled and needs_grad(operand) and torch.is_grad_enabled():
         spec = spec_for(call, config.weight_grad)
@@ -860,11 +861,11 @@ def _quantize_function(gm: torch.fx.GraphModule, ctx: CompileContext, call: torc
         spec = config.weight_grad
         inputs = forward.graph.find_nodes(op="placeholder")[: len(call.args) - 2]
         multiplied = {
-            id(parameter_of(inner)) for inner, site in rounded.items() if site.role == Role.WEIGHT.value
+            id(weight_of(inner)) for inner, site in rounded.items() if site.role == Role.WEIGHT.value
         }
         (gradients,) = backward.graph.output_node().args
         for index, inner in enumerate(inputs, 2):
-            weight = parameter_of(inner) is not None and id(parameter_of(inner)) in multiplied
+            weight = weight_of(inner) is not None and id(weight_of(inner)) in multiplied
             returned = len(gradients) != len(inputs) or gradients[index - 2] is not None
             if spec.enabled and weight and returned and needs_grad(arg := call.args[index]):
                 call.update_arg(index, _insert(gm, ctx, arg, Role.WEIGHT_GRAD, layer, spec, True, call))
@@ -891,7 +892,7 @@ def _take_views_inside(forward: torch.fx.GraphModule, call: torch.fx.Node) -> No
     for inner, arg in zip(inputs, outer, strict=True):
         if not isinstance(arg, torch.fx.Node) or (base := base_of(arg)) is arg or not inner.users:
             continue
-        if base in position and parameter_of(base) is not None and _only_views(arg, base):
+        if base in position and weight_of(base) is not None and _only_views(arg, base):
             view = _views_of(forward, arg, base, inputs[position[base]], inputs[-1].next)
             inner.replace_all_uses_with(view)
 
@@ -934,7 +935,7 @@ def _round_body_operands(
             if not isinstance(operand, torch.fx.Node) or not _is_float(operand):
                 continue
             base = base_of(operand)
-            weight = parameter_of(base) is not None
+            weight = weight_of(base) is not None
             role = Role.ERROR if base in errors else Role.WEIGHT if weight else Role.ACTIVATION
             spec = spec_for(call, ctx.config.spec(role))
             if not spec.enabled:
