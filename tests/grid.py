@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 import torch
+from torch._prims.rng_prims import run_and_save_rng_state, run_with_rng_state
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from examples.zoo import output_tensor
@@ -264,7 +265,18 @@ class GridCheck(TorchDispatchMode):
         self.unknown: Counter = Counter()  # other ops whose name says product: a gap in PRODUCTS
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
+        # an op an activation checkpoint replays with the forward's random state (the CPU's
+        # fused attention): AOT autograd wraps it, with its arguments, in one of these
+        if func is run_and_save_rng_state:
+            self.record(args[0], args[1:])
+        elif func is run_with_rng_state:
+            self.record(args[1], args[2:])
+        else:
+            self.record(func, args)
+        return func(*args, **(kwargs or {}))
+
+    def record(self, func: Any, args: tuple) -> None:
+        """Count a call of ``func`` with ``args`` if it is a product (or looks like one)."""
         hop = isinstance(func, torch._ops.HigherOrderOperator)
         positions = HOP_PRODUCTS.get(func) if hop else PRODUCTS.get(func, LIBRARY_PRODUCTS.get(func.name()))
         if positions is not None:
@@ -278,7 +290,6 @@ class GridCheck(TorchDispatchMode):
             self.products[(func.__name__, on_grid)] += 1
         elif not hop and any(word in func.__name__.replace("convert", "") for word in PRODUCT_WORDS):
             self.unknown[func.__name__] += 1
-        return func(*args, **kwargs)
 
     @property
     def off_grid(self) -> dict[str, int]:
