@@ -12,6 +12,7 @@ from typing import Any
 import torch
 import torch.fx
 import torch.nn.functional as F
+from torch._dynamo.source import AttrSource, LocalSource
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.fx.node import map_aggregate
 
@@ -393,16 +394,15 @@ def parameter_of(node: torch.fx.Node) -> torch.nn.Parameter | None:
     return example if isinstance(example, torch.nn.Parameter) else None
 
 
-# Dynamo's source of an argument of the compiled frame itself (``*args``' and ``**kwargs``'
-# items too): the input batch, not a weight, where it requires grad
-FRAME_ARGUMENT = re.compile(r"L\['[^']*'\]|L\['(args|kwargs)'\]\[[^\]]*\]")
+# Dynamo's source of a tensor in a module's parameter slot
+PARAMETER_SLOT = re.compile(r"\._parameters\['[^']*'\]$")
 
 
 def weight_of(node: torch.fx.Node) -> torch.Tensor | None:
     """The weight ``node`` reads, possibly through views: a parameter; a tensor in a module's
     parameter slot (``torch.func.functional_call``'s fast weights); or a leaf tensor that
-    requires grad reached other than as an argument of the compiled frame (a global, an
-    attribute or item of an object: ``self.w = torch.randn(..., requires_grad=True)``)."""
+    requires grad :func:`held` by an object, a global or a closure
+    (``self.w = torch.randn(..., requires_grad=True)``)."""
     if (parameter := parameter_of(node)) is not None:
         return parameter
     node = base_of(node)
@@ -410,9 +410,20 @@ def weight_of(node: torch.fx.Node) -> torch.Tensor | None:
     example, source = getattr(grapharg, "example", None), getattr(grapharg, "source", None)
     if not isinstance(example, torch.Tensor) or isinstance(example, FakeTensor) or source is None:
         return None
-    slot = "._parameters[" in source.name
-    trained = example.is_leaf and example.requires_grad and not FRAME_ARGUMENT.fullmatch(source.name)
+    slot = PARAMETER_SLOT.search(source.name) is not None
+    trained = example.is_leaf and example.requires_grad and held(source)
     return example if slot or trained else None
+
+
+def held(source: Any) -> bool:
+    """Whether Dynamo's ``source`` reaches its value through an attribute of an object, a
+    global or a closure cell, not as an argument of the compiled frame or an item of one
+    (the input batch, in a tuple, a dict or ``*args``)."""
+    while (base := getattr(source, "base", None)) is not None:
+        if isinstance(source, AttrSource):
+            return True
+        source = base
+    return not (isinstance(source, LocalSource) and source.is_input)
 
 
 def append_input(gm: torch.fx.GraphModule, name: str, like: torch.fx.Node) -> torch.fx.Node:

@@ -27,17 +27,22 @@ def lowprec_warnings(caught: list) -> list[str]:
     return [str(w.message) for w in caught if "lowprec" in str(w.message)]
 
 
-@pytest.mark.parametrize("executor", ["eager", "inductor"])
-def test_functional_call_fast_weights_are_weights(executor):
+@pytest.mark.parametrize("executor, leaf", [("eager", True), ("inductor", True), ("eager", False)])
+def test_functional_call_fast_weights_are_weights(executor, leaf):
+    """Fast weights in the modules' parameter slots: leaves (first-order MAML), or computed
+    from tensors of their own (an inner step's result)."""
     model = mlp()
     torch._dynamo.reset()
     compiled = torch.compile(model, backend="lowprec", options={**OPTIONS, "executor": executor})
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for _ in range(2):  # the coverage watch checks the second call
-            fast = {name: p.detach().clone().requires_grad_() for name, p in model.named_parameters()}
+            bases = {name: p.detach().clone().requires_grad_() for name, p in model.named_parameters()}
+            fast = bases if leaf else {name: base * 1.0 for name, base in bases.items()}
             out = functional_call(compiled, fast, (torch.randn(5, 8),))
-            grads = dict(zip(fast, torch.autograd.grad(out.square().sum(), list(fast.values())), strict=True))
+            grads = dict(
+                zip(bases, torch.autograd.grad(out.square().sum(), list(bases.values())), strict=True)
+            )
     assert on_e5m2_grid(grads["0.weight"]) and on_e5m2_grid(grads["2.weight"])
     # the products ran rounded on the fast weights: no module went unread
     assert not lowprec_warnings(caught)
@@ -74,10 +79,21 @@ def test_leaf_tensors_a_module_or_a_global_holds_are_weights(executor):
     assert "weight_grad" in rows["matmul"] and "weight_grad" in rows["matmul_1"]
 
 
-def test_an_argument_that_requires_grad_is_an_activation_and_a_dict_of_them_weights():
+def test_a_closure_cell_is_a_weight():
+    w = (torch.randn(8, 4) / 3).requires_grad_()
     torch._dynamo.reset()
-    w, v = ((torch.randn(8, 4) / 3).requires_grad_() for _ in range(2))
+    f = torch.compile(lambda x: x @ w, backend="lowprec", options={**OPTIONS, "executor": "eager"})
+    f(torch.randn(5, 8)).square().sum().backward()
+    assert on_e5m2_grid(w.grad)
+
+
+def test_arguments_that_require_grad_are_activations():
+    """Directly, in a dict, or in ``*args``: the input batch (an adversarial example)."""
+    x, y, z = ((torch.randn(8, 4) / 3).requires_grad_() for _ in range(3))
+    torch._dynamo.reset()
     options = {**OPTIONS, "executor": "eager"}
-    f = torch.compile(lambda x, w, params: x @ w + x @ params["v"], backend="lowprec", options=options)
-    f(torch.randn(5, 8), w, {"v": v}).square().sum().backward()
-    assert not on_e5m2_grid(w.grad) and on_e5m2_grid(v.grad)
+    f = torch.compile(
+        lambda a, x, batch, *rest: a @ x + a @ batch["y"] + a @ rest[0], backend="lowprec", options=options
+    )
+    f(torch.randn(5, 8), x, {"y": y}, z).square().sum().backward()
+    assert not any(on_e5m2_grid(t.grad) for t in (x, y, z))
