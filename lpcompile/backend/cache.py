@@ -18,7 +18,7 @@ import hashlib
 import json
 import os
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -61,13 +61,40 @@ def package_hash() -> str:
 
 
 class SourceStamp(CustomGraphPass):
-    """A post-grad pass that does nothing; its uuid hashes lpcompile's traced sources."""
+    """A post-grad pass that does nothing; its uuid hashes lpcompile's traced sources, and
+    says whether the graph is compiled :func:`without_donated_buffers` (Inductor's key
+    holds no donated buffer: a backward that writes into them must not serve one that may
+    run again)."""
 
     def __call__(self, graph: torch.fx.Graph) -> None:
         return None
 
     def uuid(self) -> str:
-        return package_hash()
+        from torch._functorch._aot_autograd import graph_compile
+
+        donating = graph_compile.collect_bw_donated_buffer_idxs is not _none_donated
+        return package_hash() if donating else f"{package_hash()}-without-donated-buffers"
+
+
+def _none_donated(*args: Any) -> list[int]:
+    return []
+
+
+@contextlib.contextmanager
+def without_donated_buffers() -> Iterator[None]:
+    """AOT autograd compiles backwards that donate no saved tensor's buffer (to their outputs
+    and intermediates), so that ``backward(retain_graph=True)`` may run them at any call
+    (AOT autograd refuses that for a backward compiled with donated buffers). Its
+    ``collect_bw_donated_buffer_idxs`` finds none meanwhile, which also leaves nothing to
+    ``saved_tensors_hooks_filtering_mode="donated"``."""
+    from torch._functorch._aot_autograd import graph_compile
+
+    donated = graph_compile.collect_bw_donated_buffer_idxs
+    graph_compile.collect_bw_donated_buffer_idxs = _none_donated
+    try:
+        yield
+    finally:
+        graph_compile.collect_bw_donated_buffer_idxs = donated
 
 
 # graph inputs whose value (not only type) goes into joint_warnings_key

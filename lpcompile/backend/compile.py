@@ -34,6 +34,7 @@ from lpcompile.backend.cache import (
     load_joint_warnings,
     package_hash,
     save_joint_warnings,
+    without_donated_buffers,
 )
 from lpcompile.backend.distributed import (
     LOWPREC_BACKEND,
@@ -413,21 +414,6 @@ def overlapped_cpp_builds() -> Iterator[None]:
             yield
     finally:
         del cache.load_pybinding  # back to the one it inherits
-
-
-@contextlib.contextmanager
-def without_donated_buffers() -> Iterator[None]:
-    """AOT autograd compiles backwards that donate no saved tensor's buffer to their
-    outputs, so that ``backward(retain_graph=True)`` may run them at any call (AOT autograd
-    refuses that for a backward compiled with donated buffers)."""
-    from torch._functorch._aot_autograd import graph_compile
-
-    donated = graph_compile.collect_bw_donated_buffer_idxs
-    graph_compile.collect_bw_donated_buffer_idxs = lambda *args: []
-    try:
-        yield
-    finally:
-        graph_compile.collect_bw_donated_buffer_idxs = donated
 
 
 @contextlib.contextmanager

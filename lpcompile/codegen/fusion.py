@@ -104,7 +104,8 @@ def fusable(node: torch.fx.Node, shape: tuple[int, ...], device: torch.device, s
         return False
     if static_shape(node) != shape or node.meta["val"].device != device:
         return False
-    if any(n.meta["val"].is_complex() for n in (node, *_tensor_args(node))):  # Triton has no complex dtype
+    values = [n.meta["val"] for n in (node, *_tensor_args(node))]
+    if any(isinstance(v, torch.Tensor) and v.is_complex() for v in values):  # Triton has no complex dtype
         return False
     for arg in _tensor_args(node):
         arg_shape = static_shape(arg)

@@ -133,7 +133,7 @@ def real_parts(x: torch.Tensor) -> torch.Tensor:
     """A complex ``x``'s real and imaginary parts, interleaved along its last dimension
     (twice as long; a 0-dim ``x``: its two parts): what lowprec rounds of it."""
     parts = torch.view_as_real(x.resolve_conj())
-    return parts.reshape(*x.shape[:-1], -1)
+    return parts.reshape(*x.shape[:-1], 2 * x.shape[-1]) if x.dim() else parts
 
 
 def complex_of(parts: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
@@ -685,6 +685,7 @@ def quantize(
     ``"nvfp4_2d"`` per tile of 16 x 16 of the last two dimensions; ``"blockwise"`` a
     tensorwise factor per block of 128 values of a row, ``"blockwise_2d"`` per tile of
     128 x 128 (:func:`blockwise_factors`); no ``scale`` goes with them.
+    A complex ``x`` has its real and imaginary parts rounded (:func:`real_parts`).
     """
     name = parse_format(fmt).name if isinstance(fmt, FloatFormat) else fmt
     if not isinstance(x, torch.Tensor):
@@ -696,6 +697,8 @@ def quantize(
     offset = int(offset)
     if x.is_complex():
         check_args(x, name, rounding, overflow, scaling)
+        if isinstance(scale, torch.Tensor) and scale.dim() != 0:
+            raise ValueError("a complex x takes a number or a 0-dim tensor as its scale")
         parts = real_parts(x)
         rounded = quantize(
             parts, name, rounding, seed=seed, offset=offset, scale=scale, overflow=overflow, scaling=scaling

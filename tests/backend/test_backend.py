@@ -33,6 +33,7 @@ from torch import nn
 
 import lpcompile
 from lpcompile.backend import step_seed, uses_cpp_wrapper
+from lpcompile.backend.cache import SourceStamp, package_hash, without_donated_buffers
 from lpcompile.backend.state import LayerCoverage
 from lpcompile.kernels.cpu import gemm
 
@@ -497,6 +498,15 @@ def test_a_second_backward_through_a_kept_graph(executor, compile_threads, steps
         loss.backward()
     for name, p in model.named_parameters():
         assert torch.equal(p.grad, 2 * first[name]), name
+
+
+def test_inductor_keys_a_graph_compiled_without_donated_buffers_apart():
+    """Inductor's cache key holds no donated buffer: a backward that writes into them must
+    not serve one compiled to run again."""
+    stamp = SourceStamp()
+    with without_donated_buffers():
+        kept = stamp.uuid()
+    assert kept != stamp.uuid() and stamp.uuid() == package_hash()
 
 
 @pytest.mark.parametrize("dynamic", [False, None])

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch._inductor.utils import run_and_get_code
 
 from lpcompile import quantize
+from lpcompile.numerics import lowering
 
 
 def parts_cast(z: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -41,7 +43,8 @@ def test_stochastic_rounding_draws_the_parts_interleaved():
     assert not torch.equal(got, quantize(z, "e5m2"))  # it did not round to nearest
 
 
-def test_compiled_operator_rounds_the_same_bits():
+def test_inductor_lowers_the_parts_to_the_same_bits():
+    lowering.refresh_inductor_decompositions()
     torch.manual_seed(0)
     z = torch.randn(16, 8, dtype=torch.cfloat)
     seed = torch.tensor(5)
@@ -50,7 +53,10 @@ def test_compiled_operator_rounds_the_same_bits():
         return torch.ops.lowprec.quantize(z, "e5m2", "stochastic", "saturate", seed, 7, None)
 
     torch._dynamo.reset()
-    assert torch.equal(torch.compile(rounded, backend="inductor")(z), rounded(z))
+    with torch._functorch.config.patch(enable_autograd_cache=False):
+        got, (code,) = run_and_get_code(torch.compile(rounded, backend="inductor"), z)
+    assert torch.equal(got, rounded(z))
+    assert "torch.ops.lowprec" not in code  # lowered, not called
 
 
 def test_complex128_is_refused():

@@ -56,7 +56,7 @@ from lpcompile.config import AdaptiveScaleConfig
 from lpcompile.numerics.compat import INDUCTOR_COND_TAKES_SIZES, optimization_hint
 from lpcompile.numerics.scale_grad import STATS_SIZE
 from lpcompile.passes.driver import CompileContext
-from lpcompile.passes.dynamo.quantize import graph_input, layers_in_order, outermost
+from lpcompile.passes.dynamo.quantize import graph_input, is_float_value, layers_in_order, outermost
 from lpcompile.passes.graph import (
     CONV_TARGETS,
     CONV_TRANSPOSE_TARGETS,
@@ -156,11 +156,11 @@ def _replaced(arg: Any, old: torch.fx.Node, new: torch.fx.Node) -> Any:
 
 def _outputs(call: torch.fx.Node) -> list[torch.fx.Node]:
     """Where a layer's errors enter the backward: a product's output; a Function's float
-    outputs, in order."""
+    (and complex) outputs, in order."""
     if not is_function_call(call):
         return [output] if (output := product_output(call)) is not None else []
     items = [u for u in call.users if u.target is operator.getitem]
-    items = [u for u in items if getattr(u.meta.get("example_value"), "is_floating_point", bool)()]
+    items = [u for u in items if is_float_value(u.meta.get("example_value"))]
     return sorted(items, key=lambda item: item.args[1])
 
 

@@ -734,14 +734,14 @@ def check_operand_dtypes(call: torch.fx.Node) -> None:
     (float64) or of two dtypes outside autocast (eager torch refuses those too; compiled,
     they fail deep inside Inductor)."""
     values = [call.args[i].meta.get("example_value") for i in product_operands(call)]
-    dtypes = [v.dtype for v in values if _is_float_value(v)]
+    dtypes = [v.dtype for v in values if is_float_value(v)]
     layer = shown_name(layer_name(call))
     for dtype in dtypes:
         if part_dtype(dtype) not in FLOAT_DTYPES:
             raise TypeError(
                 f"lowprec: layer {layer!r} ({op_name(call)}) computes in {dtype}; lowprec"
                 " quantizes float32, float16 and bfloat16 models, and complex ones of those parts"
-                " (convert it with model.float())"
+                " (convert it with model.float(), a complex128 tensor with .to(torch.complex64))"
             )
     devices = {v.device.type for v in values if isinstance(v, torch.Tensor)}
     if len(set(dtypes)) > 1 and not any(runs_under_autocast(call, device) for device in devices):
@@ -948,10 +948,10 @@ def _round_body_operands(
 
 
 def _is_float(node: torch.fx.Node) -> bool:
-    return _is_float_value(node.meta.get("example_value"))
+    return is_float_value(node.meta.get("example_value"))
 
 
-def _is_float_value(value: object) -> bool:
+def is_float_value(value: object) -> bool:
     """Whether ``value`` is a tensor lowprec rounds the values of: real or complex floats."""
     return isinstance(value, torch.Tensor) and (value.is_floating_point() or value.is_complex())
 
