@@ -766,7 +766,7 @@ def spec_for(call: torch.fx.Node, spec: QuantSpec) -> QuantSpec:
     libraries' operators: a convolution's tiles would split the channels it sums over),
     and a rowwise one in a ``torch.cond`` branch too (a subgraph of the joint graph, which
     the rounding per matmul does not enter). A complex product's are rounded per tensor too:
-    its rows interleave real and imaginary parts."""
+    the rounding per matmul does not follow the conjugate transposes of its backward."""
     library = isinstance(call.target, torch._ops.OpOverload | torch._ops.OpOverloadPacket)
     branch = COND_PARENT in call.graph.owning_module.meta
     not_matmul = call.target in WHOLE_TENSOR_TARGETS or library or _is_complex_product(call)

@@ -144,8 +144,9 @@ def _forward_counts(gm: torch.fx.GraphModule, ctx: CompileContext) -> tuple[list
 def _site_row(x: torch.fx.Proxy, spec: tuple[str, str]) -> torch.fx.Proxy:
     """A site's row: :func:`range_counts` of ``x``, of the whole tensor where ``x`` is a
     DTensor (tensor parallelism: DTensor's sums of a split tensor hold each rank's part
-    until then, decided when AOT autograd traces the graph), then 1 (the call ran it). The
-    counts are one call of the graph (AOT autograd traces it, knowing ``x``'s dtype)."""
+    until then, decided when AOT autograd traces the graph), then 1 (the call ran it).
+    ``range_counts`` is one call in the graph, which AOT autograd traces where ``x``'s dtype
+    (complex or real) is known."""
     counts = x.tracer.create_proxy("call_function", range_counts, (x, *spec), {})
     counts = x.tracer.create_proxy("call_function", whole_tensor, (counts,), {})
     return torch.cat([counts, counts.new_ones(1)])
