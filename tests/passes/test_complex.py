@@ -135,6 +135,23 @@ def test_rowwise_scaling_rounds_a_complex_product_per_tensor():
     assert lpcompile.coverage(model)[0].quantized["weight"] == "e4m3 nearest saturate tensorwise"
 
 
+@pytest.mark.parametrize("executor", ["eager", "inductor"])
+def test_per_matmul_options_name_the_complex_products_they_do_not_reach(executor):
+    model = ComplexLinear()
+    x = torch.randn(4, 8)
+    torch._dynamo.reset()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        options = {"recipe": "fp8-rowwise-gw-hp", "executor": executor}
+        y = torch.compile(model, backend="lowprec", options=options)(x)
+        y.square().sum().backward()
+    assert any("complex products of ['w']" in str(w.message) for w in caught)
+    # the weight gradient's matmul did not read the high-precision operands the option names
+    z = torch.complex(x, x.flip(-1))
+    in_high_precision = z.conj().T @ (2 * torch.view_as_complex(y.detach().contiguous()))
+    assert not torch.allclose(model.w.grad, in_high_precision)
+
+
 def test_saturation_counts_the_parts():
     model = ComplexLinear()
     with torch.no_grad():

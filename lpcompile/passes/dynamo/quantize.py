@@ -471,6 +471,7 @@ def insert_quantize(gm: torch.fx.GraphModule, ctx: CompileContext) -> None:
     if ctx.config.quantizes:
         record_kept_products(gm, ctx, calls)
     warn_untransformed_library_products(ctx, calls)
+    warn_per_matmul_in_complex_products(ctx, calls)
     _quantize_calls(gm, ctx, [call for call in calls if is_layer_call(call)])
     for call in filter(is_function_call, calls):
         _quantize_function(gm, ctx, call)
@@ -499,6 +500,19 @@ def warn_per_matmul_in_branches(ctx: CompileContext, sites: list[Site]) -> None:
             f"lowprec: {', '.join(ctx.config.per_matmul)}: the backward matmuls of {layers} in"
             " torch.cond branches read each operand rounded as its role is (the per-matmul"
             " roundings do not enter branches)",
+            stacklevel=1,
+        )
+
+
+def warn_per_matmul_in_complex_products(ctx: CompileContext, calls: list[torch.fx.Node]) -> None:
+    """With a per-matmul option, warn naming the layers of complex products among ``calls``:
+    the per-matmul roundings do not follow the conjugate transposes of their backward."""
+    layers = sorted({shown_name(layer_name(call)) for call in calls if _is_complex_product(call)})
+    if ctx.config.per_matmul and layers:
+        warnings.warn(
+            f"lowprec: {', '.join(ctx.config.per_matmul)}: the backward matmuls of the complex"
+            f" products of {layers} read each operand rounded as its role is (the per-matmul"
+            " roundings do not follow a complex product's conjugate transposes)",
             stacklevel=1,
         )
 
