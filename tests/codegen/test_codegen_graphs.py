@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from codegen_helpers import interpreted  # noqa: F401
 from devices import TEST_DEVICE
-from models import assert_same_step, convnet, convnet_input, mlp, step
+from models import assert_same_step, convnet, convnet_input, lowprec_nodes, mlp, step
 from torch import nn
 
 import lpcompile
@@ -143,6 +143,11 @@ def test_complex_roundings_run_unfused_and_match():
     operator, the real layers' in generated kernels."""
     record, _ = compare(ComplexMLP, torch.randn(4, 8), {"recipe": "fp8-e5m2-sr"})
     assert any(kernels_by_graph(record).values())
+    graphs = record.aten_graphs.items()
+    unfused = {kind: sum(n.meta["val"].is_complex() for n in lowprec_nodes(gm)) for kind, gm in graphs}
+    # forward: the activation, the weight, the weight's and the output's quantize_grad;
+    # backward: the error and the weight gradient
+    assert unfused == {"forward": 4, "backward": 2}
 
 
 def test_adaptive_loss_scaling_statistics_fuse_and_match():
