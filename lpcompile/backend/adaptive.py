@@ -267,17 +267,21 @@ class AdaptiveScaleState:
             for t, s in reversed(list(zip(state.telemetry, state.scales.tolist(), strict=True))):
                 t.cumulative, t.scale, above = s, s / above, s
 
+    def weight_keys(self) -> tuple[int | None, ...]:
+        """The identities of the layers' own weights (``None`` for a layer without one)."""
+        return tuple(_weight_key(w) for w in self.owners)
+
     def same_layers(self, other: AdaptiveScaleState) -> bool:
         """Whether ``other`` scales the same layers of the same model with the same settings
         (another graph of it: a recompile for new shapes, or its ``eval()`` forward)."""
-        keys = [_weight_key(w) for w in self.owners]
+        keys = self.weight_keys()
         return (
             other is not self
             and other.layers == self.layers
             and other.fmt == self.fmt
             and other.config == self.config
             and any(k is not None for k in keys)
-            and keys == [_weight_key(w) for w in other.owners]
+            and keys == other.weight_keys()
         )
 
     def start_from(self, other: AdaptiveScaleState) -> None:

@@ -5,6 +5,7 @@ scaler's own."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from ranks import EAGER_ALS, WORLD, run_ranks
 from torch import nn
@@ -36,14 +37,18 @@ def test_an_overflow_on_one_rank_skips_the_step_on_every_rank(tmp_path):
     assert results == [{"unchanged": True, "scale": 2.0**7, "skipped": 1}] * WORLD
 
 
-def _adaptive_scales(rank: int) -> dict:
+def _adaptive_scales(rank: int, per_layer: bool = False) -> dict:
     """Per-layer scales after a few steps on data of a rank-dependent magnitude, with the
-    scaler agreeing over the ranks and without."""
+    scaler agreeing over the ranks and without; ``per_layer``: each layer compiled on its
+    own, so that every graph names its one layer ``""``."""
     found = {}
     for group in ("auto", None):
         torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4))
-        run = torch.compile(model, backend="lowprec", options=EAGER_ALS)
+        if per_layer:
+            for name, layer in list(model.named_children())[::2]:
+                model.register_module(name, torch.compile(layer, backend="lowprec", options=EAGER_ALS))
+        run = model if per_layer else torch.compile(model, backend="lowprec", options=EAGER_ALS)
         opt = torch.optim.SGD(model.parameters(), lr=0.01)
         scaler = LossScaler("adaptive", process_group=group)
         g = torch.Generator().manual_seed(10 + rank)
@@ -58,8 +63,9 @@ def _adaptive_scales(rank: int) -> dict:
     return found
 
 
-def test_adaptive_scales_agree_over_the_ranks(tmp_path):
-    first, second = run_ranks(_adaptive_scales, tmp_path).check()
+@pytest.mark.parametrize("per_layer", [False, True], ids=["one-graph", "graph-per-layer"])
+def test_adaptive_scales_agree_over_the_ranks(tmp_path, per_layer):
+    first, second = run_ranks(_adaptive_scales, tmp_path, per_layer).check()
     assert first["auto"] == second["auto"]
     assert first["None"] != second["None"], "the ranks' data should ask for different scales"
 
