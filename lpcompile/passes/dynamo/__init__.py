@@ -25,12 +25,15 @@ from lpcompile.passes.dynamo.conv import im2col_applies, use_im2col_convs
 from lpcompile.passes.dynamo.loss_scale import insert_loss_scale, loss_scale_applies
 from lpcompile.passes.dynamo.pipeline import insert_predict_weight, remove_pipe_splits, split_stages
 from lpcompile.passes.dynamo.quantize import (
+    ATEN_FUNCTIONS,
+    ATEN_METHODS,
     INPLACE_PRODUCTS,
     SPARSE_PRODUCTS,
     flatten_einsum_operands,
     forget_body_parents,
     has_bodies,
     insert_quantize,
+    write_aten_calls,
     write_dense_sparse_products,
     write_inplace_products,
 )
@@ -56,6 +59,11 @@ def has_multihead_attention(gm: torch.fx.GraphModule, ctx: CompileContext, kind:
 
 def has_recurrent_layers(gm: torch.fx.GraphModule, ctx: CompileContext, kind: str) -> bool:
     return rewrites(gm, ctx, kind) and bool(find_calls(gm, RECURRENT.keys() | CELLS.keys()))
+
+
+def has_aten_calls(gm: torch.fx.GraphModule, ctx: CompileContext, kind: str) -> bool:
+    """A graph that calls ATen's products or views itself (a module ``torch.export`` wrote)."""
+    return rewrites(gm, ctx, kind) and bool(find_calls(gm, ATEN_FUNCTIONS.keys() | ATEN_METHODS.keys()))
 
 
 def has_einsum(gm: torch.fx.GraphModule, ctx: CompileContext, kind: str) -> bool:
@@ -101,6 +109,7 @@ def has_stage_markers(gm: torch.fx.GraphModule, ctx: CompileContext, kind: str) 
 
 DYNAMO_PASSES = (
     Pass(inline_nested_regions, has_nested_regions),
+    Pass(write_aten_calls, has_aten_calls),
     Pass(flatten_einsum_operands, has_einsum),
     Pass(write_dense_sparse_products, has_sparse_products),
     Pass(write_matrix_chains, has_matrix_chains),

@@ -330,6 +330,60 @@ def write_inplace_products(gm: torch.fx.GraphModule, ctx: CompileContext) -> Non
     recompile_bodies(gm)
 
 
+aten = torch.ops.aten
+RECURRENT_NAMES = ("lstm", "gru", "rnn_tanh", "rnn_relu")
+# ATen operators a graph may call directly (a module torch.export wrote, as
+# torch.distributed.pipelining's ``pipeline()`` stages are), each the torch function of
+# the same arguments that the passes know: products, recurrent layers, and the views
+# through which a product reads its weight
+ATEN_FUNCTIONS: dict[object, object] = {
+    aten.linear.default: F.linear,
+    **{getattr(aten, name).default: getattr(torch, name) for name in ("mm", "bmm", "matmul", "mv", "dot")},
+    **{getattr(aten, name).default: getattr(torch, name) for name in ("vdot", "inner", "outer")},
+    **{getattr(aten, name).default: getattr(torch, name) for name in INPLACE_PRODUCTS.values()},
+    **{getattr(aten, f"conv{d}d").default: getattr(torch, f"conv{d}d") for d in (1, 2, 3)},
+    **{getattr(aten, f"conv{d}d").padding: getattr(torch, f"conv{d}d") for d in (1, 2, 3)},
+    aten.conv_transpose1d.default: torch.conv_transpose1d,
+    aten.conv_transpose2d.input: torch.conv_transpose2d,
+    aten.conv_transpose3d.input: torch.conv_transpose3d,
+    aten.einsum.default: torch.einsum,  # (equation, [operands])
+    aten.tensordot.default: torch.tensordot,  # (a, b, dims of a, dims of b)
+    aten.bilinear.default: F.bilinear,
+    aten._grouped_mm.default: torch._grouped_mm,
+    aten.scaled_dot_product_attention.default: F.scaled_dot_product_attention,
+    **{getattr(aten, name).input: getattr(torch, name) for name in RECURRENT_NAMES},
+    **{getattr(aten, f"{name}_cell").default: getattr(torch, f"{name}_cell") for name in RECURRENT_NAMES},
+    **{getattr(aten, name).default: getattr(torch, name) for name in ("t", "permute", "reshape", "narrow")},
+    aten.transpose.int: torch.transpose,
+}
+ATEN_METHODS = {aten.view.default: "view", aten.contiguous.default: "contiguous"}
+
+
+def write_aten_calls(gm: torch.fx.GraphModule, ctx: CompileContext) -> None:
+    """Write each call of an ATen operator in :data:`ATEN_FUNCTIONS` (or :data:`ATEN_METHODS`)
+    as the torch function (method) every pass knows, of the same arguments: ``einsum``
+    without its contraction ``path``, ``tensordot``'s dimensions as one pair."""
+    for graph in with_bodies(gm):
+        for call in list(graph.graph.nodes):
+            if call.op != "call_function" or not (
+                call.target in ATEN_FUNCTIONS or call.target in ATEN_METHODS
+            ):
+                continue
+            kwargs = dict(call.kwargs)
+            if "self" in kwargs:
+                call.args = (kwargs.pop("self"), *call.args)
+            if call.target is aten.einsum.default:
+                kwargs.pop("path", None)
+            if call.target is aten.tensordot.default:
+                call.args = (*call.args[:2], (call.args[2], call.args[3]))
+            if call.target in ATEN_METHODS:
+                call.op, call.target = "call_method", ATEN_METHODS[call.target]
+            else:
+                call.target = ATEN_FUNCTIONS[call.target]
+            call.kwargs = kwargs
+    recompile_bodies(gm)
+
+
 def _subscripts(sublist: list) -> str:
     """The equation letters of an einsum sublist, as torch spells them: 0-25 are A-Z, 26-51
     a-z (an implicit output orders its letters A-Z, then a-z)."""
@@ -549,6 +603,7 @@ TORCH_NAMESPACES = {
     *("c10d", "c10d_functional", "_c10d_functional", "_dtensor", "fsdp"),
 }
 OPAQUE = "a custom operator: any product inside it, forward or backward, runs unrounded"
+ATEN_OPAQUE = "an ATen operator called directly, which lowprec does not write as a torch function: unrounded"
 
 
 def _library_operator(node: torch.fx.Node) -> str | None:
@@ -562,25 +617,50 @@ def _library_operator(node: torch.fx.Node) -> str | None:
     return None
 
 
+# Words in the names of ATen's products (``_scaled_dot_product_flash_attention``,
+# ``convolution``, ``addmm``, ``lstm``): one called directly that no pass writes as a
+# torch function (:data:`ATEN_FUNCTIONS`) runs unrounded
+ATEN_PRODUCT_WORDS = {
+    *("mm", "addmm", "bmm", "baddbmm", "addbmm", "mv", "addmv", "dot", "vdot", "addr", "outer", "inner"),
+    *("matmul", "einsum", "bilinear", "trilinear", "tensordot", "attention", "convolution", "conv"),
+    *("conv1d", "conv2d", "conv3d", "tbc", *RECURRENT_NAMES, "rnn"),
+}
+
+
+def _is_aten_product(name: str) -> bool:
+    """Whether the ATen operator ``name`` (``aten::_scaled_mm``) multiplies tensors."""
+    namespace, _, op = name.partition("::")
+    return namespace == "aten" and not ATEN_PRODUCT_WORDS.isdisjoint(op.split(".")[0].split("_"))
+
+
 def warn_opaque_operators(gm: torch.fx.GraphModule, ctx: CompileContext) -> None:
-    """Warn about calls of other libraries' operators (``torch.library``) that take two or
-    more float tensors: whatever they multiply runs inside them, unrounded."""
+    """Warn about calls of other libraries' operators (``torch.library``), and of ATen
+    products called directly that lowprec does not write as torch functions, that take two
+    or more float tensors: whatever they multiply runs inside them, unrounded."""
     if not ctx.config.quantizes:
         return
-    found = []
+    found: dict[bool, list[str]] = {False: [], True: []}  # custom operators, ATen's
     for node in gm.graph.nodes:
         name = _library_operator(node)
-        if name is None or is_layer_call(node) or name.split("::")[0] in TORCH_NAMESPACES:
+        if name is None or is_layer_call(node) or len([n for n in node.all_input_nodes if _is_float(n)]) < 2:
             continue
-        if len([n for n in node.all_input_nodes if _is_float(n)]) < 2:
+        if (ours := name.split("::")[0] in TORCH_NAMESPACES) and not _is_aten_product(name):
             continue
-        found.append(f"{name} in {layer_name(node)!r}")
-        ctx.kept.append(KeptProduct(layer_name(node), name, OPAQUE))
-    if found:
+        found[ours].append(f"{name} in {layer_name(node)!r}")
+        ctx.kept.append(KeptProduct(layer_name(node), name, ATEN_OPAQUE if ours else OPAQUE))
+    if found[False]:
         warnings.warn(
-            f"lowprec: custom operators run as they are: {', '.join(found)}; lowprec cannot see"
-            " inside them, so any product they compute, forward or backward, is not rounded"
+            f"lowprec: custom operators run as they are: {', '.join(found[False])}; lowprec cannot"
+            " see inside them, so any product they compute, forward or backward, is not rounded"
             " (written with torch ops, in a module or a torch.autograd.Function, it would be)",
+            stacklevel=1,
+        )
+    if found[True]:
+        warnings.warn(
+            f"lowprec: ATen products called directly run as they are: {', '.join(found[True])};"
+            " lowprec rounds the operands of the torch functions (F.linear, torch.matmul,"
+            " F.conv2d, F.scaled_dot_product_attention, ...) and of their ATen operators"
+            " (aten.linear, aten.mm, ...), not of these, forward or backward",
             stacklevel=1,
         )
 
