@@ -572,6 +572,9 @@ class LossScaler:
                 else:
                     states = []
                 back_off_states(states, found_inf, anywhere=self._anywhere)
+                if found_inf:
+                    for s in states:
+                        s.recalibrate()
             elif self.mode != "static":
                 flags = [self._found_inf(state, scale.device) for state in optimizers]
                 torch._amp_update_scale_(
