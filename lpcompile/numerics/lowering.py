@@ -34,6 +34,7 @@ from torch._inductor.decomposition import register_decomposition
 from torch._inductor.lowering import lowerings, register_lowering, to_dtype
 from torch._inductor.utils import sympy_product
 from torch._inductor.virtualized import V, ops
+from torch.utils._sympy.functions import CeilDiv
 
 from lpcompile.numerics import predict, rng, scale_grad, tag_inductor_cache_keys  # noqa: F401  (scale_grad's ops)
 from lpcompile.numerics.formats import parse_format
@@ -253,12 +254,12 @@ def _scales(x: ir.TensorBox, target, scaling: str):
 
 def _in_blocks(x: ir.TensorBox, shape: list, size: int) -> ir.TensorBox:
     """``x`` as (..., blocks, ``size``) along its last dimension, padded with zeros (a 0-dim
-    ``x``: one block); the last dimension's length made static."""
-    length = V.graph.sizevars.guard_int(shape[-1]) if shape else 1
+    ``x``: one block); a dynamic length stays symbolic, padded unless known a multiple."""
+    length = shape[-1] if shape else 1
     if not shape:
         x = lowerings[aten.view.default](x, [1])
-    blocks = -(-length // size)
-    if blocks * size != length:
+    blocks = CeilDiv(length, size)
+    if not V.graph.sizevars.statically_known_multiple_of(length, size):
         x = lowerings[aten.constant_pad_nd.default](x, [0, blocks * size - length], 0.0)
     return lowerings[aten.view.default](x, [*shape[:-1], blocks, size])
 

@@ -136,6 +136,29 @@ def test_dynamic_shapes_round_each_batch_like_the_reference():
         model.zero_grad()
 
 
+@pytest.mark.parametrize("recipe", ["mxfp8", "nvfp4", "fp8-blockwise"])
+def test_block_scalings_compile_one_graph_for_every_number_of_tokens(recipe):
+    """A symbolic number of tokens, along which the weight gradients' operands are blocked
+    (padded where it is no multiple of the block): one graph for every number above one
+    block (Inductor specializes a dimension of one), with a static compile's bits at each."""
+    options = {
+        "recipe": recipe,
+        **{role: {"rounding": "nearest"} for role in ("weight", "activation", "error")},
+    }
+    torch._dynamo.reset()
+    model = _mlp()
+    run = torch.compile(model, backend="lowprec", options=options, dynamic=True)
+    for tokens in (136, 200, 256):
+        x = _hadamard_inputs(tokens)
+        run(x).square().mean().backward()
+        static = _mlp()
+        torch.compile(static, backend="lowprec", options=options)(x).square().mean().backward()
+        for got, want in zip(model.parameters(), static.parameters(), strict=True):
+            assert torch.equal(got.grad, want.grad), tokens
+        model.zero_grad()
+    assert len({row.graph_id for row in lpcompile.coverage(model)}) == 1
+
+
 def test_outputs_and_gradients_equal_torchao_rowwise_float8_training():
     float8 = pytest.importorskip("torchao.float8")
     x = _inputs()
