@@ -375,28 +375,6 @@ class AdaptiveScaleState:
         self.flags.grad = None
         return [self.layers[i] for i in hit]
 
-    def recalibrate(self) -> None:
-        """After a step whose gradients overflowed: where the statistics its backward
-        recorded show the overflow at the scales it ran at (a loss spike, whose statistics
-        would set every scale far below what the next steps need, zeroing their gradients
-        until the next recording call), only record them in the telemetry, and record at
-        every call from the next on until a refresh confirms the backed-off scales, as at
-        the start (a new cascade of rounds); not under the "fixed" rule. The replicas agree."""
-        if self.config.rule == "fixed":
-            return
-        pending = [] if self.hist.grad is None else self.hist.grad.detach().cpu()
-        caps = [overflow_cap(stats, self.fmt) for stats in pending]
-        spiked = any(
-            cap is not None and cap < used for cap, used in zip(caps, self.recorded.tolist(), strict=False)
-        )
-        flag = torch.tensor(float(spiked), device=self.scales.device)
-        if not self._agreed(flag, torch.distributed.ReduceOp.MAX).item():
-            return
-        if self.hist.grad is None:  # a replica whose last calls did not record
-            self.hist.grad = torch.zeros_like(self.hist)
-        self.take_statistics()
-        self.calibrating, self.rounds = True, 0
-
     def state_dict(self) -> dict[str, Any]:
         """Scales, call count, telemetry, and the statistics of a recording call not yet
         turned into scales (the next call does that)."""
@@ -475,6 +453,14 @@ def refresh_chain(chain: list[AdaptiveScaleState]) -> bool:
         count = len(state.layers)
         state.set_scales(scales[start : start + count])
         start += count
+    if any(cap is not None and 2 * cap < u for cap, u in zip(caps, used, strict=True)):
+        # The call's errors went beyond the format (a loss spike, or scales set too high):
+        # the scales its statistics ask for may be far below what the next calls need
+        # (their errors flushed to zero), so those calls record, and a step whose statistics
+        # raise them by more than a binade is skipped, until a refresh confirms them.
+        for state in chain:
+            state.calibrating, state.rounds = True, 0
+        return False
     # Calibrated once a call's scales were within a binade of what its statistics ask
     # for: errors that underflowed hid the layers below them (all zero there), so each
     # refresh reaches further down (a round). Bounded: a layer that overflows at the

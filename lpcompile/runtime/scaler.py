@@ -196,7 +196,9 @@ def _replica_ranks(
     where none scaled a loss, or where ranks with the same layers disagree on computing
     one (pipeline stages whose layers have the same names)."""
     dist = torch.distributed
-    layers = sorted({"\t".join(s.layers) for s in states})  # an eval() graph's state repeats its layers
+    # each graph of distinct layers once (an eval() graph's state repeats its layers; identical
+    # blocks' states are distinct, and counted)
+    layers = sorted("\t".join(s.layers) for s in _first_graphs(states))
     key = zlib.crc32("\n".join(layers).encode())
     mine = torch.tensor([key, int(scaled)], dtype=torch.int64, device=device)
     gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size(ranks))]
@@ -572,9 +574,6 @@ class LossScaler:
                 else:
                     states = []
                 back_off_states(states, found_inf, anywhere=self._anywhere)
-                if found_inf:
-                    for s in states:
-                        s.recalibrate()
             elif self.mode != "static":
                 flags = [self._found_inf(state, scale.device) for state in optimizers]
                 torch._amp_update_scale_(

@@ -369,9 +369,13 @@ def write_aten_calls(gm: torch.fx.GraphModule, ctx: CompileContext) -> None:
                 call.target in ATEN_FUNCTIONS or call.target in ATEN_METHODS
             ):
                 continue
-            kwargs = dict(call.kwargs)
-            if "self" in kwargs:
-                call.args = (kwargs.pop("self"), *call.args)
+            args, kwargs = list(call.args), dict(call.kwargs)
+            positional = [a.name for a in call.target._schema.arguments if not a.kwarg_only]
+            for name in positional[len(args) :]:  # arguments given by keyword, in their places
+                if name not in kwargs:
+                    break
+                args.append(kwargs.pop(name))
+            call.args = tuple(args)
             if call.target is aten.einsum.default:
                 kwargs.pop("path", None)
             if call.target is aten.tensordot.default:
@@ -623,14 +627,18 @@ def _library_operator(node: torch.fx.Node) -> str | None:
 ATEN_PRODUCT_WORDS = {
     *("mm", "addmm", "bmm", "baddbmm", "addbmm", "mv", "addmv", "dot", "vdot", "addr", "outer", "inner"),
     *("matmul", "einsum", "bilinear", "trilinear", "tensordot", "attention", "convolution", "conv"),
-    *("conv1d", "conv2d", "conv3d", "tbc", *RECURRENT_NAMES, "rnn"),
+    *("conv1d", "conv2d", "conv3d", "tbc", "linear", *RECURRENT_NAMES, "rnn"),
 }
+ATEN_PRODUCT_NAMES = {"matrix_power", "linalg_matrix_power"}
 
 
 def _is_aten_product(name: str) -> bool:
     """Whether the ATen operator ``name`` (``aten::_scaled_mm``) multiplies tensors."""
     namespace, _, op = name.partition("::")
-    return namespace == "aten" and not ATEN_PRODUCT_WORDS.isdisjoint(op.split(".")[0].split("_"))
+    packet = op.split(".")[0]
+    return namespace == "aten" and (
+        packet in ATEN_PRODUCT_NAMES or not ATEN_PRODUCT_WORDS.isdisjoint(packet.split("_"))
+    )
 
 
 def warn_opaque_operators(gm: torch.fx.GraphModule, ctx: CompileContext) -> None:
