@@ -453,6 +453,7 @@ def refresh_chain(chain: list[AdaptiveScaleState]) -> bool:
         count = len(state.layers)
         state.set_scales(scales[start : start + count])
         start += count
+    raised = any(new > 2 * old for new, old in zip(scales, used, strict=True))
     if any(cap is not None and 2 * cap < u for cap, u in zip(caps, used, strict=True)):
         # The call's errors went beyond the format (a loss spike, or scales set too high):
         # the scales its statistics ask for may be far below what the next calls need
@@ -460,12 +461,11 @@ def refresh_chain(chain: list[AdaptiveScaleState]) -> bool:
         # raise them by more than a binade is skipped, until a refresh confirms them.
         for state in chain:
             state.calibrating, state.rounds = True, 0
-        return False
+        return raised
     # Calibrated once a call's scales were within a binade of what its statistics ask
     # for: errors that underflowed hid the layers below them (all zero there), so each
     # refresh reaches further down (a round). Bounded: a layer that overflows at the
     # scale its underflow asks for would raise forever.
-    raised = any(new > 2 * old for new, old in zip(scales, used, strict=True))
     if not raised or max(state.rounds for state in chain) > len(scales):
         for state in chain:
             state.calibrating = False

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import warnings
 
+import pytest
 import torch
 import torch.nn.functional as F
 from grid import SR_EVERYWHERE, GridCheck, watched_backend
@@ -108,3 +109,35 @@ def test_an_aten_product_left_as_it_is_warns():
         torch.compile(model, backend="lowprec", options={"recipe": "fp8-e5m2"})(torch.randn(1, 2, 5))
     assert any("aten::convolution" in str(w.message) for w in caught)
     assert [(row.op, row.kept) for row in lpcompile.coverage(model)] == [("aten::convolution", ATEN_OPAQUE)]
+
+
+def test_calls_of_operator_packets_are_rounded():
+    """``torch.ops.aten.mm(a, b)``, without an overload, as users write ATen calls."""
+
+    class Packets(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.w = nn.Parameter(torch.randn(8, 8) / 3)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return aten.mm(aten.linear(x, self.w), aten.t(self.w))
+
+    model = Packets()
+    check = on_grid(model, torch.randn(2, 8))
+    assert sum(check.products.values()) == 5  # two products forward, three backward
+    assert all(set(row.quantized) >= {"weight", "weight_grad"} for row in lpcompile.coverage(model))
+
+
+def test_an_aten_matrix_power_warns():
+    class Power(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = nn.Parameter(torch.randn(4, 4))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x @ aten.matrix_power.default(self.w, 3)
+
+    torch._dynamo.reset()
+    with pytest.warns(UserWarning, match="aten::matrix_power"):
+        torch.compile(Power(), backend="lowprec", options={"recipe": "fp8-e5m2"})(torch.randn(2, 4))

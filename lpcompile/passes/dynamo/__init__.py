@@ -25,10 +25,9 @@ from lpcompile.passes.dynamo.conv import im2col_applies, use_im2col_convs
 from lpcompile.passes.dynamo.loss_scale import insert_loss_scale, loss_scale_applies
 from lpcompile.passes.dynamo.pipeline import insert_predict_weight, remove_pipe_splits, split_stages
 from lpcompile.passes.dynamo.quantize import (
-    ATEN_FUNCTIONS,
-    ATEN_METHODS,
     INPLACE_PRODUCTS,
     SPARSE_PRODUCTS,
+    aten_overload,
     flatten_einsum_operands,
     forget_body_parents,
     has_bodies,
@@ -63,7 +62,7 @@ def has_recurrent_layers(gm: torch.fx.GraphModule, ctx: CompileContext, kind: st
 
 def has_aten_calls(gm: torch.fx.GraphModule, ctx: CompileContext, kind: str) -> bool:
     """A graph that calls ATen's products or views itself (a module ``torch.export`` wrote)."""
-    return rewrites(gm, ctx, kind) and bool(find_calls(gm, ATEN_FUNCTIONS.keys() | ATEN_METHODS.keys()))
+    return rewrites(gm, ctx, kind) and any(aten_overload(n) for g in with_bodies(gm) for n in g.graph.nodes)
 
 
 def has_einsum(gm: torch.fx.GraphModule, ctx: CompileContext, kind: str) -> bool:

@@ -359,16 +359,28 @@ ATEN_FUNCTIONS: dict[object, object] = {
 ATEN_METHODS = {aten.view.default: "view", aten.contiguous.default: "contiguous"}
 
 
+def aten_overload(node: torch.fx.Node) -> torch._ops.OpOverload | None:
+    """The overload in :data:`ATEN_FUNCTIONS` or :data:`ATEN_METHODS` that ``node`` calls
+    (by overload, ``aten.mm.default``, or by packet, ``aten.mm``), if any."""
+    if node.op != "call_function":
+        return None
+    if node.target in ATEN_FUNCTIONS or node.target in ATEN_METHODS:
+        return node.target
+    if isinstance(node.target, torch._ops.OpOverloadPacket):  # the overloads of one map to one function
+        known = (getattr(node.target, name) for name in node.target.overloads())
+        return next((o for o in known if o in ATEN_FUNCTIONS or o in ATEN_METHODS), None)
+    return None
+
+
 def write_aten_calls(gm: torch.fx.GraphModule, ctx: CompileContext) -> None:
     """Write each call of an ATen operator in :data:`ATEN_FUNCTIONS` (or :data:`ATEN_METHODS`)
     as the torch function (method) every pass knows, of the same arguments: ``einsum``
     without its contraction ``path``, ``tensordot``'s dimensions as one pair."""
     for graph in with_bodies(gm):
         for call in list(graph.graph.nodes):
-            if call.op != "call_function" or not (
-                call.target in ATEN_FUNCTIONS or call.target in ATEN_METHODS
-            ):
+            if (overload := aten_overload(call)) is None:
                 continue
+            call.target = overload
             args, kwargs = list(call.args), dict(call.kwargs)
             positional = [a.name for a in call.target._schema.arguments if not a.kwarg_only]
             for name in positional[len(args) :]:  # arguments given by keyword, in their places
@@ -629,16 +641,18 @@ ATEN_PRODUCT_WORDS = {
     *("matmul", "einsum", "bilinear", "trilinear", "tensordot", "attention", "convolution", "conv"),
     *("conv1d", "conv2d", "conv3d", "tbc", "linear", *RECURRENT_NAMES, "rnn"),
 }
-ATEN_PRODUCT_NAMES = {"matrix_power", "linalg_matrix_power"}
+# ATen products of one operand, and operators whose names hold those words but multiply nothing
+ATEN_POWERS = {"matrix_power", "linalg_matrix_power"}
+ATEN_NO_PRODUCTS = {"_thnn_fused_lstm_cell", "_thnn_fused_gru_cell", "_cudnn_rnn_flatten_weight"}
 
 
 def _is_aten_product(name: str) -> bool:
     """Whether the ATen operator ``name`` (``aten::_scaled_mm``) multiplies tensors."""
     namespace, _, op = name.partition("::")
     packet = op.split(".")[0]
-    return namespace == "aten" and (
-        packet in ATEN_PRODUCT_NAMES or not ATEN_PRODUCT_WORDS.isdisjoint(packet.split("_"))
-    )
+    if namespace != "aten" or packet in ATEN_NO_PRODUCTS:
+        return False
+    return packet in ATEN_POWERS or not ATEN_PRODUCT_WORDS.isdisjoint(packet.split("_"))
 
 
 def warn_opaque_operators(gm: torch.fx.GraphModule, ctx: CompileContext) -> None:
@@ -650,7 +664,10 @@ def warn_opaque_operators(gm: torch.fx.GraphModule, ctx: CompileContext) -> None
     found: dict[bool, list[str]] = {False: [], True: []}  # custom operators, ATen's
     for node in gm.graph.nodes:
         name = _library_operator(node)
-        if name is None or is_layer_call(node) or len([n for n in node.all_input_nodes if _is_float(n)]) < 2:
+        if name is None or is_layer_call(node):
+            continue
+        power = name.split("::")[-1].split(".")[0] in ATEN_POWERS  # a product of one operand
+        if len([n for n in node.all_input_nodes if _is_float(n)]) < (1 if power else 2):
             continue
         if (ours := name.split("::")[0] in TORCH_NAMESPACES) and not _is_aten_product(name):
             continue
