@@ -242,10 +242,10 @@ def _members(group: Any) -> tuple[int, ...] | None:
 def _first_graphs(states: list[AdaptiveScaleState]) -> list[AdaptiveScaleState]:
     """The state of the oldest graph of each set of layers among ``states``, ordered by the
     layers' names (graphs of identical blocks, whose names are relative to the block, in
-    graph order): the states that agree over the replicas, which all hold them. A later
-    graph of the same layers (a recompile for a shape, an ``eval()`` forward: the same
-    names and weights) may run on some replicas only: it decides by its rank's statistics,
-    issuing no collective."""
+    graph order; blocks without weights cannot be told apart, and share one): the states
+    that agree over the replicas, which all hold them. A later graph of the same layers (a
+    recompile for a shape, an ``eval()`` forward: the same names and weights) may run on
+    some replicas only: it decides by its rank's statistics, issuing no collective."""
     first: dict[tuple, AdaptiveScaleState] = {}
     for state in states:  # oldest graph first
         first.setdefault((tuple(state.layers), state.weight_keys()), state)

@@ -658,7 +658,8 @@ def _is_aten_product(name: str) -> bool:
 def warn_opaque_operators(gm: torch.fx.GraphModule, ctx: CompileContext) -> None:
     """Warn about calls of other libraries' operators (``torch.library``), and of ATen
     products called directly that lowprec does not write as torch functions, that take two
-    or more float tensors: whatever they multiply runs inside them, unrounded."""
+    or more float tensors (an ATen matrix power: one): whatever they multiply runs inside
+    them, unrounded."""
     if not ctx.config.quantizes:
         return
     found: dict[bool, list[str]] = {False: [], True: []}  # custom operators, ATen's
@@ -666,7 +667,7 @@ def warn_opaque_operators(gm: torch.fx.GraphModule, ctx: CompileContext) -> None
         name = _library_operator(node)
         if name is None or is_layer_call(node):
             continue
-        power = name.split("::")[-1].split(".")[0] in ATEN_POWERS  # a product of one operand
+        power = name.startswith("aten::") and name[6:].split(".")[0] in ATEN_POWERS  # of one operand
         if len([n for n in node.all_input_nodes if _is_float(n)]) < (1 if power else 2):
             continue
         if (ours := name.split("::")[0] in TORCH_NAMESPACES) and not _is_aten_product(name):
