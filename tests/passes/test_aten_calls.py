@@ -70,8 +70,28 @@ def test_an_exported_module_runs_its_products_on_the_grid():
         "_scaled_dot_product_flash_attention_for_cpu.default",
     } <= ran
     roles = {row.layer: set(row.quantized) for row in lpcompile.coverage(exported)}
-    for weight in ("a.weight", "attn.in_proj_weight", "c.weight", "lstm_input.weight_ih_l0", "w"):
-        assert {"weight", "weight_grad"} <= roles[weight], roles
+    # named after the modules export recorded, as the live model's are (a root weight: itself)
+    for layer in ("a", "attn#0", "attn#3", "c", "rnn.weight_ih_l0", "w"):
+        assert {"weight", "weight_grad"} <= roles[layer], roles
+
+
+def test_an_exported_module_inside_a_model_names_its_layers_from_the_model():
+    x = torch.randn(2, 4, 8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        exported = torch.export.export(Mixed(), (x,)).module()
+    model = nn.Sequential(nn.Linear(8, 8), exported)
+    check = GridCheck()
+    torch._dynamo.reset()
+    options = {**SR_EVERYWHERE, "exclude": ["1.a"]}
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="lowprec")  # an exclude matching nothing warns
+        out = torch.compile(model, backend=watched_backend(options, check))(x)
+        with check:
+            out.square().mean().backward()
+    rows = {row.layer: row for row in lpcompile.coverage(model)}
+    assert {"0", "1.attn#0", "1.c", "1#0"} <= set(rows), sorted(rows)  # 1#i: its forward's own
+    assert rows["1.a"].kept and not rows["1.a"].quantized and rows["1.c"].quantized
 
 
 def test_pipeline_stages_run_their_products_on_the_grid():
