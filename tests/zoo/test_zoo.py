@@ -147,13 +147,14 @@ def test_exclude_matches_hf_module_names():
 @pytest.mark.slow
 def test_hf_trainer_trains_a_model_compiled_before_it(tmp_path):
     """HF's Trainer compiles only with the backends accelerate lists: the model is compiled
-    first (docs/fp8.md), its batches kept whole (the compiled forward names no columns).
-    Each step's weight gradients, as the optimizer gets them, are on the E5M2 grid."""
+    in place first (docs/fp8.md), which keeps the ``forward`` whose arguments name the
+    columns and labels. Each step's weight gradients, as the optimizer gets them, are on
+    the E5M2 grid, and evaluation reports its loss."""
     import transformers as T
 
     torch.manual_seed(0)
     model, _ = hf_model("gpt2")
-    compiled = torch.compile(model, backend="lowprec", options={"recipe": "fp8-e5m2-sr"})
+    model.compile(backend="lowprec", options={"recipe": "fp8-e5m2-sr"})
     ids = torch.randint(0, 100, (8, 8))
     trained = ("c_attn.weight", "c_fc.weight")  # Conv1D layers (tied embeddings sum two gradients)
     weights = {name: p for name, p in model.named_parameters() if name.endswith(trained)}
@@ -168,15 +169,18 @@ def test_hf_trainer_trains_a_model_compiled_before_it(tmp_path):
         per_device_train_batch_size=4,
         max_steps=2,
         max_grad_norm=0.0,  # clipping would scale the rounded gradients off the grid
-        remove_unused_columns=False,
         use_cpu=True,
         report_to=[],
         save_strategy="no",
     )
     data = [{"input_ids": row, "labels": row} for row in ids]
-    result = T.Trainer(model=compiled, args=args, train_dataset=data, callbacks=[CheckGradients()]).train()
+    trainer = T.Trainer(model=model, args=args, train_dataset=data, eval_dataset=data[:2])
+    trainer.add_callback(CheckGradients())
+    result = trainer.train()
     assert torch.isfinite(torch.tensor(result.training_loss))
     assert len(seen) == 2 and all(all(step.values()) for step in seen) and len(seen[0]) == 4, seen
+    assert math.isfinite(trainer.evaluate()["eval_loss"])
+    assert lpcompile.coverage(model)  # the model's graphs are lowprec's
 
 
 def test_peft_lora_runs_on_the_grid_with_peft_module_names():
