@@ -579,6 +579,8 @@ def lowprec(
 
     if (root := outermost_module()) is not None:
         REGISTRY.watches.start(root)
+    if ctx.unmatched_excludes is not None:
+        REGISTRY.watches.warn_unmatched_excludes(root, config.exclude, *ctx.unmatched_excludes)
     return REGISTRY.watches.recording(runtime.wrap(gm, list(example_inputs), ctx, compile_variant))
 
 

@@ -211,6 +211,10 @@ class CoverageWatch:
 
     def __init__(self, root: torch.nn.Module, active: weakref.WeakSet[CoverageWatch]) -> None:
         self.read: set[int] = set()
+        # exclude patterns that matched a layer of one of the root's graphs, and those each
+        # graph compiled while the watch is active matched none of (with the graph in words)
+        self.matched_excludes: set[str] = set()
+        self.unmatched_excludes: list[tuple[list[str], str]] = []
         self._active = active
         active.add(self)
         # a function, not the bound method: deepcopy of the root shares it instead of
@@ -242,6 +246,15 @@ class CoverageWatch:
         self._active.discard(self)
         missed = unread_modules(root, self.read)
         self.read.clear()  # the ids of parameters freed later may be reused
+        unused = {p for patterns, _ in self.unmatched_excludes for p in patterns} - self.matched_excludes
+        if unused:
+            graphs = "; ".join(graph for patterns, graph in self.unmatched_excludes if unused & set(patterns))
+            warnings.warn(
+                f"lowprec: exclude patterns {sorted(unused)} match no layer of the graphs of "
+                f"{type(unwrapped(root)[0]).__name__}: {graphs}",
+                stacklevel=caller_level(),
+            )
+        self.unmatched_excludes.clear()
         if sparse := sparse_tensors(root, args, kwargs):
             model, _ = unwrapped(root)
             warnings.warn(
@@ -284,6 +297,27 @@ class CoverageWatches:
         """Watch ``root``'s next forward, unless it has been watched already."""
         if root not in self._by_root:
             self._by_root[root] = CoverageWatch(root, self._active)
+
+    def warn_unmatched_excludes(
+        self, root: torch.nn.Module | None, patterns: tuple[str, ...], unused: list[str], graph: str
+    ) -> None:
+        """Warn about the ``exclude`` ``patterns`` that match no layer of a graph (``unused``
+        of them; ``graph``: it in words) compiled while ``root`` runs, unless another graph
+        of ``root`` matched them: at the end of the watch of ``root``'s forward, where it is
+        active (each graph break, pipeline stage or block compiled apart is a graph of its
+        own), else now."""
+        watch = self._by_root.get(root) if root is not None else None
+        if watch is not None:
+            watch.matched_excludes |= set(patterns) - set(unused)
+            if watch in self._active:
+                if unused:
+                    watch.unmatched_excludes.append((unused, graph))
+                return
+            unused = [p for p in unused if p not in watch.matched_excludes]
+        if unused:
+            warnings.warn(
+                f"lowprec: exclude patterns {unused} match no layer of {graph}", stacklevel=caller_level()
+            )
 
     def recording(self, run: Callable[..., Any]) -> Callable[..., Any]:
         """``run``, a compiled graph, recording the tensors it is called with into the active

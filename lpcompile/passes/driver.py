@@ -108,6 +108,9 @@ class CompileContext:
     # what part of the model running the graph is, where it is not the whole model (a block
     # compiled on its own, a frame after a graph break, a DDP bucket's piece), in words
     piece: str = ""
+    # the exclude patterns that match no layer of the graph, and the graph in words (the
+    # backend warns about those no graph of the model matches); None without patterns
+    unmatched_excludes: tuple[list[str], str] | None = None
     records: list[PassRecord] = field(default_factory=list)
     kernels: list[Any] = field(default_factory=list)  # lpcompile.codegen.KernelRecord, one per fused kernel
     # what the joint graph's passes warned (see warn_from_joint_graph)

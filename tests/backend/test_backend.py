@@ -294,7 +294,8 @@ def test_exclude_and_keep_first_last_on_mlp(options, layers):
     [
         (
             {"exclude": ["fc1.weight", "2"]},
-            r"exclude patterns \['fc1.weight'\] match no layer of a graph with layers \['0', '2'\]",
+            r"exclude patterns \['fc1.weight'\] match no layer of the graphs of Sequential: a graph with"
+            r" layers \['0', '2'\]",
         ),
         (
             {"keep_first_last": True},
@@ -303,8 +304,45 @@ def test_exclude_and_keep_first_last_on_mlp(options, layers):
     ],
 )
 def test_settings_without_effect_on_a_graph_warn(options, warning):
+    model = compile_(mlp(), "fp8-e5m2", **options)
     with pytest.warns(UserWarning, match=warning):
-        compile_(mlp(), "fp8-e5m2", **options)(mlp_input()).sum().backward()
+        for _ in range(2):  # unmatched excludes: at the end of the model's watched forward
+            model(mlp_input()).sum().backward()
+
+
+class _BrokenMLP(nn.Module):
+    """``inp``, a graph break, ``mid.lin`` and ``out``: two graphs of one model."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp, self.out = nn.Linear(6, 8), nn.Linear(8, 3)
+        self.mid = nn.Module()
+        self.mid.lin = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = torch.relu(self.inp(x))
+        torch._dynamo.graph_break()
+        return self.out(torch.relu(self.mid.lin(x)))
+
+
+def test_an_exclude_pattern_matching_a_layer_of_another_graph_of_the_model_does_not_warn():
+    model = compile_(_BrokenMLP(), "fp8-e5m2", exclude=["mid.lin", "out*"])
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="lowprec")
+        for _ in range(3):
+            model(mlp_input()).sum().backward()
+    kept = {row.layer: row.kept for row in lpcompile.coverage(model) if row.kept}
+    assert kept == {"mid.lin": "exclude", "out": "exclude"}, kept
+    # a pattern no graph matches warns once, naming every graph's layers
+    torch._dynamo.reset()
+    model = compile_(_BrokenMLP(), "fp8-e5m2", exclude=["mid.lin", "mid.lni"])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            model(mlp_input()).sum().backward()
+    unmatched = [str(w.message) for w in caught if "match no layer" in str(w.message)]
+    assert len(unmatched) == 1 and "['mid.lni']" in unmatched[0], unmatched
+    assert "['inp']" in unmatched[0] and "'mid.lin', 'out'" in unmatched[0], unmatched
 
 
 def test_settings_with_effect_do_not_warn():

@@ -444,12 +444,14 @@ def _excluded(name: str, patterns: tuple[str, ...]) -> bool:
 
 
 def warn_settings_without_effect(gm: torch.fx.GraphModule, ctx: CompileContext) -> None:
-    """Warn when a layer setting does nothing in this graph, or not what it says: an
-    ``exclude`` pattern that matches none of its layers (a typo, or a layer in another
-    graph: each graph break or pipeline stage is a graph), ``keep_first_last`` in a graph
-    that is a piece of the model (it keeps the piece's first and last layers) or with no
-    layer between the first and the last (then every layer stays in higher precision), or
-    ``attention="full"`` with FlexAttention calls, which stay whole."""
+    """Warn when a layer setting does nothing in this graph, or not what it says:
+    ``keep_first_last`` in a graph that is a piece of the model (it keeps the piece's first
+    and last layers) or with no layer between the first and the last (then every layer
+    stays in higher precision), or ``attention="full"`` with FlexAttention calls, which
+    stay whole. Keep the ``exclude``
+    patterns that match none of its layers for the backend, which warns about those no
+    graph of the model matches (a typo, or names a block's graph cannot see): another graph
+    (after a graph break, a pipeline stage) may hold the layer."""
     # (stacklevel 1: the user's frame is far up, under torch.compile's)
     names = [layer_name(n) for n in gm.graph.nodes if is_named_call(n)]
     # a block compiled on its own: its graph may run for every identical block
@@ -458,14 +460,14 @@ def warn_settings_without_effect(gm: torch.fx.GraphModule, ctx: CompileContext) 
         " (block.compile(backend='lowprec', options={..., 'exclude': [...]})): Dynamo keeps a"
         " graph per options"
     )
-    if unused := [p for p in ctx.config.exclude if not any(fnmatch.fnmatchcase(n, p) for n in names)]:
-        shown = [shown_name(name) for name in names]
-        message = f"lowprec: exclude patterns {unused} match no layer of a graph with layers {shown}"
+    if ctx.config.exclude:
+        unused = [p for p in ctx.config.exclude if not any(fnmatch.fnmatchcase(n, p) for n in names)]
+        graph = f"a graph with layers {[shown_name(name) for name in names]}"
         if ctx.piece:
-            message += f" (this graph is {ctx.piece}: its layer names start there)"
+            graph += f" (this graph is {ctx.piece}: its layer names start there)"
         if ctx.piece.startswith("submodule"):
-            message += apart
-        warnings.warn(message, stacklevel=1)
+            graph += apart
+        ctx.unmatched_excludes = (unused, graph)
     flex = [layer_name(n) for n in gm.graph.find_nodes(op="call_function", target=FLEX_ATTENTION)]
     if ctx.config.attention == "full" and flex:
         message = (
