@@ -88,12 +88,16 @@ def _(bins, size):
 def recorded_stats(grad: torch.Tensor, stats: str, record: torch.Tensor) -> torch.Tensor:
     """:func:`gradient_stats` of ``grad`` where the 0-dim bool ``record`` is true, else zeros."""
     size = STATS_SIZE if stats == "histogram" else ()
-    return torch.cond(
-        record,
-        lambda g: gradient_stats(g, stats),
-        lambda g: torch.zeros(size, dtype=torch.float32, device=g.device),
-        (grad,),
-    )
+    # torch.cond traces its branches with Dynamo, which inside DDP's forward splits them
+    # with its DDPOptimizer: traced so from AOT autograd, a branch's operand became a fake
+    # constant of the backward graph
+    with torch._dynamo.config.patch(optimize_ddp=False):
+        return torch.cond(
+            record,
+            lambda g: gradient_stats(g, stats),
+            lambda g: torch.zeros(size, dtype=torch.float32, device=g.device),
+            (grad,),
+        )
 
 
 @torch.library.custom_op("lowprec::scale_grad", mutates_args=())

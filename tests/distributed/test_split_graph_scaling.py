@@ -19,7 +19,7 @@ STEPS = 5  # the calibrating calls and two of interval 2: refreshes from both ki
 OPTIONS = {"recipe": "fp8-e5m2", "loss_scale": "adaptive", "loss_scale_interval": 2}
 
 
-def _train(rank: int, executor: str, split: bool) -> dict:
+def _train(rank: int, executor: str, split: bool, model: torch.nn.Module | None = None) -> dict:
     torch._dynamo.reset()
     graphs = []
 
@@ -27,7 +27,7 @@ def _train(rank: int, executor: str, split: bool) -> dict:
         graphs.append(gm)
         return lowprec(gm, example_inputs, options={**OPTIONS, "executor": executor})
 
-    model = wide_mlp()
+    model = wide_mlp() if model is None else model
     with torch._dynamo.config.patch(optimize_ddp=split):
         compiled = torch.compile(DDP(model, bucket_cap_mb=1), backend=backend)
         optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
@@ -67,3 +67,29 @@ def test_a_split_graph_scales_and_trains_as_the_whole_graph(executor, tmp_path):
             assert torch.equal(a, b), f"rank {rank}: parameter {i} differs"
     # the scaler's all-reduce of the statistics gives both ranks the same scales
     assert ranks[0]["split"]["history"] == ranks[1]["split"]["history"]
+
+
+def _small_mlp() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+
+
+def _one_bucket_and_whole(rank: int) -> dict:
+    return {
+        "one": _train(rank, "inductor", True, _small_mlp()),
+        "whole": _train(rank, "inductor", False, _small_mlp()),
+    }
+
+
+def test_a_graph_in_one_bucket_compiles_with_inductor_and_trains_as_without_ddp_optimizer(tmp_path):
+    """DDPOptimizer hands a graph that fits one bucket to the backend whole: its statistics
+    under ``torch.cond`` compile with Inductor (``torch.cond``'s own Dynamo trace of the
+    branches, run from AOT autograd inside DDP's forward, made a fake constant there)."""
+    ranks = run_ranks(_one_bucket_and_whole, tmp_path, deadline=300.0).check()
+    for rank, run in enumerate(ranks):
+        one, whole = run["one"], run["whole"]
+        assert one["graphs"] == whole["graphs"] == 1, f"rank {rank}"
+        assert one["history"] == whole["history"] and len(one["history"]) == 2, f"rank {rank}"
+        for i, (a, b) in enumerate(zip(one["parameters"], whole["parameters"], strict=True)):
+            assert torch.equal(a, b), f"rank {rank}: parameter {i} differs"
+    assert ranks[0]["one"]["history"] == ranks[1]["one"]["history"]
