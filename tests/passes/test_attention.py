@@ -100,8 +100,11 @@ def test_multihead_attention_unbatched_and_separate_projections():
         dict(attn_mask=torch.randn(5, 5, generator=torch.Generator().manual_seed(1))),
         dict(scale=0.3),
         dict(enable_gqa=True),
+        # a query that sees no key (left padding under a causal mask) attends to nothing
+        dict(attn_mask=~MASK & torch.arange(5).ge(2)),
+        dict(attn_mask=torch.zeros(5, 5).masked_fill(torch.arange(5)[:, None].lt(2), float("-inf"))),
     ],
-    ids=["plain", "causal", "bool-mask", "float-mask", "scale", "gqa"],
+    ids=["plain", "causal", "bool-mask", "float-mask", "scale", "gqa", "bool-masked-row", "float-masked-row"],
 )
 def test_full_attention_matches_sdpa(kwargs):
     kv_heads = 2 if kwargs.get("enable_gqa") else 4

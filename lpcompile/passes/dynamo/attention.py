@@ -298,7 +298,8 @@ def _explicit_attention(query, key, value, attn_mask, dropout_p, is_causal, scal
             scores = scores.masked_fill(attn_mask.logical_not(), float("-inf"))
         else:
             scores = scores + attn_mask
-    probs = dropout_at(torch.softmax(scores, dim=-1), dropout_p)
+    # a query that sees no key attends to nothing (zeros, not NaN), as torch's SDPA does
+    probs = dropout_at(torch.ops.aten._safe_softmax.default(scores, -1), dropout_p)
     return _named(torch.matmul(probs, value), f"{name}#1", True)
 
 
