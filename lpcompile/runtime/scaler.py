@@ -417,14 +417,10 @@ class LossScaler:
     def _unscale_grads(
         self, optimizer: torch.optim.Optimizer, inv_scale: torch.Tensor
     ) -> dict[torch.device, torch.Tensor]:
-        """Multiply every grad by ``inv_scale`` in place; one found-inf flag per device,
-        agreed with the other ranks."""
+        """Multiply every grad by ``inv_scale`` in place; one found-inf flag per device, this
+        rank's (:meth:`_found_inf` agrees them with the other ranks)."""
         params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
-        found = unscale_grads(params, inv_scale)
-        ranks = self._ranks()
-        for flag in found.values() if ranks is not None else ():
-            torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX, group=ranks)
-        return found
+        return unscale_grads(params, inv_scale)
 
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
         """Divide ``optimizer``'s gradients by the scale in place and record inf/NaN.
@@ -448,6 +444,13 @@ class LossScaler:
         state["stage"] = _Stage.UNSCALED
 
     def _found_inf(self, state: dict[str, Any], device: torch.device) -> torch.Tensor:
+        """Whether ``state``'s optimizer saw inf/NaN on any rank, as a tensor: its flags are
+        agreed at the first read (in :meth:`step` or :meth:`update`, which every rank calls
+        alike), not in :meth:`unscale_`, which some ranks may skip (clipping on one stage)."""
+        if (ranks := self._ranks()) is not None and not state.get("agreed"):
+            for flag in state["found_inf_per_device"].values():
+                torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX, group=ranks)
+            state["agreed"] = True
         flags = [f.to(device) for f in state["found_inf_per_device"].values()]
         return sum(flags[1:], flags[0]) if flags else torch.zeros((), device=device)
 

@@ -70,6 +70,35 @@ def test_adaptive_scales_agree_over_the_ranks(tmp_path, per_layer):
     assert first["None"] != second["None"], "the ranks' data should ask for different scales"
 
 
+def _clipped_on_rank_0(rank: int) -> dict:
+    """Adaptive scaling where only rank 0 unscales to clip its gradients before stepping
+    (as a pipeline stage may), the other steps straight away."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    run = torch.compile(model, backend="lowprec", options=EAGER_ALS)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    scaler = LossScaler("adaptive")
+    g = torch.Generator().manual_seed(10 + rank)
+    for step in range(3):
+        opt.zero_grad()
+        loss = run(torch.randn(16, 8, generator=g)).square().mean()
+        scaler.scale(loss * (float("inf") if step == 2 and rank == 1 else 1.0)).backward()
+        if rank == 0:
+            scaler.unscale_(opt)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        scaler.step(opt)
+        scaler.update()
+    return {"skipped": scaler.skipped_steps, "scales": [t.cumulative for t in stats(model)]}
+
+
+def test_ranks_that_unscale_apart_agree(tmp_path):
+    """``unscale_`` is this rank's alone (as GradScaler's is): the ranks agree on inf/NaN
+    in ``step``, which all of them call, so a rank that clips and one that does not step
+    together, and the overflow on one of them skips the step on both."""
+    first, second = run_ranks(_clipped_on_rank_0, tmp_path, timeout=30.0, deadline=120.0).check()
+    assert first == second and first["skipped"] >= 1, first  # the overflow, on both
+
+
 def _warmed_up(rank: int) -> list[list[float]]:
     """Per-layer scales after a backward outside the scaler (a warm-up) on data of a
     rank-dependent magnitude, then a few steps; between two of them rank 0 alone runs an
