@@ -154,6 +154,8 @@ class AdaptiveScaleState:
         self.record = {flag: torch.tensor(flag) for flag in (False, True)}  # on the CPU, read by torch.cond
         self.flags = torch.zeros(count, device=device, requires_grad=True)
         self.calls = 0
+        self.awaiting = False  # the last call recorded: its backward returns statistics
+        self.warned_unreached = False  # see statistics_unreached
         self.recorded = self.scales  # the scales the last recording call read
         self.recorded_call = 0  # and that call's index
         self.recorded_round = 0  # and the rounds of refreshes before it
@@ -194,6 +196,7 @@ class AdaptiveScaleState:
         self.refresh_pending()
         self.hist_off.grad = None  # what the calls that did not record returned
         recording = self.calibrating or self.calls % self.config.interval == 0
+        self.awaiting = recording
         if recording:
             self.recorded, self.recorded_call, self.recorded_round = self.scales, self.calls, self.rounds
         self.calls += 1
@@ -205,6 +208,12 @@ class AdaptiveScaleState:
         scales = {SCALES_INPUT: self.scales, INVERSES_INPUT: self.inverses}
         record = {RECORD_INPUT: self.record[recording]} if self.under_cond else {}
         return {**scales, HIST_INPUT: hist, FLAGS_INPUT: self.flags, **record}
+
+    def statistics_unreached(self) -> bool:
+        """Whether the last call recorded statistics that its backward did not return: a
+        backward through ``torch.autograd.grad`` or ``backward(inputs=...)`` leaves the
+        probe, a leaf, without its gradient (or that call had no backward)."""
+        return self.awaiting and self.hist.grad is None
 
     def refresh_pending(self) -> None:
         """Turn the statistics of the last recording call, if not yet done, into scales

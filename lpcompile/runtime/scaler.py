@@ -184,6 +184,22 @@ def _trained_states(
     return [state for state in states if state.trained_by(params)] or states
 
 
+def _warn_unreached(states: list[AdaptiveScaleState]) -> None:
+    """Warn, once per state, where a step comes after a call that recorded statistics
+    that its backward did not return (:meth:`AdaptiveScaleState.statistics_unreached`)."""
+    for state in states:
+        if state.statistics_unreached() and not state.warned_unreached:
+            state.warned_unreached = True
+            warnings.warn(
+                f"lowprec: adaptive loss scaling got no gradient statistics from the graph of layers "
+                f"{', '.join(state.layers[:3])}{', ...' if len(state.layers) > 3 else ''}: gradients "
+                "computed by torch.autograd.grad or backward(inputs=...) (zero-bubble pipeline "
+                "schedules) do not return them, so its scales stay as they are. Use loss.backward() "
+                "without inputs=, or a loss_scale other than 'adaptive'",
+                stacklevel=2,
+            )
+
+
 def _replica_ranks(
     states: list[AdaptiveScaleState], ranks: Any, scaled: bool, device: torch.device, groups: dict
 ) -> Any:
@@ -498,6 +514,7 @@ class LossScaler:
         if self.mode == "adaptive":
             _check_adaptive_models()
             states = _trained_states(REGISTRY.adaptive_states(), optimizer.param_groups)
+            _warn_unreached(states)
             scale = self._stage_scale(optimizer, "step")
             replicas = None
             if (ranks := self._ranks()) is not None:

@@ -2,6 +2,7 @@
 
 import copy
 import math
+import warnings
 
 import pytest
 import torch
@@ -1157,3 +1158,37 @@ def test_a_loss_spike_on_a_recording_call_steps_on_no_flushed_gradients(fresh_dy
     assert taken_on_zeros == []
     assert 1 <= skipped_after <= 3
     assert min(t.cumulative for t in stats(model)) >= 2.0**-2, stats(model)
+
+
+@pytest.mark.parametrize("backward", ["backward", "autograd.grad", "inputs="])
+def test_gradients_that_return_no_statistics_warn_once(fresh_dynamo, backward):
+    """``torch.autograd.grad`` and ``backward(inputs=...)`` (zero-bubble pipeline schedules)
+    accumulate no gradient into the statistics probe: the scales stay as they are, with one
+    warning naming the graph's layers; ``loss.backward()`` returns them, without one."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+    options = {"recipe": "fp8-e5m2-als", "executor": "eager", "loss_scale_interval": 2}
+    run = torch.compile(model, backend="lowprec", options=options)
+    scaler, opt = LossScaler("adaptive"), torch.optim.SGD(model.parameters(), lr=0.1)
+    params = list(model.parameters())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(4):
+            loss = scaler.scale(run(torch.randn(8, 8)).square().mean() * 1e-6)
+            if backward == "backward":
+                loss.backward()
+            elif backward == "inputs=":
+                loss.backward(inputs=params)
+            else:
+                for p, g in zip(params, torch.autograd.grad(loss, params), strict=True):
+                    p.grad = g
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+    unreached = [str(w.message) for w in caught if "no gradient statistics" in str(w.message)]
+    histories = [len(t.history) for t in stats(model)]
+    if backward == "backward":
+        assert not unreached and min(histories) > 0, (unreached, histories)
+    else:
+        assert len(unreached) == 1 and "0, 2" in unreached[0], unreached
+        assert histories == [0, 0]
