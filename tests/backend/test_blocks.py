@@ -87,6 +87,24 @@ def test_blocks_compiled_one_by_one_are_named_from_the_model():
     assert [row.layer for row in lpcompile.coverage(model.layers[1])] == ["a", "b"]
 
 
+def test_blocks_whose_first_parameter_is_no_weight_are_named_from_the_model_in_stats():
+    """A block whose first parameter is a norm's (torchtitan's Llama blocks): its adaptive
+    state is keyed by a layer's weight, and named from the model too."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        *(nn.Sequential(nn.LayerNorm(8), nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8)) for _ in range(2))
+    )
+    for name, block in model.named_children():
+        model.register_module(
+            name, torch.compile(block, backend="lowprec", options={**SR, "recipe": "fp8-e5m2-als"})
+        )
+    model(torch.randn(4, 8)).square().mean().backward()
+    linears = [f"{block}.{layer}" for block in ("0", "1") for layer in ("1", "3")]
+    assert [row.layer for row in lpcompile.coverage(model)] == linears
+    assert [t.layer for t in lpcompile.stats(model)] == linears
+
+
 def test_keep_first_last_in_a_blocks_graph_warns_that_it_keeps_the_blocks_layers():
     options = {**SR, "keep_first_last": True}
     expected = r"keep_first_last .* submodule 'layers.0'.* \(a, b\).* compile it with options of its own"
