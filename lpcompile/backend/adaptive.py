@@ -215,6 +215,10 @@ class AdaptiveScaleState:
         probe, a leaf, without its gradient (or that call had no backward)."""
         return self.awaiting and self.hist.grad is None
 
+    def received_statistics(self) -> bool:
+        """Whether statistics reached this state: pending, or refreshed from (or loaded)."""
+        return self.hist.grad is not None or any(t.history for t in self.telemetry)
+
     def refresh_pending(self) -> None:
         """Turn the statistics of the last recording call, if not yet done, into scales
         (of every state of :attr:`chain`)."""

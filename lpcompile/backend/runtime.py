@@ -96,9 +96,8 @@ def wrap(
     saturation counts (option ``saturation``) taken off its outputs."""
     model_input = model_key_input(gm)
     # a graph named from the model's root (ROOT_PATH) is the one module of its class there
-    relatives = [
-        None if ROOT_PATH in gm.meta else relative_state_name(node) for node in gm.graph.find_nodes(op="placeholder")
-    ]
+    placeholders = gm.graph.find_nodes(op="placeholder")
+    relatives = [None if ROOT_PATH in gm.meta else relative_state_name(node) for node in placeholders]
     run = _with_inputs(inputs, ctx, compile_variant, model_input, relatives, parameter_input(gm))
     if not ctx.counted:
         return run

@@ -185,18 +185,26 @@ def _trained_states(
 
 
 def _warn_unreached(states: list[AdaptiveScaleState]) -> None:
-    """Warn, once per state, where a step comes after a call that recorded statistics
-    that its backward did not return (:meth:`AdaptiveScaleState.statistics_unreached`)."""
+    """Warn, once per set of layers, where a call recorded statistics that its backward did
+    not return (:meth:`AdaptiveScaleState.statistics_unreached`) and no graph of those
+    layers ever received any: a graph run without backward (an ``eval()`` forward with
+    grad on) beside one that trains is no cause."""
+    same: dict[tuple[str, ...], list[AdaptiveScaleState]] = {}
     for state in states:
-        if state.statistics_unreached() and not state.warned_unreached:
-            state.warned_unreached = True
+        same.setdefault(tuple(state.layers), []).append(state)
+    for layers, group in same.items():
+        if any(s.warned_unreached or s.received_statistics() for s in group):
+            continue
+        if any(s.statistics_unreached() for s in group):
+            for s in group:
+                s.warned_unreached = True
             warnings.warn(
                 f"lowprec: adaptive loss scaling got no gradient statistics from the graph of layers "
-                f"{', '.join(state.layers[:3])}{', ...' if len(state.layers) > 3 else ''}: gradients "
+                f"{', '.join(layers[:3])}{', ...' if len(layers) > 3 else ''}: gradients "
                 "computed by torch.autograd.grad or backward(inputs=...) (zero-bubble pipeline "
                 "schedules) do not return them, so its scales stay as they are. Use loss.backward() "
                 "without inputs=, or a loss_scale other than 'adaptive'",
-                stacklevel=2,
+                stacklevel=3,
             )
 
 
@@ -315,7 +323,7 @@ class _Stage(Enum):
 
 
 def _fresh_state() -> dict[str, Any]:
-    return {"stage": _Stage.READY, "found_inf_per_device": {}, "param_groups": []}
+    return {"stage": _Stage.READY, "found_inf_per_device": {}, "param_groups": [], "agreed": False}
 
 
 class LossScaler:
@@ -463,7 +471,7 @@ class LossScaler:
         """Whether ``state``'s optimizer saw inf/NaN on any rank, as a tensor: its flags are
         agreed at the first read (in :meth:`step` or :meth:`update`, which every rank calls
         alike), not in :meth:`unscale_`, which some ranks may skip (clipping on one stage)."""
-        if (ranks := self._ranks()) is not None and not state.get("agreed"):
+        if (ranks := self._ranks()) is not None and not state["agreed"]:
             for flag in state["found_inf_per_device"].values():
                 torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX, group=ranks)
             state["agreed"] = True

@@ -1192,3 +1192,24 @@ def test_gradients_that_return_no_statistics_warn_once(fresh_dynamo, backward):
     else:
         assert len(unreached) == 1 and "0, 2" in unreached[0], unreached
         assert histories == [0, 0]
+
+
+def test_a_graph_run_without_backward_beside_a_trained_one_does_not_warn(fresh_dynamo):
+    """An ``eval()`` forward with grad on records statistics no backward returns (its graph
+    calibrates), and a shape seen once leaves a graph waiting: their layers' trained graph
+    returns them, so nothing warns."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Dropout(0.1), nn.Linear(16, 4))
+    options = {"recipe": "fp8-e5m2-als", "executor": "eager", "loss_scale_interval": 2}
+    run = torch.compile(model, backend="lowprec", options=options)
+    scaler, opt = LossScaler("adaptive"), torch.optim.SGD(model.parameters(), lr=0.1)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*no gradient statistics")
+        for step in range(5):
+            model.train()
+            scaler.scale(run(torch.randn(8 + (step == 1), 8)).square().mean()).backward()
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+            model.eval()
+            run(torch.randn(8, 8))  # grad on, no backward
