@@ -72,6 +72,7 @@ from lpcompile.passes.graph import (
     find_calls,
     is_layer_call,
     layer_name,
+    mark_exported_root,
     name_canonically,
     parameter_of,
     qualified_name,
@@ -548,6 +549,7 @@ def lowprec(
         importlib.import_module("lpcompile.numerics.dtensor").register_dtensor_rules()
     graph_id = REGISTRY.new_graph_id()
     set_root_path(gm, compiled_module())  # before any layer is named
+    mark_exported_root(gm)
     if config.quantizes:
         warn_in_eager_function()
     split = ddp_optimizer_split()

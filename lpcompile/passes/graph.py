@@ -102,7 +102,7 @@ WRAPPER_PATH = "lowprec_wrapper_path"
 # (a module a library keeps in a global) is not the model's
 FRAME_ROOT = "lowprec_frame_root"
 # GraphModule.meta key: where the modules of a GraphModule that Dynamo traced (an exported
-# module) sit in the compiled model, found from their parameters (None: unknown)
+# module) sit in the compiled model, found from their parameters (None: unknown or several)
 EXPORTED_ROOT = "lowprec_exported_root"
 ATTENTION = "lowprec_attention"  # node.meta key: a product inside attention (option `attention`)
 SCALE_GRAD = torch.ops.lowprec.scale_grad.default
@@ -240,7 +240,7 @@ def module_path(node: torch.fx.Node) -> str:
     if not stack:
         return ""
     if not _is_source(stack[-1]):
-        return _exported_path(node.graph, stack[-1])
+        return _exported_path(node, stack[-1])
     meta = node.graph.owning_module.meta if node.graph.owning_module is not None else {}
     root = meta.get(FRAME_ROOT) or source_root(stack[0])  # a frame without parameters: the outermost's
     inside = [source for source in stack if source_root(source) == root]
@@ -248,33 +248,47 @@ def module_path(node: torch.fx.Node) -> str:
 
 
 def _is_source(entry: str) -> bool:
-    """Whether a module stack entry is a Dynamo source (``L['self'].a``), not the FQN that a
-    traced module's own graph recorded (``a``): Dynamo keeps the module stacks of a
-    ``GraphModule`` it traces (a ``torch.export`` module), relative to that module."""
-    return re.match(r"[A-Z]\['", _unwrapped(entry)) is not None
+    """Whether a module stack entry is a Dynamo source (``L['self'].a``,
+    ``dict.__getitem__(L['self'].heads, 'a')``), not the FQN that a traced module's own graph
+    recorded (``a``): Dynamo keeps the module stacks of a ``GraphModule`` it traces (a
+    ``torch.export`` module), relative to that module."""
+    return re.fullmatch(r"[\w.]*", entry) is None
 
 
-def _exported_path(graph: torch.fx.Graph, path: str) -> str:
+def _exported_root(node: torch.fx.Node) -> str | None:
+    """Where the ``GraphModule`` whose module stack ``node`` keeps (see :func:`_is_source`)
+    sits in the compiled model, from a parameter the node reads (``enc.blocks.0.a.weight``,
+    read in ``blocks.0.a``: ``enc``); None where it reads none of its module's."""
+    stack = list((node.meta.get("nn_module_stack") or {}).values())
+    inner = stack[-1][0] if stack else ""
+    if not inner or _is_source(inner):
+        return None
+    for operand in node.all_input_nodes:
+        if parameter_of(operand) is not None:
+            name = "." + state_name(base_of(operand))
+            if (at := name.rfind(f".{inner}.")) >= 0:
+                return name[1 : at + 1].strip(".")
+    return None
+
+
+def mark_exported_root(gm: torch.fx.GraphModule) -> None:
+    """Mark a graph and its bodies with where the modules of a ``GraphModule`` that Dynamo
+    traced (an exported module) sit in the compiled model, where its calls that read
+    parameters place it in one place (:data:`EXPORTED_ROOT`): its calls without one
+    are named from there."""
+    roots = {root for node in gm.graph.nodes if (root := _exported_root(node)) is not None}
+    for graph in with_bodies(gm):
+        graph.meta[EXPORTED_ROOT] = next(iter(roots)) if len(roots) == 1 else None
+
+
+def _exported_path(node: torch.fx.Node, path: str) -> str:
     """``path``, the FQN of a module within a ``GraphModule`` that Dynamo traced (see
-    :func:`_is_source`), from the compiled model: placed by the parameters that the
-    module's calls read (``enc.blocks.0.a.weight``, read in ``blocks.0.a``: ``enc.``), or
-    from the frame's module where they place it nowhere, or in several places."""
-    meta = graph.owning_module.meta if graph.owning_module is not None else {}
-    if EXPORTED_ROOT not in meta:
-        roots = set()
-        for node in graph.nodes:
-            stack = list((node.meta.get("nn_module_stack") or {}).values())
-            inner = stack[-1][0] if stack else ""
-            if not inner or _is_source(inner):
-                continue
-            for operand in node.all_input_nodes:
-                if parameter_of(operand) is not None:
-                    name = "." + state_name(base_of(operand))
-                    if (at := name.rfind(f".{inner}.")) >= 0:
-                        roots.add(name[1 : at + 1].strip("."))
-        meta[EXPORTED_ROOT] = next(iter(roots)) if len(roots) == 1 else None
-    root = meta[EXPORTED_ROOT]
-    return _in_model(graph, path) if root is None else qualified_name(root, path)
+    :func:`_is_source`), from the compiled model: placed by a parameter ``node`` reads, or
+    by :data:`EXPORTED_ROOT`, else from the frame's module."""
+    meta = node.graph.owning_module.meta if node.graph.owning_module is not None else {}
+    root = _exported_root(node)
+    root = meta.get(EXPORTED_ROOT) if root is None else root
+    return _in_model(node.graph, path) if root is None else qualified_name(root, path)
 
 
 def source_root(source: str) -> str:

@@ -94,6 +94,27 @@ def test_an_exported_module_inside_a_model_names_its_layers_from_the_model():
     assert rows["1.a"].kept and not rows["1.a"].quantized and rows["1.c"].quantized
 
 
+def test_two_exported_modules_one_checkpointed_are_each_named_from_the_model():
+    x = torch.randn(2, 4, 8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        enc, dec = (torch.export.export(Mixed(), (x,)).module() for _ in range(2))
+
+    class EncoderDecoder(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.enc, self.dec = enc, dec
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.dec(torch.utils.checkpoint.checkpoint(self.enc, x, use_reentrant=False))
+
+    model = EncoderDecoder()
+    on_grid(model, x)
+    layers = {row.layer for row in lpcompile.coverage(model)}
+    expected = {f"{m}.{layer}" for m in ("enc", "dec") for layer in ("a", "attn#0", "c")}
+    assert expected <= layers, sorted(layers)
+
+
 def test_pipeline_stages_run_their_products_on_the_grid():
     class TwoStages(nn.Module):
         def __init__(self) -> None:
