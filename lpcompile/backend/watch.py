@@ -24,6 +24,7 @@ frame's compile, starts the watch of a model whose frames compile to no graph.
 
 from __future__ import annotations
 
+import fnmatch
 import os
 import sys
 import types
@@ -149,6 +150,13 @@ def instance_of(
     return "", None
 
 
+def model_names(root: torch.nn.Module) -> list[str]:
+    """The FQNs of the modules and parameters of the model in ``root`` (without
+    ``_orig_mod``)."""
+    model = unwrapped(root)[0]
+    return [module_name(name) for name, _ in [*model.named_modules(), *model.named_parameters()]]
+
+
 def unread_modules(root: torch.nn.Module, read: set[int]) -> list[tuple[str, torch.nn.Module, list[str]]]:
     """(name, module, its parameters' names) of each module under ``root`` with
     :func:`~lpcompile.backend.distributed.product_parameters` none of which is in ``read``
@@ -211,9 +219,11 @@ class CoverageWatch:
 
     def __init__(self, root: torch.nn.Module, active: weakref.WeakSet[CoverageWatch]) -> None:
         self.read: set[int] = set()
-        # exclude patterns that matched a layer of one of the root's graphs, and those each
-        # graph compiled while the watch is active matched none of (with the graph in words)
+        # exclude patterns that matched a layer of one of the root's graphs, those warned
+        # about, and those each graph compiled while the watch is active matched none of
+        # (with the graph in words)
         self.matched_excludes: set[str] = set()
+        self.warned_excludes: set[str] = set()
         self.unmatched_excludes: list[tuple[list[str], str]] = []
         self._active = active
         active.add(self)
@@ -246,7 +256,9 @@ class CoverageWatch:
         self._active.discard(self)
         missed = unread_modules(root, self.read)
         self.read.clear()  # the ids of parameters freed later may be reused
-        unused = {p for patterns, _ in self.unmatched_excludes for p in patterns} - self.matched_excludes
+        unused = {p for patterns, _ in self.unmatched_excludes for p in patterns}
+        unused -= self.matched_excludes | self.warned_excludes
+        self.warned_excludes |= unused
         if unused:
             graphs = "; ".join(graph for patterns, graph in self.unmatched_excludes if unused & set(patterns))
             warnings.warn(
@@ -302,18 +314,22 @@ class CoverageWatches:
         self, root: torch.nn.Module | None, patterns: tuple[str, ...], unused: list[str], graph: str
     ) -> None:
         """Warn about the ``exclude`` ``patterns`` that match no layer of a graph (``unused``
-        of them; ``graph``: it in words) compiled while ``root`` runs, unless another graph
-        of ``root`` matched them: at the end of the watch of ``root``'s forward, where it is
-        active (each graph break, pipeline stage or block compiled apart is a graph of its
-        own), else now."""
+        of them; ``graph``: it in words) compiled while ``root`` runs, once each, unless a
+        graph of ``root`` matched them. A pattern that names a module or parameter of
+        ``root`` may match a layer of a graph still to compile (after a graph break): while
+        the watch of ``root``'s forward is active, it waits for the watch's end. Any other
+        warns now (a typo)."""
         watch = self._by_root.get(root) if root is not None else None
         if watch is not None:
             watch.matched_excludes |= set(patterns) - set(unused)
+            unused = [p for p in unused if p not in watch.matched_excludes | watch.warned_excludes]
             if watch in self._active:
-                if unused:
-                    watch.unmatched_excludes.append((unused, graph))
-                return
-            unused = [p for p in unused if p not in watch.matched_excludes]
+                names = model_names(root)
+                later = [p for p in unused if any(fnmatch.fnmatchcase(n, p.split("#")[0]) for n in names)]
+                if later:
+                    watch.unmatched_excludes.append((later, graph))
+                unused = [p for p in unused if p not in later]
+            watch.warned_excludes |= set(unused)
         if unused:
             warnings.warn(
                 f"lowprec: exclude patterns {unused} match no layer of {graph}", stacklevel=caller_level()

@@ -85,7 +85,7 @@ def test_an_exported_module_inside_a_model_names_its_layers_from_the_model():
     torch._dynamo.reset()
     options = {**SR_EVERYWHERE, "exclude": ["1.a"]}
     with warnings.catch_warnings():
-        warnings.filterwarnings("error", message="lowprec")  # an exclude matching nothing warns
+        warnings.filterwarnings("error", message="lowprec")
         out = torch.compile(model, backend=watched_backend(options, check))(x)
         with check:
             out.square().mean().backward()

@@ -448,10 +448,9 @@ def warn_settings_without_effect(gm: torch.fx.GraphModule, ctx: CompileContext) 
     ``keep_first_last`` in a graph that is a piece of the model (it keeps the piece's first
     and last layers) or with no layer between the first and the last (then every layer
     stays in higher precision), or ``attention="full"`` with FlexAttention calls, which
-    stay whole. Keep the ``exclude``
-    patterns that match none of its layers for the backend, which warns about those no
-    graph of the model matches (a typo, or names a block's graph cannot see): another graph
-    (after a graph break, a pipeline stage) may hold the layer."""
+    stay whole. Keep the ``exclude`` patterns that match none of its layers for the
+    backend, which warns about those no graph of the model matches (a typo, or names a
+    block's graph cannot see): another graph (after a graph break) may hold the layer."""
     # (stacklevel 1: the user's frame is far up, under torch.compile's)
     names = [layer_name(n) for n in gm.graph.nodes if is_named_call(n)]
     # a block compiled on its own: its graph may run for every identical block
