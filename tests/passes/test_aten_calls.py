@@ -149,7 +149,8 @@ def test_an_aten_product_left_as_it_is_warns():
         warnings.simplefilter("always")
         torch.compile(model, backend="lowprec", options={"recipe": "fp8-e5m2"})(torch.randn(1, 2, 5))
     assert any("aten::convolution" in str(w.message) for w in caught)
-    assert [(row.op, row.kept) for row in lpcompile.coverage(model)] == [("aten::convolution", ATEN_OPAQUE)]
+    rows = [(row.layer, row.op, row.kept) for row in lpcompile.coverage(model)]
+    assert rows == [("weight", "aten::convolution", ATEN_OPAQUE)]
 
 
 def test_calls_of_operator_packets_are_rounded():

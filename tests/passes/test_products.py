@@ -407,12 +407,12 @@ def test_custom_operators_that_may_multiply_warn_and_are_listed():
     model = LibraryOps()
     torch._dynamo.reset()
     compiled = torch.compile(model, backend="lowprec", options=OPTIONS)
-    warning = r"custom operators run as they are: lowprec_test::fused_mm in"
+    warning = r"custom operators run as they are: lowprec_test::fused_mm in 'w'"  # named after its weight
     with pytest.warns(UserWarning, match=warning) as caught, torch.no_grad():  # (no autograd formulas)
         compiled(torch.randn(4, 8))
     assert not [w for w in caught if "lowprec_test::double" in str(w.message)]
-    kept = [(row.op, row.kept) for row in lpcompile.coverage(model) if row.kept]
-    assert kept == [("lowprec_test::fused_mm", OPAQUE)]
+    kept = [(row.layer, row.op, row.kept) for row in lpcompile.coverage(model) if row.kept]
+    assert kept == [("w", "lowprec_test::fused_mm", OPAQUE)]
 
 
 class Distances(nn.Module):

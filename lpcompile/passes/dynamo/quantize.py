@@ -77,6 +77,7 @@ from lpcompile.passes.graph import (
     product_output,
     recompile_bodies,
     shown_name,
+    state_name,
     weight_of,
     weight_operand,
     with_bodies,
@@ -656,6 +657,14 @@ def _is_aten_product(name: str) -> bool:
     return packet in ATEN_POWERS or not ATEN_PRODUCT_WORDS.isdisjoint(packet.split("_"))
 
 
+def _opaque_name(node: torch.fx.Node) -> str:
+    """The layer name of an operator call lowprec leaves alone: its module's, or, in the
+    compiled model's own ``forward``, its first parameter's (as a layer's weight names it)."""
+    name = layer_name(node)
+    weights = [n for n in node.all_input_nodes if parameter_of(n) is not None]
+    return state_name(base_of(weights[0])) if name == node.name and weights else name
+
+
 def warn_opaque_operators(gm: torch.fx.GraphModule, ctx: CompileContext) -> None:
     """Warn about calls of other libraries' operators (``torch.library``), and of ATen
     products called directly that lowprec does not write as torch functions, that take two
@@ -673,8 +682,8 @@ def warn_opaque_operators(gm: torch.fx.GraphModule, ctx: CompileContext) -> None
             continue
         if (ours := name.split("::")[0] in TORCH_NAMESPACES) and not _is_aten_product(name):
             continue
-        found[ours].append(f"{name} in {layer_name(node)!r}")
-        ctx.kept.append(KeptProduct(layer_name(node), name, ATEN_OPAQUE if ours else OPAQUE))
+        found[ours].append(f"{name} in {_opaque_name(node)!r}")
+        ctx.kept.append(KeptProduct(_opaque_name(node), name, ATEN_OPAQUE if ours else OPAQUE))
     if found[False]:
         warnings.warn(
             f"lowprec: custom operators run as they are: {', '.join(found[False])}; lowprec cannot"
