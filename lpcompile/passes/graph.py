@@ -271,14 +271,21 @@ def _exported_root(node: torch.fx.Node) -> str | None:
     return None
 
 
-def mark_exported_root(gm: torch.fx.GraphModule) -> None:
+def mark_exported_root(gm: torch.fx.GraphModule, above: str | None = None) -> None:
     """Mark a graph and its bodies with where the modules of a ``GraphModule`` that Dynamo
     traced (an exported module) sit in the compiled model, where its calls that read
-    parameters place it in one place (:data:`EXPORTED_ROOT`): its calls without one
-    are named from there."""
+    parameters place it in one place (:data:`EXPORTED_ROOT`; ``above``: the calling
+    graph's, for a body that places none): its calls without one are named from there. A
+    checkpoint body's inputs are marked with the parameters its call passes first."""
     roots = {root for node in gm.graph.nodes if (root := _exported_root(node)) is not None}
-    for graph in with_bodies(gm):
-        graph.meta[EXPORTED_ROOT] = next(iter(roots)) if len(roots) == 1 else None
+    gm.meta[EXPORTED_ROOT] = next(iter(roots)) if len(roots) == 1 else None if roots else above
+    for call in gm.graph.nodes:
+        if call.op == "call_function" and call.target in BODIES:
+            for holder in call.args[BODIES[call.target]]:
+                body = getattr(gm, holder.target)
+                if call.target is CHECKPOINT:
+                    mark_parameters(zip(body.graph.find_nodes(op="placeholder"), call.args[1:], strict=False))
+                mark_exported_root(body, gm.meta[EXPORTED_ROOT])
 
 
 def _exported_path(node: torch.fx.Node, path: str) -> str:
