@@ -45,6 +45,7 @@ from lpcompile.backend.distributed import (
     unsharded_parameters,
     wrapper_kind,
 )
+from lpcompile.passes.dynamo.attention import MULTIHEAD_CALLS
 
 # Modules a warning names (the others are counted).
 LISTED = 12
@@ -150,11 +151,19 @@ def instance_of(
     return "", None
 
 
-def model_names(root: torch.nn.Module) -> list[str]:
-    """The FQNs of the modules and parameters of the model in ``root`` (without
-    ``_orig_mod``)."""
+def names_in_model(root: torch.nn.Module, pattern: str) -> bool:
+    """Whether the ``exclude`` pattern ``pattern`` (its part before a ``#i``) names a module
+    or parameter of the model in ``root`` (without ``_orig_mod``), from the model or from a
+    module of it (layer names start at a graph's frame), or a call of
+    ``nn.MultiheadAttention`` (``attn.in_proj_q``)."""
     model = unwrapped(root)[0]
-    return [module_name(name) for name, _ in [*model.named_modules(), *model.named_parameters()]]
+    names = [module_name(n) for n, _ in model.named_parameters(remove_duplicate=False)]
+    for name, module in model.named_modules(remove_duplicate=False):
+        names.append(module_name(name))
+        if isinstance(module, torch.nn.MultiheadAttention):  # its calls' names
+            names += [f"{module_name(name)}.{call}" for call in MULTIHEAD_CALLS]
+    stem = pattern.split("#")[0]
+    return any(fnmatch.fnmatchcase(name, stem) or fnmatch.fnmatchcase(name, "*." + stem) for name in names)
 
 
 def unread_modules(root: torch.nn.Module, read: set[int]) -> list[tuple[str, torch.nn.Module, list[str]]]:
@@ -260,10 +269,10 @@ class CoverageWatch:
         unused -= self.matched_excludes | self.warned_excludes
         self.warned_excludes |= unused
         if unused:
-            graphs = "; ".join(graph for patterns, graph in self.unmatched_excludes if unused & set(patterns))
+            graphs = dict.fromkeys(g for patterns, g in self.unmatched_excludes if unused & set(patterns))
             warnings.warn(
                 f"lowprec: exclude patterns {sorted(unused)} match no layer of the graphs of "
-                f"{type(unwrapped(root)[0]).__name__}: {graphs}",
+                f"{type(unwrapped(root)[0]).__name__}: {'; '.join(graphs)}",
                 stacklevel=caller_level(),
             )
         self.unmatched_excludes.clear()
@@ -324,8 +333,7 @@ class CoverageWatches:
             watch.matched_excludes |= set(patterns) - set(unused)
             unused = [p for p in unused if p not in watch.matched_excludes | watch.warned_excludes]
             if watch in self._active:
-                names = model_names(root)
-                later = [p for p in unused if any(fnmatch.fnmatchcase(n, p.split("#")[0]) for n in names)]
+                later = [p for p in unused if names_in_model(root, p)]
                 if later:
                     watch.unmatched_excludes.append((later, graph))
                 unused = [p for p in unused if p not in later]

@@ -189,10 +189,10 @@ def _warn_unreached(states: list[AdaptiveScaleState]) -> None:
     not return (:meth:`AdaptiveScaleState.statistics_unreached`) and no graph of those
     layers ever received any: a graph run without backward (an ``eval()`` forward with
     grad on) beside one that trains is no cause."""
-    same: dict[tuple[str, ...], list[AdaptiveScaleState]] = {}
-    for state in states:
-        same.setdefault(tuple(state.layers), []).append(state)
-    for layers, group in same.items():
+    same: dict[tuple, list[AdaptiveScaleState]] = {}
+    for state in states:  # the graphs of one model's layers (two models' alike apart)
+        same.setdefault((tuple(state.layers), state.weight_keys()), []).append(state)
+    for (layers, _), group in same.items():
         if any(s.warned_unreached or s.received_statistics() for s in group):
             continue
         if any(s.statistics_unreached() for s in group):

@@ -35,6 +35,7 @@ import lpcompile
 from lpcompile.backend import step_seed, uses_cpp_wrapper
 from lpcompile.backend.cache import SourceStamp, package_hash, without_donated_buffers
 from lpcompile.backend.state import LayerCoverage
+from lpcompile.backend.watch import names_in_model
 from lpcompile.kernels.cpu import gemm
 
 EAGER = {"executor": "eager"}
@@ -1284,3 +1285,14 @@ def test_a_module_held_outside_the_model_is_named_after_the_models_module_that_c
     assert rows["0"].kept and all(rows[name].quantized for name in ("0.proj", "0.out", "2"))
     rows = _coverage(_Mixer(), ["w"])
     assert set(rows) == {"w", "proj", "out"} and rows["w"].kept and rows["out"].quantized
+
+
+def test_exclude_patterns_that_may_name_a_layer_of_another_graph():
+    """What waits for the end of the watched forward: module and parameter names, also from
+    a module of the model (a block's graph names its layers from the block), and the calls
+    of ``nn.MultiheadAttention``; not a typo."""
+    model = torch.compile(nn.Sequential(_BrokenMLP(), nn.MultiheadAttention(8, 2)))
+    for pattern in ("0.mid.lin", "mid.lin", "0.*", "1.in_proj_q", "1.attention#1", "out.weight"):
+        assert names_in_model(model, pattern), pattern
+    for pattern in ("mid.lni", "0.mid.lin.foo", "in_proj_x"):
+        assert not names_in_model(model, pattern), pattern

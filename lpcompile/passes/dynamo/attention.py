@@ -233,6 +233,8 @@ def restore_module_paths(gm: torch.fx.GraphModule) -> None:
         replace_with(node, inline(graph, node, _batch_first_attention, {**args, "name": None}))
 
 
+# the layer names of an nn.MultiheadAttention's calls, after the module's
+MULTIHEAD_CALLS = ("in_proj_q", "in_proj_k", "in_proj_v", "attention", "out_proj")
 UNSUPPORTED_MHA = ("bias_k", "bias_v", "static_k", "static_v")
 
 
@@ -257,13 +259,7 @@ def decompose_multihead_attention(gm: torch.fx.GraphModule, ctx: CompileContext)
         example = query.meta["example_value"]
         for name in (*UNSUPPORTED_MHA, "add_zero_attn"):
             args.pop(name, None)
-        names = (
-            f"{path}.in_proj_q",
-            f"{path}.in_proj_k",
-            f"{path}.in_proj_v",
-            f"{path}.attention",
-            f"{path}.out_proj",
-        )
+        names = tuple(f"{path}.{call}" for call in MULTIHEAD_CALLS)
         out = inline(
             graph,
             node,
