@@ -96,9 +96,8 @@ def wrap(
     saturation counts (option ``saturation``) taken off its outputs."""
     model_input = model_key_input(gm)
     # a graph named from the model's root (ROOT_PATH) is the one module of its class there
-    placeholders = gm.graph.find_nodes(op="placeholder")
-    relatives = [None if ROOT_PATH in gm.meta else relative_state_name(node) for node in placeholders]
-    run = _with_inputs(inputs, ctx, compile_variant, model_input, relatives, parameter_input(gm))
+    relative = None if ROOT_PATH in gm.meta else model_key_name(gm)
+    run = _with_inputs(inputs, ctx, compile_variant, model_input, relative, parameter_input(gm))
     if not ctx.counted:
         return run
     sites, strict = ctx.counted, ctx.config.saturation == "raise"
@@ -148,21 +147,17 @@ def _with_inputs(
     ctx: CompileContext,
     compile_variant: Callable[..., Callable],
     model_input: int | None,
-    relatives: list[str | None],
+    relative: str | None,
     first_parameter: int | None,
 ) -> Callable:
-    """The compiled graph, called with lowprec's own inputs appended. ``relatives``: the
-    FQN of each parameter input from the module the graph's frame calls ``self`` (None for
-    other inputs, and where the graph's names start from the model's root);
+    """The compiled graph, called with lowprec's own inputs appended. ``relative``: the FQN
+    of the parameter at ``model_input`` from the module the graph's frame calls ``self``;
     ``first_parameter``: the graph's first parameter input, if any."""
 
-    def instance(key: torch.Tensor, index: int | None = model_input) -> str | None:
-        """Note a real call for ``key`` (input ``index``): the FQN of the calling module in the
-        model running ("" for the model itself); None for a call on fakes (DDPOptimizer's),
-        noting nothing."""
-        if isinstance(key, FakeTensor):
-            return None
-        return REGISTRY.instance_path(key, ctx.graph_id, None if index is None else relatives[index])
+    def instance(key: torch.Tensor) -> str | None:
+        """Note a real call for ``key``: the FQN of the calling module in the model running
+        ("" for the model itself); None for a call on fakes (DDPOptimizer's), noting nothing."""
+        return None if isinstance(key, FakeTensor) else REGISTRY.instance_path(key, ctx.graph_id, relative)
 
     if not ctx.inputs:
         compiled = compile_variant(inputs)
@@ -207,7 +202,6 @@ def _with_inputs(
     key_input = next((i for i in layout.weight_inputs if i is not None), first_parameter)
 
     def state_for(key: torch.Tensor, args: Sequence[Any]) -> AdaptiveScaleState:
-        instance(key, key_input)  # the module the state's layers are named from (lpcompile.stats)
         return REGISTRY.adaptive_state(key, ctx.graph_id, layout, tuple(args), ctx.split_from)
 
     first = state_for(model_key(inputs, key_input), inputs)

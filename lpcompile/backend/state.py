@@ -563,12 +563,33 @@ def saturation(model: torch.nn.Module) -> list[SaturationCount]:
     return rows
 
 
+def _placed(model: torch.nn.Module, state: AdaptiveScaleState) -> str:
+    """The FQN in ``model`` of the module ``state``'s layers are named from, found by its
+    layers' weights: a state keyed by a weight that names no call of its own (a block whose
+    first parameter is a norm's) is placed so ("" where none places it)."""
+    root = unwrapped(model)[0]
+    names: dict[int, list[str]] = {}
+    unsharded = unsharded_parameters(root)  # what the graphs of an FSDP2 model read
+    for path, module in root.named_modules(remove_duplicate=False):
+        for attr, param in module.named_parameters(recurse=False):
+            for held in (param, unsharded.get((id(module), attr))):
+                if held is not None:
+                    names.setdefault(id(held), []).append(module_name(qualified_name(path, attr)))
+    for layer, weight in zip(state.layers, state.weights, strict=True):
+        owners = [n.rpartition(".")[0] for n in names.get(id(weight()), ())] if weight is not None else []
+        layer = layer.split("#")[0]
+        for owner in owners:
+            if owner == layer or owner.endswith("." + layer):
+                return owner.removesuffix(layer).removesuffix(".")
+    return ""
+
+
 def stats(model: torch.nn.Module) -> list[LayerTelemetry]:
     """Per compiled graph of ``model`` (compile order) and layer (graph order): scale α,
     cumulative scale, the last refresh's underflow fraction, overflows since, the history
     of refreshes, and the graph's id."""
     found = [
-        (graph_id, name, s)
+        (graph_id, name if entry.path is not None else _placed(model, s), s)
         for entry, name in REGISTRY.named_entries(model)
         for graph_id, s in entry.adaptive.items()
     ]
