@@ -12,7 +12,9 @@ one compiled graph for identical blocks, and for identical models). At the end o
 module's forward (the first whose call starts with the watch's hook in place), one
 warning names every module with parameters none of those calls read, and another the
 sparse tensors the forward was called with or its modules hold: Dynamo does not trace
-them, so their products run uncompiled.
+them, so their products run uncompiled. A third names the ``exclude`` patterns that
+matched no layer of any graph compiled meanwhile (each graph break is a graph of its
+own), with each graph's layers.
 
 Dynamo also runs a frame it compiled before uncompiled, unrounded, once that code has been
 compiled ``torch._dynamo.config.recompile_limit`` times: each new input shape and each
