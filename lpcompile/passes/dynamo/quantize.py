@@ -682,8 +682,9 @@ def warn_opaque_operators(gm: torch.fx.GraphModule, ctx: CompileContext) -> None
             continue
         if (ours := name.split("::")[0] in TORCH_NAMESPACES) and not _is_aten_product(name):
             continue
-        found[ours].append(f"{name} in {_opaque_name(node)!r}")
-        ctx.kept.append(KeptProduct(_opaque_name(node), name, ATEN_OPAQUE if ours else OPAQUE))
+        layer = _opaque_name(node)
+        found[ours].append(f"{name} in {layer!r}")
+        ctx.kept.append(KeptProduct(layer, name, ATEN_OPAQUE if ours else OPAQUE))
     if found[False]:
         warnings.warn(
             f"lowprec: custom operators run as they are: {', '.join(found[False])}; lowprec cannot"
