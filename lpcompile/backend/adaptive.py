@@ -1,7 +1,10 @@
 """Per-layer adaptive loss scaling: the state a compiled graph reads, and its telemetry.
 
-One :class:`AdaptiveScaleState` belongs to each compiled graph rewritten by
-``insert_loss_scale``. It owns the tensors the graph takes as inputs:
+One :class:`AdaptiveScaleState` belongs to each set of layers of a model that a compiled
+graph rewritten by ``insert_loss_scale`` scales: the graphs of the same layers (a recompile
+for a new shape, an ``eval()`` forward) share it, so a layer has one scale whichever graph
+runs (:meth:`AdaptiveScaleState.interchangeable`). It owns the tensors the graph takes as
+inputs:
 
 * ``scales`` (L,): the power-of-two scale ``s_i`` of each layer's error, and
   ``inverses``, their reciprocals (for the unscaling);
@@ -24,8 +27,9 @@ histograms, and the next call turns them into new scales by the chosen rule (a
 pipeline stage's backward does, :meth:`AdaptiveScaleState.refresh_sample`).
 With :attr:`AdaptiveScaleState.ranks` set (``LossScaler`` sets it to the ranks whose
 states have the same layers: data-parallel replicas, of the model or of one pipeline
-stage), the statistics are summed over those ranks and an overflow on any of them
-backs a layer off, so every replica holds the same scales. A refresh whose layers saw
+stage), the statistics wait for the scaler's step, which sums them over those ranks
+(:meth:`AdaptiveScaleState.agree_statistics`), and an overflow on any of them backs a
+layer off, so every replica holds the same scales whichever graphs each one ran. A refresh whose layers saw
 no non-zero error (all flushed by a graph above: a later pipeline stage, or the graph
 after a graph break) decides nothing, and a calibrating state keeps recording. The
 pieces of a graph that DDPOptimizer split keep one state each, chained in graph order
@@ -116,7 +120,7 @@ def check_saved_state(state: Any) -> None:
 
 
 class AdaptiveScaleState:
-    """Scales, probes and telemetry of one model's layers in one compiled graph.
+    """Scales, probes and telemetry of one model's layers, shared by the graphs that scale them.
 
     ``calibrating``: the scales have not yet been set from statistics (the initial
     ones, or a cascade of refreshes still raising them by more than a binade), so
@@ -173,6 +177,7 @@ class AdaptiveScaleState:
         self.chain: list[AdaptiveScaleState] = [self]
         self.split_from: int | None = None
         self.ranks: Any = None  # a process group whose ranks agree on the scales, or None
+        self.agreed = False  # the pending statistics are summed over ranks (agree_statistics)
         self.set_scales([float(config.init)] * count)
 
     @property
@@ -221,7 +226,10 @@ class AdaptiveScaleState:
 
     def refresh_pending(self) -> None:
         """Turn the statistics of the last recording call, if not yet done, into scales
-        (of every state of :attr:`chain`)."""
+        (of every state of :attr:`chain`). Statistics to be summed over :attr:`ranks` wait
+        for the scaler's step (:meth:`agree_statistics`): until then, calls add theirs."""
+        if any(s.hist.grad is not None and s.ranks is not None and not s.agreed for s in self.chain):
+            return
         pending = [state for state in self.chain if state.hist.grad is not None]
         if not pending:
             return
@@ -248,8 +256,8 @@ class AdaptiveScaleState:
         None without pending statistics."""
         if self.hist.grad is None:
             return None
-        stats = self._agreed(self.hist.grad.detach(), torch.distributed.ReduceOp.SUM).cpu()
-        self.hist.grad = None
+        stats = self.hist.grad.detach().cpu()
+        self.hist.grad, self.agreed = None, False
         used = self.recorded.tolist()  # a back-off since may have changed self.scales
         for i, t in enumerate(self.telemetry):
             t.underflow = underflow_fraction(stats[i], used[i], self.fmt)
@@ -283,6 +291,17 @@ class AdaptiveScaleState:
     def weight_keys(self) -> tuple[int | None, ...]:
         """The identities of the layers' own weights (``None`` for a layer without one)."""
         return tuple(_weight_key(w) for w in self.owners)
+
+    def interchangeable(self, other: AdaptiveScaleState) -> bool:
+        """Whether a graph made for ``other`` may read this state instead: the same layers
+        (:meth:`same_layers`), reading the same weights, with probes of the same kind."""
+        return (
+            self.same_layers(other)
+            and [_weight_key(w) for w in self.weights] == [_weight_key(w) for w in other.weights]
+            and (self.out_dims, self.groups) == (other.out_dims, other.groups)
+            and (self.under_cond, self.hist_off.requires_grad)
+            == (other.under_cond, other.hist_off.requires_grad)
+        )
 
     def same_layers(self, other: AdaptiveScaleState) -> bool:
         """Whether ``other`` scales the same layers of the same model with the same settings
@@ -341,21 +360,26 @@ class AdaptiveScaleState:
         overflow counts not yet used (zeros where another has some); still calibrating, and
         the step to be skipped, if so on any of them. A backward before the replicas were
         known (1F1B's first microbatches, a warm-up) may have refreshed each rank's scales
-        from its own statistics."""
+        from its own statistics; those since are summed by :meth:`agree_statistics`."""
         dist = torch.distributed
         saved = [self.state_dict()]
         dist.broadcast_object_list(saved, group_src=0, group=ranks, device=self.scales.device)
-        held = [self.unsettled, self.calibrating, self.hist.grad is not None]
+        held = [self.unsettled, self.calibrating]
         anywhere = torch.tensor(held, dtype=torch.float32, device=self.scales.device)
         dist.all_reduce(anywhere, op=dist.ReduceOp.MAX, group=ranks)
-        unsettled, calibrating, pending_anywhere = (bool(flag) for flag in anywhere.tolist())
+        unsettled, calibrating = (bool(flag) for flag in anywhere.tolist())
         if dist.get_rank(ranks) != 0:
             pending, flags = self.hist.grad, self.flags.grad
             self.load_state_dict(saved[0])
-            self.hist.grad, self.flags.grad = pending, flags
+            self.hist.grad, self.flags.grad, self.agreed = pending, flags, False
         self.unsettled, self.calibrating = unsettled, calibrating
-        if pending_anywhere and self.hist.grad is None:  # a rank whose last calls did not record
-            self.hist.grad = torch.zeros_like(self.hist)
+
+    def agree_statistics(self) -> None:
+        """Sum the pending statistics over :attr:`ranks` (zeros from a rank whose calls since
+        the last step did not record), for the next call to refresh from: each replica then
+        sets the same scales, whichever of its graphs recorded, and however many times."""
+        pending = torch.zeros_like(self.hist) if self.hist.grad is None else self.hist.grad.detach()
+        self.hist.grad, self.agreed = self._agreed(pending, torch.distributed.ReduceOp.SUM), True
 
     def _agreed(self, tensor: torch.Tensor, op: Any) -> torch.Tensor:
         """``tensor`` reduced with ``op`` over :attr:`ranks` (itself without them)."""
@@ -400,6 +424,7 @@ class AdaptiveScaleState:
             "recorded_round": self.recorded_round,
             "rounds": self.rounds,
             "pending": None if pending is None else pending.detach().cpu().clone(),
+            "agreed": self.agreed,
             "calls": self.calls,
             "calibrating": self.calibrating,
             "telemetry": [dict(t.__dict__, history=list(t.history)) for t in self.telemetry],
@@ -422,6 +447,7 @@ class AdaptiveScaleState:
         self.recorded_round = state.get("recorded_round", self.rounds)
         pending = state.get("pending")
         self.hist.grad = None if pending is None else pending.to(torch.float32).to(device).clone()
+        self.agreed = pending is not None and bool(state.get("agreed", False))
         self.flags.grad = None
         self.calls = state["calls"]
         self.calibrating = state.get("calibrating", False)

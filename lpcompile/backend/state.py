@@ -140,6 +140,9 @@ class Registry:
         self._restart_warning = False  # a checkpoint without stream state was loaded
         self.records: collections.deque = collections.deque(maxlen=MAX_RECORDS)
         self._splits = weakref.WeakKeyDictionary()  # DDPOptimizer's split -> its first piece's graph id
+        # a split's first piece's graph id -> the adaptive states of its pieces so far
+        self._pieces: dict[int, list[weakref.ref[AdaptiveScaleState]]] = {}
+        self._unrecorded = 0  # unrecorded() blocks entered: their graphs share no state
         self.watches = CoverageWatches()  # modules no lowprec graph reads, named once
         self.graph_count = 0  # graphs compiled by this process
         self.observers: list[CompileObserver] = []
@@ -266,9 +269,11 @@ class Registry:
         saved_steps = [(digest, dict(counts)) for digest, counts in self._saved_steps]
         looked_up = list(self._looked_up.keys())
         restart_warning, deferred = self._restart_warning, list(self._deferred)
+        self._unrecorded += 1
         try:
             yield
         finally:
+            self._unrecorded -= 1
             for key, entry in list(self._entries.items()):
                 steps, adaptive, saturation, gradients = before.get(
                     id(key), (collections.Counter(), set(), set(), set())
@@ -293,11 +298,14 @@ class Registry:
     def adaptive_state(
         self, key: torch.Tensor, graph_id: int, layout: AdaptiveLayout, args: tuple, split_from: int | None
     ) -> AdaptiveScaleState:
-        """The adaptive-scaling state of ``key``'s model in graph ``graph_id``; a new one is
-        loaded from a deferred saved state with its layers, or starts from the scales of
-        another graph of the same model (a recompile, its ``eval()`` forward). The states of
-        the pieces of one split graph (``split_from``: its first piece) join one chain. On fake
-        tensors (DDPOptimizer compiles and runs the pieces on them) a state of no model."""
+        """The adaptive-scaling state of ``key``'s model in graph ``graph_id``: that of another
+        graph of the same layers (a recompile, the ``eval()`` forward), where it fits
+        (:meth:`AdaptiveScaleState.interchangeable`); else a new one, loaded from a deferred
+        saved state with its layers, or starting from the scales of such a graph. The states
+        of the pieces of one split graph (``split_from``: its first piece) form one chain; a
+        recompile's pieces share an earlier chain's states while they match it piece by piece.
+        On fake tensors (DDPOptimizer compiles and runs the pieces on them) a state of no
+        model."""
         entry = None if isinstance(key, FakeTensor) else self.entry(key)
         if entry is not None and (state := entry.adaptive.get(graph_id)) is not None:
             return state
@@ -307,12 +315,28 @@ class Registry:
         state = AdaptiveScaleState(layout, weights, owners, device)
         if entry is None:
             return state
+        pieces = [] if split_from is None else self._pieces.setdefault(split_from, [])
+        before = [piece() for piece in pieces]  # this split's pieces, in graph order (the forward)
+        shared = self._unrecorded == 0 and next(
+            (
+                s
+                for s in self.adaptive_states()
+                if s.interchangeable(state)
+                and (s.split_from is None) == (split_from is None)
+                and s.chain[: len(before) + 1] == [*before, s]
+            ),
+            None,
+        )
+        if split_from is not None:
+            pieces.append(weakref.ref(shared or state))
+        if shared:
+            entry.adaptive[graph_id] = shared
+            return shared
         entry.adaptive[graph_id] = state
         if split_from is not None:
             state.split_from = split_from
-            pieces = [s for s in self.adaptive_states() if s is not state and s.split_from == split_from]
-            if pieces:  # first called in graph order (the forward): this piece follows the chain
-                state.chain = pieces[0].chain
+            if before and before[0] is not None and before[0].split_from == split_from:
+                state.chain = before[0].chain  # not where an earlier split's states were shared
                 state.chain.append(state)
                 state.relate_telemetry()
         saved = next((s for s in self._deferred if list(s["layers"]) == state.layers), None)
@@ -337,7 +361,8 @@ class Registry:
             for graph, state in entry.adaptive.items()
             if graph_id is None or graph == graph_id
         ]
-        return [state for _, state in sorted(found, key=lambda pair: pair[0])]
+        # a state its graphs share once, at the oldest
+        return list({id(state): state for _, state in sorted(found, key=lambda pair: pair[0])}.values())
 
     def adaptive_loader(
         self, saved: list[dict[str, Any]], model: torch.nn.Module | None = None
@@ -351,7 +376,9 @@ class Registry:
             for entry in saved:
                 check_saved_state(entry)
         elif len(saved) != len(states):
-            raise ValueError(f"state dict has {len(saved)} adaptive graphs, {len(states)} are compiled")
+            raise ValueError(
+                f"state dict has {len(saved)} adaptive states, the compiled graphs hold {len(states)}"
+            )
         pairs = list(zip(states, saved if states else [], strict=True))
         for state, entry in pairs:
             state.check_state_dict(entry)
@@ -585,16 +612,19 @@ def _placed(model: torch.nn.Module, state: AdaptiveScaleState) -> str:
 
 
 def stats(model: torch.nn.Module) -> list[LayerTelemetry]:
-    """Per compiled graph of ``model`` (compile order) and layer (graph order): scale α,
-    cumulative scale, the last refresh's underflow fraction, overflows since, the history
-    of refreshes, and the graph's id."""
-    found = [
-        (graph_id, name if entry.path is not None else _placed(model, s), s)
+    """Per set of layers of ``model`` a compiled graph scales (compile order) and layer (graph
+    order): scale α, cumulative scale, the last refresh's underflow fraction, overflows since,
+    the history of refreshes, and the id of the oldest graph of them."""
+    graphs = [
+        (graph_id, entry, name, s)
         for entry, name in REGISTRY.named_entries(model)
         for graph_id, s in entry.adaptive.items()
     ]
+    found = {}  # a state its graphs share once, at the oldest
+    for graph_id, entry, name, s in sorted(graphs, key=lambda item: item[0]):
+        found.setdefault(id(s), (graph_id, name if entry.path is not None else _placed(model, s), s))
     return [
         dataclasses.replace(t, layer=qualified_name(name, t.layer), graph_id=graph_id)
-        for graph_id, name, state in sorted(found, key=lambda item: item[0])
+        for graph_id, name, state in found.values()
         for t in state.telemetry
     ]

@@ -43,11 +43,11 @@ Data and pipeline parallelism (DDP, FSDP2, ``torch.distributed.pipelining``): wi
 than one rank, the scaler agrees with the other ranks of that group (the whole world by
 default): the inf/NaN flag is all-reduced before the skip decision, so an overflow on
 one rank skips the step on every rank. In ``"adaptive"`` mode the ranks also skip the
-steps any of them calibrates on together, and each adaptive state (of the oldest graph of
-its layers; later ones decide per rank) sums its gradient statistics over the ranks whose
-states have the same layer names (a stage's data-parallel replicas: the whole group
-under plain data parallelism, a process group made for them under pipeline stages)
-before choosing scales, and backs off a layer that overflowed on any of them, so
+steps any of them calibrates on together, and each adaptive state (one per set of layers,
+whichever of its graphs a rank ran) sums its gradient statistics, in :meth:`step`, over
+the ranks whose states have the same layer names (a stage's data-parallel replicas: the
+whole group under plain data parallelism, a process group made for them under pipeline
+stages) before choosing scales, and backs off a layer that overflowed on any of them, so
 replicas scale each layer alike. Pipeline stages without the loss need not call
 :meth:`scale`. Pass a group to agree within it, or ``None`` to decide per rank.
 
@@ -222,7 +222,7 @@ def _replica_ranks(
     dist = torch.distributed
     # each graph of distinct layers once (an eval() graph's state repeats its layers; identical
     # blocks' states are distinct, and counted)
-    layers = sorted("\t".join(s.layers) for s in _first_graphs(states))
+    layers = sorted("\t".join(s.layers) for s in _first_states(states))
     key = zlib.crc32("\n".join(layers).encode())
     mine = torch.tensor([key, int(scaled)], dtype=torch.int64, device=device)
     gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size(ranks))]
@@ -263,29 +263,36 @@ def _members(group: Any) -> tuple[int, ...] | None:
     return None if group is None else tuple(torch.distributed.get_process_group_ranks(group))
 
 
-def _first_graphs(states: list[AdaptiveScaleState]) -> list[AdaptiveScaleState]:
-    """The state of the oldest graph of each set of layers among ``states``, ordered by the
-    layers' names (graphs of identical blocks, whose names are relative to the block, in
-    graph order; blocks without weights cannot be told apart, and share one): the states
-    that agree over the replicas, which all hold them. A later graph of the same layers (a
-    recompile for a shape, an ``eval()`` forward: the same names and weights) may run on
-    some replicas only: it decides by its rank's statistics, issuing no collective."""
+def _first_states(states: list[AdaptiveScaleState]) -> list[AdaptiveScaleState]:
+    """The oldest state of each set of layers among ``states``, ordered by the layers' names
+    (graphs of identical blocks, whose names are relative to the block, in graph order;
+    blocks without weights cannot be told apart, and share one): the states that agree
+    over the replicas, which all hold them. The graphs of the same layers share one state
+    (:meth:`AdaptiveScaleState.interchangeable`); a later state of them, of a graph that
+    could not (one compiled with other options), may exist on some replicas only: it
+    decides by its rank's statistics, issuing no collective."""
     first: dict[tuple, AdaptiveScaleState] = {}
     for state in states:  # oldest graph first
         first.setdefault((tuple(state.layers), state.weight_keys()), state)
     return sorted(first.values(), key=lambda state: state.layers)
 
 
-def _join_replicas(firsts: list[AdaptiveScaleState], replicas: Any, device: torch.device) -> None:
+def _agree_replicas(firsts: list[AdaptiveScaleState], replicas: Any, device: torch.device) -> None:
     """Where one of ``firsts`` is new to ``replicas`` on some replica (the first step, a new
     model), each replica joins its state of those layers to the first replica's
-    (:meth:`AdaptiveScaleState.join_replicas`)."""
+    (:meth:`AdaptiveScaleState.join_replicas`); where one holds statistics on some replica,
+    they are summed over them (:meth:`AdaptiveScaleState.agree_statistics`)."""
     members = _members(replicas)
-    new = torch.tensor([float(_members(s.ranks) != members) for s in firsts], device=device)
-    torch.distributed.all_reduce(new, op=torch.distributed.ReduceOp.MAX, group=replicas)
-    for state, flag in zip(firsts, new.tolist(), strict=True):
-        if flag:
+    new = [float(_members(s.ranks) != members) for s in firsts]
+    held = [float(s.hist.grad is not None) for s in firsts]
+    flags = torch.tensor([new, held], device=device)
+    torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.MAX, group=replicas)
+    for state, (joins, holds) in zip(firsts, flags.t().tolist(), strict=True):
+        if joins:
             state.join_replicas(replicas)
+        state.ranks = replicas
+        if holds:
+            state.agree_statistics()
 
 
 @torch.no_grad()
@@ -527,9 +534,9 @@ class LossScaler:
             replicas = None
             if (ranks := self._ranks()) is not None:
                 replicas = _replica_ranks(states, ranks, self._scaled, scale.device, self._replica_groups)
-            firsts = _first_graphs(states)
+            firsts = _first_states(states)
             if replicas is not None:
-                _join_replicas(firsts, replicas, scale.device)
+                _agree_replicas(firsts, replicas, scale.device)
             for s in states:
                 s.ranks = replicas if s in firsts else None
         scale = self._require_scale("step")
@@ -593,15 +600,15 @@ class LossScaler:
                 raise RuntimeError("update() found no inf checks: call step() (or unscale_()) first")
             if self.mode == "adaptive":
                 found_inf = any(self._found_inf_bool(state, scale.device) for state in optimizers)
-                states = REGISTRY.adaptive_states()
-                # without inf/NaN in the step, only states whose in-graph probes counted some
-                if found_inf or any(state.flags.grad is not None for state in states):
-                    groups = [group for state in optimizers for group in state["param_groups"]]
-                    mine = _trained_states(states, groups)
-                    states = [s for s in mine if found_inf or s.flags.grad is not None]
-                else:
-                    states = []
-                back_off_states(states, found_inf, anywhere=self._anywhere)
+                groups = [group for state in optimizers for group in state["param_groups"]]
+                # without inf/NaN in the step, only states whose in-graph probes counted some,
+                # and those agreeing over replicas (which may have counted some)
+                states = [
+                    s
+                    for s in _trained_states(REGISTRY.adaptive_states(), groups)
+                    if found_inf or s.flags.grad is not None or s.ranks is not None
+                ]
+                back_off_states(sorted(states, key=lambda s: s.layers), found_inf, anywhere=self._anywhere)
             elif self.mode != "static":
                 flags = [self._found_inf(state, scale.device) for state in optimizers]
                 torch._amp_update_scale_(

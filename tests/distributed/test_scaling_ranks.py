@@ -11,6 +11,7 @@ from ranks import EAGER_ALS, WORLD, run_ranks
 from torch import nn
 
 from lpcompile import LossScaler, stats
+from lpcompile.backend.state import REGISTRY
 
 
 def _overflow_on_rank_1(rank: int) -> dict:
@@ -131,3 +132,34 @@ def test_ranks_that_refreshed_apart_before_the_first_step_agree_from_it_on(tmp_p
     state one rank alone holds joins nothing (no collective the other rank lacks)."""
     first, second = run_ranks(_warmed_up, tmp_path).check()
     assert first == second
+
+
+def _recompiled_on_rank_1(rank: int) -> dict:
+    """Per-layer scales over a few steps where rank 1 alone gets a batch of another size at
+    the second step (dynamic padding): it recompiles, and trains on the new graph from then
+    on, while rank 0 keeps its first one."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4))
+    run = torch.compile(model, backend="lowprec", options=EAGER_ALS)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    scaler = LossScaler("adaptive")
+    g = torch.Generator().manual_seed(10 + rank)
+    scales = []
+    for step in range(5):
+        rows = 12 if rank == 1 and step > 0 else 16
+        opt.zero_grad()
+        loss = run(torch.randn(rows, 8, generator=g)).square().mean() * (1e-6 if rank else 1.0)
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        scales.append([t.cumulative for t in stats(model)])
+    return {"scales": scales, "graphs": len({id(s) for s in REGISTRY.adaptive_states()})}
+
+
+def test_ranks_that_recompile_apart_keep_agreeing(tmp_path):
+    """The graphs of the same layers share one adaptive state: a replica that recompiled
+    (a new shape) agrees with one that did not, at the same collectives, and both hold the
+    same scales throughout."""
+    first, second = run_ranks(_recompiled_on_rank_1, tmp_path, timeout=30.0, deadline=150.0).check()
+    assert first["scales"] == second["scales"]
+    assert first["graphs"] == second["graphs"] == 1

@@ -14,12 +14,17 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from lpcompile import LossScaler, stats
 from lpcompile.backend import lowprec
+from lpcompile.backend.state import REGISTRY
 
 STEPS = 5  # the calibrating calls and two of interval 2: refreshes from both kinds of call
 OPTIONS = {"recipe": "fp8-e5m2", "loss_scale": "adaptive", "loss_scale_interval": 2}
 
 
-def _train(rank: int, executor: str, split: bool, model: torch.nn.Module | None = None) -> dict:
+def _train(
+    rank: int, executor: str, split: bool, model: torch.nn.Module | None = None, recompiles: int | None = None
+) -> dict:
+    """``recompiles``: the rank that gets batches of another size after the first step (and
+    recompiles), where the other ranks keep their first graphs."""
     torch._dynamo.reset()
     graphs = []
 
@@ -33,7 +38,8 @@ def _train(rank: int, executor: str, split: bool, model: torch.nn.Module | None 
         optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
         scaler = LossScaler("adaptive")
         for step in range(STEPS):
-            x = torch.randn(4, 8, generator=torch.Generator().manual_seed(10 * rank + step))
+            rows = 6 if rank == recompiles and step > 0 else 4
+            x = torch.randn(rows, 8, generator=torch.Generator().manual_seed(10 * rank + step))
             # rank 1's loss is tiny: the scales the ranks agree on differ from either rank's own
             loss = compiled(x).square().mean() * (1e-4 if rank else 1.0)
             scaler.scale(loss).backward()
@@ -46,6 +52,7 @@ def _train(rank: int, executor: str, split: bool, model: torch.nn.Module | None 
         # each layer's scale over the one above it: across pieces too
         "relative": {t.layer: (t.scale, t.cumulative) for t in stats(model)},
         "parameters": [p.detach().clone() for p in model.parameters()],
+        "states": len(REGISTRY.adaptive_states(model)),
     }
 
 
@@ -93,3 +100,18 @@ def test_a_graph_in_one_bucket_compiles_with_inductor_and_trains_as_without_ddp_
         for i, (a, b) in enumerate(zip(one["parameters"], whole["parameters"], strict=True)):
             assert torch.equal(a, b), f"rank {rank}: parameter {i} differs"
     assert ranks[0]["one"]["history"] == ranks[1]["one"]["history"]
+
+
+def _recompiled_on_rank_1(rank: int) -> dict:
+    return _train(rank, "eager", True, recompiles=1)
+
+
+def test_split_graphs_that_recompile_on_one_rank_keep_agreeing(tmp_path):
+    """A rank that recompiles the split graph (a new batch size) shares its pieces' states
+    with the pieces of its first split, piece by piece: its scales agree with the rank that
+    did not recompile at every step."""
+    first, second = run_ranks(_recompiled_on_rank_1, tmp_path, deadline=300.0).check()
+    assert second["graphs"] == 2 * first["graphs"] > 2  # rank 1 split twice
+    assert first["states"] == second["states"] == first["graphs"]
+    assert first["history"] == second["history"] and len(first["history"]) == 4
+    assert min(len(h) for h in first["history"].values()) >= 2
