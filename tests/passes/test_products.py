@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import warnings
 
+import numpy as np
 import pytest
 import torch
 from grid import GridCheck, grid_step, on_e5m2_grid, on_scaled_fp8_rows, watched_backend
@@ -15,6 +16,7 @@ from torch.nn import functional as F
 from torch.nn.utils import prune
 
 import lpcompile
+from lpcompile.passes.dynamo.numpy_products import KEPT
 from lpcompile.passes.dynamo.quantize import CDIST, OPAQUE, SOLVE
 
 OPTIONS = {"recipe": "fp8-e5m2-sr", "executor": "eager"}
@@ -517,3 +519,92 @@ def test_a_solve_inside_a_function_warns():
     said = [str(w.message) for w in caught if "lowprec: linalg_solve in" in str(w.message)]
     # one warning, naming the forward body's solve and the backward body's
     assert len(said) == 1 and said[0].count("linalg_solve in") == 2 and SOLVE in said[0], said
+
+
+class NumPyProducts(nn.Module):
+    """A layer, then NumPy products of its output and of a second weight's copy (Dynamo runs
+    NumPy code on tensors: nothing flows back through it), added to the layer's output."""
+
+    def __init__(self, form: str) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.layer = nn.Linear(8, 8)
+        self.w = nn.Parameter(torch.randn(8, 8) / 3)
+        self.form = form
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.layer(x)
+        a, w = h.detach().numpy(), self.w.detach().numpy()
+        products = {
+            "operator": lambda: a @ w,
+            "matmul": lambda: np.matmul(a, w),
+            "einsum": lambda: np.einsum("bi,ij->bj", a, w),
+            "dot": lambda: np.dot(a, w),
+            "dot-3d": lambda: np.dot(a.reshape(2, 2, 8), w).reshape(4, 8),
+            "method": lambda: a.dot(w),
+            "inner": lambda: np.inner(a, w),
+            "tensordot": lambda: np.tensordot(a, w, axes=1),
+            "multi_dot": lambda: np.linalg.multi_dot([a, w, w]),
+            "outer": lambda: np.outer(a[0], w[0])[:4],
+            "float64": lambda: (a @ w.astype(np.float64)).astype(np.float32),
+        }
+        return h + torch.from_numpy(products[self.form]())
+
+
+NUMPY_FORMS = [
+    "operator",
+    "matmul",
+    "einsum",
+    "dot",
+    "dot-3d",
+    "method",
+    "inner",
+    "tensordot",
+    "multi_dot",
+    "outer",
+]
+
+
+@pytest.mark.parametrize("form", NUMPY_FORMS)
+def test_numpy_products_run_on_the_grid(form):
+    """Dynamo traces NumPy's products as wrappers of ``torch._numpy``; each is written as the
+    torch function of the same result, so its operands are rounded (off the grid before,
+    without a warning)."""
+    torch._dynamo.reset()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        check = grid_step(NumPyProducts(form), {"x": torch.randn(4, 8)}, OPTIONS)
+    assert not [w for w in caught if "numpy" in str(w.message).lower()]
+    products = {"multi_dot": 2, "outer": 0}.get(form, 1)  # ATen's outer is a broadcast multiply
+    assert check.off_grid == {} and check.count == 2 + products, check.products  # and the layer's two
+
+
+def test_numpy_products_match_numpy_on_rounded_operands():
+    """Under round-to-nearest, each form of one product gives NumPy's own result on operands
+    cast by torch (a chain's is rounded between its products, which NumPy's is not)."""
+    x = torch.randn(4, 8)
+    options = {"recipe": "fp8-e5m2", "executor": "eager"}
+    for form in [f for f in NUMPY_FORMS if f != "multi_dot"]:
+        torch._dynamo.reset()
+        got = torch.compile(NumPyProducts(form), backend="lowprec", options=options)(x)
+        reference = NumPyProducts(form)
+        with torch.no_grad():
+            h = F.linear(_e5m2(x), _e5m2(reference.layer.weight), reference.layer.bias)
+            reference.layer = nn.Identity()  # the products take the layer's output, rounded
+            reference.w.copy_(_e5m2(reference.w))
+            expected = reference(_e5m2(h)) - _e5m2(h) + h
+        torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6, msg=form)
+
+
+def _e5m2(t: torch.Tensor) -> torch.Tensor:
+    return t.to(torch.float8_e5m2).float()
+
+
+def test_numpy_products_of_mixed_dtypes_warn_and_are_listed():
+    """NumPy promotes float32 @ float64 to float64, which torch's matmul refuses: that call
+    stays NumPy's, unrounded (off the grid), named in a warning and in coverage."""
+    model = NumPyProducts("float64")
+    with pytest.warns(UserWarning, match=r"numpy.matmul in '\w+': a NumPy product that torch"):
+        check = grid_step(model, {"x": torch.randn(4, 8)}, OPTIONS)
+    assert check.off_grid == {"mm.default": 1}, check.products
+    assert [(row.op, row.kept) for row in lpcompile.coverage(model) if row.kept] == [("numpy.matmul", KEPT)]

@@ -23,6 +23,7 @@ from lpcompile.passes.dynamo.chains import (
 )
 from lpcompile.passes.dynamo.conv import im2col_applies, use_im2col_convs
 from lpcompile.passes.dynamo.loss_scale import insert_loss_scale, loss_scale_applies
+from lpcompile.passes.dynamo.numpy_products import has_numpy_products, write_numpy_products
 from lpcompile.passes.dynamo.pipeline import insert_predict_weight, remove_pipe_splits, split_stages
 from lpcompile.passes.dynamo.quantize import (
     INPLACE_PRODUCTS,
@@ -63,6 +64,10 @@ def has_recurrent_layers(gm: torch.fx.GraphModule, ctx: CompileContext, kind: st
 def has_aten_calls(gm: torch.fx.GraphModule, ctx: CompileContext, kind: str) -> bool:
     """A graph that calls ATen's products or views itself (a module ``torch.export`` wrote)."""
     return rewrites(gm, ctx, kind) and any(aten_overload(n) for g in with_bodies(gm) for n in g.graph.nodes)
+
+
+def has_numpy(gm: torch.fx.GraphModule, ctx: CompileContext, kind: str) -> bool:
+    return ctx.config.quantizes and has_numpy_products(gm)
 
 
 def has_einsum(gm: torch.fx.GraphModule, ctx: CompileContext, kind: str) -> bool:
@@ -109,6 +114,7 @@ def has_stage_markers(gm: torch.fx.GraphModule, ctx: CompileContext, kind: str) 
 DYNAMO_PASSES = (
     Pass(inline_nested_regions, has_nested_regions),
     Pass(write_aten_calls, has_aten_calls),
+    Pass(write_numpy_products, has_numpy),
     Pass(flatten_einsum_operands, has_einsum),
     Pass(write_dense_sparse_products, has_sparse_products),
     Pass(write_matrix_chains, has_matrix_chains),
