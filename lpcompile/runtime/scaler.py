@@ -70,6 +70,7 @@ from enum import Enum
 from typing import Any
 
 import torch
+from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 
 from lpcompile.backend.adaptive import AdaptiveScaleState, back_off_states
 from lpcompile.backend.state import REGISTRY, check_streams_state
@@ -333,7 +334,37 @@ def _fresh_state() -> dict[str, Any]:
     return {"stage": _Stage.READY, "found_inf_per_device": {}, "param_groups": [], "agreed": False}
 
 
-class LossScaler:
+class _ScalerJoinHook(JoinHook):
+    """What a rank that ran out of inputs under ``Join`` does for the scaler: its inf/NaN
+    all-reduces, as many per iteration as the scaler's last one made (a flag of its own that
+    found none), then, once every rank has joined, the scale of a last joiner."""
+
+    def __init__(self, scaler: LossScaler) -> None:
+        self.scaler = scaler
+
+    def main_hook(self) -> None:
+        scaler, ranks = self.scaler, self.scaler._ranks()
+        for _ in range(scaler._last_reductions):
+            flag = torch.zeros((), dtype=torch.float32, device=scaler.join_device)
+            torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX, group=ranks)
+
+    def post_hook(self, is_last_joiner: bool) -> None:
+        scaler, ranks = self.scaler, self.scaler._ranks()
+        device = scaler.join_device
+        scaler._lazy_init(device)
+        rank = torch.distributed.get_rank()
+        source = torch.tensor([rank if is_last_joiner else -1], device=device)
+        torch.distributed.all_reduce(source, op=torch.distributed.ReduceOp.MAX, group=ranks)
+        values = [scaler._scale.item(), scaler._tracker.item(), scaler._iteration]
+        state = torch.tensor(values, dtype=torch.float64, device=device)
+        torch.distributed.broadcast(state, src=int(source.item()), group=ranks)
+        scale, tracker, iteration = state.tolist()
+        scaler._scale.fill_(scale)
+        scaler._tracker.fill_(int(tracker))
+        scaler._iteration = int(iteration)
+
+
+class LossScaler(Joinable):
     """Static, dynamic or enhanced loss scaling with ``GradScaler``'s interface.
 
     Keyword arguments build a :class:`LossScaleConfig` (validated; bad values
@@ -342,6 +373,11 @@ class LossScaler:
     on the device of the first tensor given to :meth:`scale`; gradients may be
     on any devices. ``process_group``: the ranks whose skip decisions and adaptive
     scales agree (see the module docstring).
+
+    A :class:`~torch.distributed.algorithms.Joinable`: under ``Join([ddp_model, scaler])``
+    a rank that ran out of inputs does the scaler's collectives of each iteration the
+    others still run, and all ranks end with the scale of the last to join (modes other
+    than ``"adaptive"``, whose per-layer collectives vary by iteration: ``Join`` refuses it).
     """
 
     def __init__(
@@ -374,6 +410,7 @@ class LossScaler:
     def _setup(self, config: LossScaleConfig, enabled: bool, process_group: Any) -> None:
         if isinstance(process_group, str) and process_group != "auto":
             raise ValueError(f"process_group must be 'auto', None or a process group, got {process_group!r}")
+        Joinable.__init__(self)
         self._process_group = process_group
         self._config = config
         self._enabled = bool(enabled)
@@ -385,6 +422,8 @@ class LossScaler:
         self._scale: torch.Tensor | None = None
         self._tracker: torch.Tensor | None = None
         self._scaled = False  # whether scale() was called since update() (a pipeline stage's loss)
+        self._reductions = 0  # inf/NaN flags all-reduced since update()
+        self._last_reductions = 1  # and in the last iteration (what a joined rank shadows)
         self._replica_groups: dict[tuple[int, ...], Any] = {}  # process groups by members
         self._per_optimizer: dict[int, dict[str, Any]] = defaultdict(_fresh_state)
 
@@ -406,6 +445,34 @@ class LossScaler:
             return None
         group = dist.group.WORLD if self._process_group == "auto" else self._process_group
         return group if group is not None and dist.get_world_size(group) > 1 else None
+
+    def join_hook(self, **kwargs: Any) -> JoinHook:
+        """The hook ``Join`` runs on a rank out of inputs (:class:`_ScalerJoinHook`); raises
+        ``RuntimeError`` in ``"adaptive"`` mode across ranks."""
+        if self._enabled and self.mode == "adaptive" and self._ranks() is not None:
+            raise RuntimeError(
+                "LossScaler('adaptive') cannot join: its per-layer statistics and back-offs "
+                "issue collectives that vary from one iteration to the next, which a rank out of "
+                "inputs cannot shadow. Give every rank the same number of batches "
+                "(DistributedSampler(drop_last=True)), or pass process_group=None"
+            )
+        return _ScalerJoinHook(self) if self._enabled and self._ranks() is not None else JoinHook()
+
+    @property
+    def join_device(self) -> torch.device:
+        """The scale's device (before the first :meth:`scale`, the CPU, or the current GPU
+        under NCCL)."""
+        if self._scale is not None:
+            return self._scale.device
+        ranks = self._ranks()
+        nccl = ranks is not None and torch.distributed.get_backend(ranks) == "nccl"
+        return torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+
+    @property
+    def join_process_group(self) -> Any:
+        """The scaler's process group (the world for ``None`` too, as ``DDP``'s default)."""
+        group = self._process_group
+        return torch.distributed.group.WORLD if group in ("auto", None) else group
 
     def _lazy_init(self, device: torch.device) -> torch.Tensor:
         if self._scale is None:
@@ -431,6 +498,9 @@ class LossScaler:
         """Multiply a tensor (or nested lists/tuples of tensors) by the scale."""
         if not self._enabled:
             return outputs
+
+        if not self._scaled:  # once per iteration: where the scaler leads a Join, its count
+            Join.notify_join_context(self)
 
         def apply(value: Any) -> Any:
             if isinstance(value, torch.Tensor):
@@ -481,6 +551,7 @@ class LossScaler:
         if (ranks := self._ranks()) is not None and not state["agreed"]:
             for flag in state["found_inf_per_device"].values():
                 torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX, group=ranks)
+                self._reductions += 1
             state["agreed"] = True
         flags = [f.to(device) for f in state["found_inf_per_device"].values()]
         return sum(flags[1:], flags[0]) if flags else torch.zeros((), device=device)
@@ -622,6 +693,7 @@ class LossScaler:
         if self.mode == "adaptive":
             self._settle()
         self._scaled = False
+        self._last_reductions, self._reductions = self._reductions, 0
         self._iteration += 1
         floor = self._config.min_scale_at(self._iteration)
         if floor is not None:

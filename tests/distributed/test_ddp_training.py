@@ -16,7 +16,10 @@ import pytest
 import torch
 import torch.distributed as dist
 from ranks import mlp3, run_ranks
+from torch.distributed.algorithms.join import Join
 from torch.nn.parallel import DistributedDataParallel as DDP
+
+from lpcompile import LossScaler
 
 NEAREST = {"recipe": "fp8-e5m2", "executor": "eager"}
 STEPS = 2
@@ -116,3 +119,47 @@ def test_a_rank_that_dies_mid_step_stops_the_other_within_the_timeout(tmp_path):
     assert ranks.errors[0], "the surviving rank exited without an error"
     waited = ranks.finished[0] - ranks.finished[1]
     assert waited < timeout + 15.0, f"the surviving rank took {waited:.1f} s to fail"
+
+
+def train_uneven(rank: int) -> dict:
+    """Rank 0 trains on five batches, rank 1 on three, under ``Join([ddp, scaler])``; rank
+    0's fifth loss overflows, while rank 1 has joined."""
+    torch._dynamo.reset()
+    model = mlp3()
+    ddp = DDP(torch.compile(model, backend="lowprec", options=NEAREST))
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    scaler = LossScaler("dynamic", init_scale=2.0**8, growth_interval=1)  # grows every clean step
+    with Join([ddp, scaler]):
+        for step in range(5 if rank == 0 else 3):
+            loss = ddp(shard(batch(step), rank)).square().mean() * (float("inf") if step == 4 else 1.0)
+            scaler.scale(loss).backward()
+            scaler.step(optimizer)
+            scaler.update()
+            optimizer.zero_grad()
+    return {
+        "scale": scaler.get_scale(),
+        "skipped": scaler.skipped_steps,
+        "parameters": [p.detach().clone() for p in model.parameters()],
+    }
+
+
+def test_ranks_with_uneven_inputs_join_the_scaler(tmp_path):
+    """A rank out of inputs does the scaler's inf/NaN all-reduce of each iteration the other
+    still runs (without it, they paired with DDP's and crashed), and ends with the scale of
+    the last to join: four clean steps grew it, the overflow halved it, on both ranks."""
+    first, second = run_ranks(train_uneven, tmp_path, timeout=30.0).check()
+    assert first["scale"] == second["scale"] == 2.0**11
+    assert (first["skipped"], second["skipped"]) == (1, 0)
+    for a, b in zip(first["parameters"], second["parameters"], strict=True):
+        assert torch.equal(a, b)
+
+
+def join_adaptive(rank: int) -> str:
+    model = mlp3()
+    with pytest.raises(RuntimeError, match=r"LossScaler\('adaptive'\) cannot join") as raised:
+        Join([DDP(model), LossScaler("adaptive")])
+    return str(raised.value)
+
+
+def test_adaptive_scaling_refuses_to_join(tmp_path):
+    assert all("drop_last=True" in said for said in run_ranks(join_adaptive, tmp_path).check())
