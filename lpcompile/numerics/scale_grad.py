@@ -47,6 +47,9 @@ def gradient_stats(grad: torch.Tensor, stats: str) -> torch.Tensor:
     g = (real_parts(grad) if grad.is_complex() else grad).to(torch.float32)
     if stats == "nonfinite":
         return (~torch.isfinite(g)).sum().to(torch.float32)
+    # a copy in the layout the trace assumes: an eager backward may hand over another (CPU
+    # layer norm's gradient of a permuted input), which the flattening view below refuses
+    g = g.clone(memory_format=torch.contiguous_format)
     exponent = torch.bitwise_and(torch.bitwise_right_shift(g.view(torch.int32), 23), 0xFF)
     counts = torch.zeros(EXP_BINS, dtype=torch.float32, device=g.device).index_add(
         0, exponent.reshape(-1).to(torch.int64), torch.ones_like(g).reshape(-1)

@@ -1241,3 +1241,35 @@ def test_a_graph_run_without_backward_beside_a_trained_one_does_not_warn(fresh_d
             opt.zero_grad()
             model.eval()
             run(torch.randn(8, 8))  # grad on, no backward
+
+
+class ChannelsFirstNorm(nn.Module):
+    """HF ConvNeXt's stem: a layer norm over the channels of a convolution's output, permuted."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.stem = nn.Conv2d(3, 8, 4, stride=4)
+        self.norm = nn.LayerNorm(8)
+        self.conv = nn.Conv2d(8, 8, 3, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.norm(self.stem(x).permute(0, 2, 3, 1)).permute(0, 3, 1, 2)
+        return self.conv(h)
+
+
+def test_an_error_in_another_layout_than_traced_is_measured(fresh_dynamo):
+    """The CPU's layer-norm gradient of a permuted input keeps the input's layout, where the
+    trace has it contiguous: the eager executor's statistics flattened it with a view, and
+    the first backward raised. Both layers' statistics arrive."""
+    model = ChannelsFirstNorm()
+    run = torch.compile(model, backend="lowprec", options={"recipe": "fp8-e5m2-als", "executor": "eager"})
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    scaler = LossScaler("adaptive")
+    for _ in range(2):
+        opt.zero_grad()
+        scaler.scale(run(torch.randn(2, 3, 32, 32)).square().mean()).backward()
+        scaler.step(opt)
+        scaler.update()
+    rows = stats(model)
+    assert [t.layer for t in rows] == ["stem", "conv"] and all(t.history for t in rows), rows
