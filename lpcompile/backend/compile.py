@@ -67,6 +67,7 @@ from lpcompile.passes.dynamo.regions import has_regions, write_out_regions
 from lpcompile.passes.graph import (
     FRAME_ROOT,
     ROOT_PATH,
+    SOURCE_ROOTS,
     SUBMODULE_FRAME,
     WRAPPER_PATH,
     find_calls,
@@ -77,6 +78,7 @@ from lpcompile.passes.graph import (
     parameter_of,
     qualified_name,
     relative_state_name,
+    source_fqn,
     source_root,
     with_bodies,
 )
@@ -146,17 +148,10 @@ def set_root_path(gm: torch.fx.GraphModule, model: torch.nn.Module | None) -> No
     ``model``: Dynamo may run the one graph for each of them. Either way, mark the graph as
     a submodule's frame, whose own calls are named after the submodule. Where the frame's
     module holds ``model`` instead (DDP's ``forward`` traced whole), mark the path to drop."""
-    _mark_frame_root(gm, model)
+    names = {} if model is None else _parameter_names(model)
+    _mark_frame_root(gm, model, names)
     if model is None:
         return
-    names: dict[int, list[str]] = {}
-    for name, parameter in model.named_parameters(remove_duplicate=False):
-        names.setdefault(id(parameter), []).append(name)
-    unsharded = unsharded_parameters(model)  # what the graphs of an FSDP2 model read
-    for path, module in model.named_modules(remove_duplicate=False):
-        for name in dict(module.named_parameters(recurse=False)):
-            if (parameter := unsharded.get((id(module), name))) is not None:
-                names.setdefault(id(parameter), []).append(qualified_name(path, name))
     roots: set[str] | None = None
     wrappers: set[str] | None = None  # where the frame's module holds the model
     for node in gm.graph.find_nodes(op="placeholder"):
@@ -188,22 +183,60 @@ def set_root_path(gm: torch.fx.GraphModule, model: torch.nn.Module | None) -> No
             graph.meta[ROOT_PATH] = root
 
 
-def _mark_frame_root(gm: torch.fx.GraphModule, model: torch.nn.Module | None) -> None:
+def _parameter_names(model: torch.nn.Module) -> dict[int, list[str]]:
+    """Every FQN of each parameter of ``model`` (tied ones have several), by ``id``; FSDP2's
+    unsharded parameters, which its graphs read, by the names of the sharded ones."""
+    names: dict[int, list[str]] = {}
+    for name, parameter in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(parameter), []).append(name)
+    unsharded = unsharded_parameters(model)
+    for path, module in model.named_modules(remove_duplicate=False):
+        for name in dict(module.named_parameters(recurse=False)):
+            if (parameter := unsharded.get((id(module), name))) is not None:
+                names.setdefault(id(parameter), []).append(qualified_name(path, name))
+    return names
+
+
+def _mark_frame_root(gm: torch.fx.GraphModule, model: torch.nn.Module | None, names: dict) -> None:
     """Mark a graph and its bodies with the local or global of its frame that ``model``'s
-    parameters (any, without a model) are read from (:data:`FRAME_ROOT`), where that is one."""
-    owned = None
-    if model is not None:
-        owned = {id(p) for p in model.parameters()} | {id(p) for p in unsharded_parameters(model).values()}
-    roots = {
-        source_root(node._dynamo_source.name)
+    parameters (``names``; any, without a model) are read from (:data:`FRAME_ROOT`), where
+    that is one; where they are several, with each one's FQN in ``model``, where its
+    parameters place each in one module (:data:`SOURCE_ROOTS`)."""
+    read = [
+        (source_root(node._dynamo_source.name), source_fqn(node._dynamo_source.name), parameter)
         for node in gm.graph.find_nodes(op="placeholder")
         if (parameter := parameter_of(node)) is not None
         and getattr(node, "_dynamo_source", None) is not None
-        and (owned is None or id(parameter) in owned)
-    }
+        and (model is None or id(parameter) in names)
+    ]
+    roots = {root for root, _, _ in read}
     if len(roots) == 1:
         for graph in with_bodies(gm):
             graph.meta[FRAME_ROOT] = next(iter(roots))
+    if len(roots) < 2 or model is None:
+        return
+    places: dict[str, set[str]] = {}
+    for root, path, parameter in read:
+        found = {
+            name.removesuffix(path).removesuffix(".")
+            for name in names[id(parameter)]
+            if name == path or name.endswith("." + path)
+        }
+        places[root] = places.get(root, found) & found
+    if any(len(found) != 1 for found in places.values()):
+        return  # a local whose parameters are tied to several modules: named as it is
+    placed = {root: next(iter(found)) for root, found in places.items()}
+    # from the module that holds them all, which plays the frame's ``self`` (set_root_path
+    # places it; blocks of one class that run one graph each name its layers alike)
+    steps = [path.split(".") if path else [] for path in placed.values()]
+    common = 0
+    while all(len(s) > common and s[common] == steps[0][common] for s in steps):
+        common += 1
+    parent = ".".join(steps[0][:common])
+    for graph in with_bodies(gm):
+        graph.meta[SOURCE_ROOTS] = {
+            root: path.removeprefix(parent).removeprefix(".") for root, path in placed.items()
+        }
 
 
 def own_copy(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:

@@ -101,6 +101,11 @@ WRAPPER_PATH = "lowprec_wrapper_path"
 # are read from (``L['self']``): a module on a node's module stack reached from another
 # (a module a library keeps in a global) is not the model's
 FRAME_ROOT = "lowprec_frame_root"
+# GraphModule.meta key, where a frame reads its model's parameters from several locals
+# (a resume frame after a graph break in ``self.head(self.body(x))``, whose modules come as
+# Dynamo's stack temporaries ``___stack0`` ...): each local's FQN in the compiled model,
+# found from its parameters; the graph's names start at the model
+SOURCE_ROOTS = "lowprec_source_roots"
 # GraphModule.meta key: where the modules of a GraphModule that Dynamo traced (an exported
 # module) sit in the compiled model, found from their parameters (None: unknown or several)
 EXPORTED_ROOT = "lowprec_exported_root"
@@ -196,7 +201,7 @@ def _unwrapped(source: str) -> str:
     return source
 
 
-def _fqn(source: str) -> str:
+def source_fqn(source: str) -> str:
     """``L['self']._modules['0']._parameters['w']`` -> ``0.w``.
 
     The root module is the frame's ``self``, or, where a decorator wraps ``forward``
@@ -244,7 +249,15 @@ def module_path(node: torch.fx.Node) -> str:
     meta = node.graph.owning_module.meta if node.graph.owning_module is not None else {}
     root = meta.get(FRAME_ROOT) or source_root(stack[0])  # a frame without parameters: the outermost's
     inside = [source for source in stack if source_root(source) == root]
-    return _in_model(node.graph, _fqn(inside[-1])) if inside else ""
+    return _in_model(node.graph, _placed_fqn(node.graph, inside[-1])) if inside else ""
+
+
+def _placed_fqn(graph: torch.fx.Graph, source: str) -> str:
+    """:func:`source_fqn` of ``source``, from the compiled model where its local is one of the
+    frame's :data:`SOURCE_ROOTS`."""
+    meta = graph.owning_module.meta if graph.owning_module is not None else {}
+    prefix = (meta.get(SOURCE_ROOTS) or {}).get(source_root(source))
+    return source_fqn(source) if prefix is None else qualified_name(prefix, source_fqn(source))
 
 
 def _is_source(entry: str) -> bool:
@@ -319,7 +332,7 @@ def relative_state_name(node: torch.fx.Node) -> str | None:
     """The FQN of the parameter or buffer a Dynamo graph input holds, from the module the
     graph's frame calls ``self``; None for another input."""
     source = getattr(node, "_dynamo_source", None)
-    return _fqn(source.name) if source is not None else None
+    return _placed_fqn(node.graph, source.name) if source is not None else None
 
 
 def _submodule_frame(graph: torch.fx.Graph) -> bool:

@@ -285,6 +285,43 @@ def test_a_frame_compiled_after_a_graph_break_names_its_layers_from_the_model():
     assert _layers(Nested(blocks=2)) == {"embed", "up", "down"}
 
 
+class Stacked(nn.Module):
+    """``self.head(self.decoder(self.encoder(x)))`` with a graph break in the encoder: the
+    frame that resumes the model's ``forward`` holds the head and the decoder as Dynamo's
+    stack temporaries (``___stack0``, ``___stack1``), not as attributes of ``self``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.encoder = Broken()
+        self.decoder = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8))
+        self.head = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.decoder(self.encoder(x)))
+
+
+def test_modules_a_resumed_frame_holds_as_stack_temporaries_are_named_from_the_model():
+    """They were named from each temporary (the head ``weight``, the decoder's layers ``0``
+    and ``2``), and ``exclude=["head"]`` matched nothing."""
+    model = Stacked()
+    assert _layers(model) == {"encoder.up", "encoder.down", "decoder.0", "decoder.2", "head"}
+    torch._dynamo.reset()
+    options = {**EAGER_SR, "exclude": ["head"]}
+    torch.compile(model, backend="lowprec", options=options)(torch.randn(4, 8)).sum().backward()
+    kept = [(row.layer, row.kept) for row in lpcompile.coverage(model) if row.kept]
+    assert kept == [("head", "exclude")]
+
+
+def test_blocks_whose_resumed_frames_hold_stack_temporaries_are_told_apart():
+    """Two such blocks run one resumed graph, named relative to the block; each block's
+    layers are reported under it (all were the first block's)."""
+    model = nn.Sequential(Stacked(), Stacked())
+    assert _layers(model) == {"up", "down", "decoder.0", "decoder.2", "head"}  # each frame's, relative
+    names = ("encoder.up", "encoder.down", "decoder.0", "decoder.2", "head")
+    assert {row.layer for row in lpcompile.coverage(model)} == {f"{i}.{name}" for i in "01" for name in names}
+
+
 class Recompute(torch.autograd.Function):
     """A reversible layer's pattern: the backward recomputes the forward and backpropagates
     through it, which Dynamo cannot trace, so it runs the Function uncompiled."""
