@@ -544,6 +544,10 @@ class NumPyProducts(nn.Module):
             "method": lambda: a.dot(w),
             "inner": lambda: np.inner(a, w),
             "tensordot": lambda: np.tensordot(a, w, axes=1),
+            "tensordot-pair": lambda: np.tensordot(a, w, axes=(1, 0)),
+            "einsum-optimize": lambda: np.einsum("bi,ij->bj", a, w, optimize=True),
+            "scalar": lambda: np.dot(a, 2.0),
+            "inplace": lambda: _matmul_in_place(a.copy(), w),
             "multi_dot": lambda: np.linalg.multi_dot([a, w, w]),
             "outer": lambda: np.outer(a[0], w[0])[:4],
             "float64": lambda: (a @ w.astype(np.float64)).astype(np.float32),
@@ -562,7 +566,14 @@ NUMPY_FORMS = [
     "tensordot",
     "multi_dot",
     "outer",
+    "tensordot-pair",
+    "einsum-optimize",
 ]
+
+
+def _matmul_in_place(a: np.ndarray, w: np.ndarray) -> np.ndarray:
+    a @= w
+    return a
 
 
 @pytest.mark.parametrize("form", NUMPY_FORMS)
@@ -600,11 +611,21 @@ def _e5m2(t: torch.Tensor) -> torch.Tensor:
     return t.to(torch.float8_e5m2).float()
 
 
-def test_numpy_products_of_mixed_dtypes_warn_and_are_listed():
-    """NumPy promotes float32 @ float64 to float64, which torch's matmul refuses: that call
-    stays NumPy's, unrounded (off the grid), named in a warning and in coverage."""
-    model = NumPyProducts("float64")
-    with pytest.warns(UserWarning, match=r"numpy.matmul in '\w+': a NumPy product that torch"):
+@pytest.mark.parametrize(("form", "op"), [("float64", "matmul"), ("inplace", "imatmul")])
+def test_numpy_products_left_as_they_are_warn_and_are_listed(form, op):
+    """NumPy promotes float32 @ float64 to float64, which torch's matmul refuses, and
+    ``a @= w`` writes into ``a``: those calls stay NumPy's, unrounded (off the grid), named
+    in a warning and in coverage."""
+    model = NumPyProducts(form)
+    with pytest.warns(UserWarning, match=rf"numpy.{op} in '\w+': a NumPy product that torch"):
         check = grid_step(model, {"x": torch.randn(4, 8)}, OPTIONS)
     assert check.off_grid == {"mm.default": 1}, check.products
-    assert [(row.op, row.kept) for row in lpcompile.coverage(model) if row.kept] == [("numpy.matmul", KEPT)]
+    assert [(row.op, row.kept) for row in lpcompile.coverage(model) if row.kept] == [(f"numpy.{op}", KEPT)]
+
+
+def test_a_numpy_product_with_a_number_is_a_multiplication():
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        check = grid_step(NumPyProducts("scalar"), {"x": torch.randn(4, 8)}, OPTIONS)
+    assert not [w for w in caught if "numpy" in str(w.message).lower()]
+    assert check.count == 2 and check.off_grid == {}, check.products  # the layer's

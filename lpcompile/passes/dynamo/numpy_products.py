@@ -3,9 +3,9 @@
 Dynamo runs NumPy code on tensors through ``torch._numpy``: each NumPy call is a wrapper
 in the graph (of a function, an operator such as ``@``, or an ``ndarray`` method), which
 no other pass knows for a product. Where a product's operands are tensors of one float
-dtype and torch has a function of the same result, :func:`write_numpy_products` writes
-the call as that function, rounded like any other; the others keep NumPy's semantics
-(type promotion, flattened operands, options torch lacks) and warn.
+dtype, :func:`write_numpy_products` writes the call as the torch function that
+``torch._numpy`` computes it with, rounded like any other; the others (type promotion,
+flattened operands, options torch lacks, ``a @= b`` in place) stay, with a warning.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ NUMPY_FUNCTIONS = {
     tnp.tensordot: "tensordot",
     tnp.linalg.multi_dot: "linalg.multi_dot",
 }
-NUMPY_OPERATORS = {operator.matmul: "matmul"}  # a @ b
+NUMPY_OPERATORS = {operator.matmul: "matmul", operator.imatmul: "imatmul"}  # a @ b, a @= b
 NUMPY_METHODS = {"dot": "dot"}  # a.dot(b)
 KEPT = (
     "a NumPy product that torch writes no other way (operands of different dtypes, "
@@ -69,23 +69,25 @@ def _example(operand: Any) -> Any:
 
 
 def _torch_call(node: torch.fx.Node, name: str, ranks: list[int]) -> tuple[Any, tuple, dict] | None:
-    """The torch function and arguments of ``node``'s result, if torch has one."""
+    """The torch function and arguments ``torch._numpy`` computes ``node`` with, where it
+    computes it with one (operands of one dtype, no options but ``einsum``'s ``optimize``)."""
     args, kwargs = node.args, dict(node.kwargs)
     if name == "tensordot":
         axes = kwargs.pop("axes", args[2] if len(args) > 2 else 2)
+        if isinstance(axes, list | tuple):  # NumPy's (1, 0) is torch's ([1], [0])
+            axes = [[axis] if isinstance(axis, int) else list(axis) for axis in axes]
         return (torch.tensordot, (*args[:2], axes), {}) if not kwargs else None
-    if kwargs:  # out=, dtype=, optimize=, ...
+    if name == "einsum":
+        kwargs.pop("optimize", None)  # the order of contraction only
+    if kwargs or name == "imatmul":  # out=, dtype=, ...; an in-place product
         return None
-    if name in ("matmul", "einsum", "inner"):
+    if name in ("matmul", "einsum", "inner", "outer"):
         return getattr(torch, name), args, {}
+    if name == "dot":
+        return torch.matmul, args, {}
     if name == "linalg.multi_dot":
         return torch.linalg.multi_dot, args, {}
-    if name in ("outer", "vdot"):  # NumPy flattens their operands
-        return (getattr(torch, name), args, {}) if ranks == [1, 1] else None
-    a, b = ranks  # dot: a product over a's last and b's second-to-last dimension
-    if b == 1 or max(a, b) <= 2:
-        return torch.matmul, args, {}
-    return torch.tensordot, (*args, ([a - 1], [b - 2])), {}
+    return (torch.vdot, args, {}) if ranks == [1, 1] else None  # NumPy flattens vdot's operands
 
 
 def write_numpy_products(gm: torch.fx.GraphModule, ctx: CompileContext) -> None:
@@ -101,7 +103,8 @@ def write_numpy_products(gm: torch.fx.GraphModule, ctx: CompileContext) -> None:
             tensors = [v for v in values if isinstance(v, torch.Tensor)]
             if not any(v.is_floating_point() or v.is_complex() for v in tensors):
                 continue  # integer products are exact
-            if any(v.dim() == 0 for v in tensors):
+            scalars = [v for v in values if not isinstance(v, torch.Tensor) or v.dim() == 0]
+            if name != "einsum" and scalars:
                 continue  # a scalar's: a multiplication
             one_dtype = len(tensors) == len(values) and len({v.dtype for v in tensors}) == 1
             call = _torch_call(node, name, [v.dim() for v in tensors]) if one_dtype else None
