@@ -140,7 +140,8 @@ class Registry:
         self._restart_warning = False  # a checkpoint without stream state was loaded
         self.records: collections.deque = collections.deque(maxlen=MAX_RECORDS)
         self._splits = weakref.WeakKeyDictionary()  # DDPOptimizer's split -> its first piece's graph id
-        # a split's first piece's graph id -> the adaptive states of its pieces so far
+        # a split's first piece's graph id -> the adaptive states of its pieces in the forward
+        # that ran them last (blocks compiled one by one run one split each)
         self._pieces: dict[int, list[weakref.ref[AdaptiveScaleState]]] = {}
         self._unrecorded = 0  # unrecorded() blocks entered: their graphs share no state
         self.watches = CoverageWatches()  # modules no lowprec graph reads, named once
@@ -315,8 +316,10 @@ class Registry:
         state = AdaptiveScaleState(layout, weights, owners, device)
         if entry is None:
             return state
+        if split_from == graph_id:  # a split's first piece: a forward through it starts
+            self._pieces[graph_id] = []
         pieces = [] if split_from is None else self._pieces.setdefault(split_from, [])
-        before = [piece() for piece in pieces]  # this split's pieces, in graph order (the forward)
+        before = [alive for piece in pieces if (alive := piece()) is not None]  # in graph order
         shared = self._unrecorded == 0 and next(
             (
                 s
@@ -335,7 +338,7 @@ class Registry:
         entry.adaptive[graph_id] = state
         if split_from is not None:
             state.split_from = split_from
-            if before and before[0] is not None and before[0].split_from == split_from:
+            if before and before[0].split_from == split_from:
                 state.chain = before[0].chain  # not where an earlier split's states were shared
                 state.chain.append(state)
                 state.relate_telemetry()

@@ -282,10 +282,10 @@ def _agree_replicas(firsts: list[AdaptiveScaleState], replicas: Any, device: tor
     """Where one of ``firsts`` is new to ``replicas`` on some replica (the first step, a new
     model), each replica joins its state of those layers to the first replica's
     (:meth:`AdaptiveScaleState.join_replicas`); where one holds statistics on some replica,
-    they are summed over them (:meth:`AdaptiveScaleState.agree_statistics`)."""
+    they are summed over them (:meth:`AdaptiveScaleState.agree_statistics`), once."""
     members = _members(replicas)
     new = [float(_members(s.ranks) != members) for s in firsts]
-    held = [float(s.hist.grad is not None) for s in firsts]
+    held = [float(s.hist.grad is not None and not s.agreed) for s in firsts]  # (a second optimizer's)
     flags = torch.tensor([new, held], device=device)
     torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.MAX, group=replicas)
     for state, (joins, holds) in zip(firsts, flags.t().tolist(), strict=True):
@@ -337,13 +337,20 @@ def _fresh_state() -> dict[str, Any]:
 class _ScalerJoinHook(JoinHook):
     """What a rank that ran out of inputs under ``Join`` does for the scaler: its inf/NaN
     all-reduces, as many per iteration as the scaler's last one made (a flag of its own that
-    found none), then, once every rank has joined, the scale of a last joiner."""
+    found none), then, once every rank has joined, the scale of a last joiner. ``Join``
+    runs the main hook once per forward of the model that leads it (DDP's): an iteration of
+    the scaler's last one spans as many forwards as it had :meth:`LossScaler.scale` calls
+    (microbatches of gradient accumulation); once per iteration where the scaler leads."""
 
     def __init__(self, scaler: LossScaler) -> None:
         self.scaler = scaler
+        self.forwards = 0
 
     def main_hook(self) -> None:
         scaler, ranks = self.scaler, self.scaler._ranks()
+        self.forwards += 1
+        if not scaler._join_config.is_first_joinable and self.forwards % scaler._last_scales:
+            return
         for _ in range(scaler._last_reductions):
             flag = torch.zeros((), dtype=torch.float32, device=scaler.join_device)
             torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX, group=ranks)
@@ -422,8 +429,10 @@ class LossScaler(Joinable):
         self._scale: torch.Tensor | None = None
         self._tracker: torch.Tensor | None = None
         self._scaled = False  # whether scale() was called since update() (a pipeline stage's loss)
-        self._reductions = 0  # inf/NaN flags all-reduced since update()
-        self._last_reductions = 1  # and in the last iteration (what a joined rank shadows)
+        # inf/NaN flags all-reduced and scale() calls since update(), and in the last
+        # iteration: what a joined rank shadows, and how often (see _ScalerJoinHook)
+        self._reductions, self._last_reductions = 0, 1
+        self._scales, self._last_scales = 0, 1
         self._replica_groups: dict[tuple[int, ...], Any] = {}  # process groups by members
         self._per_optimizer: dict[int, dict[str, Any]] = defaultdict(_fresh_state)
 
@@ -499,8 +508,9 @@ class LossScaler(Joinable):
         if not self._enabled:
             return outputs
 
-        if not self._scaled:  # once per iteration: where the scaler leads a Join, its count
+        if not self._scaled:  # Join's count of ranks still training, if the scaler leads it
             Join.notify_join_context(self)
+        self._scales += 1
 
         def apply(value: Any) -> Any:
             if isinstance(value, torch.Tensor):
@@ -672,13 +682,13 @@ class LossScaler(Joinable):
             if self.mode == "adaptive":
                 found_inf = any(self._found_inf_bool(state, scale.device) for state in optimizers)
                 groups = [group for state in optimizers for group in state["param_groups"]]
+                trained = _trained_states(REGISTRY.adaptive_states(), groups)
+                for s in REGISTRY.adaptive_states():
+                    if s not in trained:  # no step agrees its statistics any more: its own
+                        s.ranks = None
                 # without inf/NaN in the step, only states whose in-graph probes counted some,
                 # and those agreeing over replicas (which may have counted some)
-                states = [
-                    s
-                    for s in _trained_states(REGISTRY.adaptive_states(), groups)
-                    if found_inf or s.flags.grad is not None or s.ranks is not None
-                ]
+                states = [s for s in trained if found_inf or s.flags.grad is not None or s.ranks is not None]
                 back_off_states(sorted(states, key=lambda s: s.layers), found_inf, anywhere=self._anywhere)
             elif self.mode != "static":
                 flags = [self._found_inf(state, scale.device) for state in optimizers]
@@ -694,6 +704,7 @@ class LossScaler(Joinable):
             self._settle()
         self._scaled = False
         self._last_reductions, self._reductions = self._reductions, 0
+        self._last_scales, self._scales = max(self._scales, 1), 0
         self._iteration += 1
         floor = self._config.min_scale_at(self._iteration)
         if floor is not None:

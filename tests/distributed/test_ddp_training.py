@@ -10,6 +10,7 @@ different number, which the last test checks.
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import pytest
@@ -121,34 +122,41 @@ def test_a_rank_that_dies_mid_step_stops_the_other_within_the_timeout(tmp_path):
     assert waited < timeout + 15.0, f"the surviving rank took {waited:.1f} s to fail"
 
 
-def train_uneven(rank: int) -> dict:
-    """Rank 0 trains on five batches, rank 1 on three, under ``Join([ddp, scaler])``; rank
-    0's fifth loss overflows, while rank 1 has joined."""
+def train_uneven(rank: int, microbatches: int) -> dict:
+    """Rank 0 trains five steps, rank 1 two, under ``Join([ddp, scaler])``, each step over
+    ``microbatches`` (gradients accumulated, DDP's ``no_sync`` but for the last); rank 0's
+    fifth loss overflows, while rank 1 has joined."""
     torch._dynamo.reset()
     model = mlp3()
     ddp = DDP(torch.compile(model, backend="lowprec", options=NEAREST))
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
     scaler = LossScaler("dynamic", init_scale=2.0**8, growth_interval=1)  # grows every clean step
     with Join([ddp, scaler]):
-        for step in range(5 if rank == 0 else 3):
-            loss = ddp(shard(batch(step), rank)).square().mean() * (float("inf") if step == 4 else 1.0)
-            scaler.scale(loss).backward()
+        for step in range(5 if rank == 0 else 2):
+            for micro in range(microbatches):
+                with ddp.no_sync() if micro < microbatches - 1 else contextlib.nullcontext():
+                    loss = ddp(shard(batch(10 * step + micro), rank)).square().mean()
+                    scaler.scale(loss * (float("inf") if step == 4 else 1.0)).backward()
             scaler.step(optimizer)
             scaler.update()
             optimizer.zero_grad()
     return {
         "scale": scaler.get_scale(),
         "skipped": scaler.skipped_steps,
+        "iteration": scaler.state_dict()["iteration"],
         "parameters": [p.detach().clone() for p in model.parameters()],
     }
 
 
-def test_ranks_with_uneven_inputs_join_the_scaler(tmp_path):
-    """A rank out of inputs does the scaler's inf/NaN all-reduce of each iteration the other
-    still runs (without it, they paired with DDP's and crashed), and ends with the scale of
-    the last to join: four clean steps grew it, the overflow halved it, on both ranks."""
-    first, second = run_ranks(train_uneven, tmp_path, timeout=30.0).check()
+@pytest.mark.parametrize("microbatches", [1, 2])
+def test_ranks_with_uneven_inputs_join_the_scaler(tmp_path, microbatches):
+    """A rank out of inputs does the scaler's inf/NaN all-reduce of each step the other still
+    runs (without it, they paired with DDP's and crashed), once per step over microbatches,
+    and ends with the scale of the last to join: four clean steps grew it, the overflow
+    halved it (rank 1's own two steps grew it to 2**10)."""
+    first, second = run_ranks(train_uneven, tmp_path, microbatches, timeout=30.0).check()
     assert first["scale"] == second["scale"] == 2.0**11
+    assert first["iteration"] == second["iteration"] == 5
     assert (first["skipped"], second["skipped"]) == (1, 0)
     for a, b in zip(first["parameters"], second["parameters"], strict=True):
         assert torch.equal(a, b)
