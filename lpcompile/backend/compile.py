@@ -213,7 +213,8 @@ def _mark_frame_root(gm: torch.fx.GraphModule, model: torch.nn.Module | None, na
     if len(roots) == 1:
         for graph in with_bodies(gm):
             graph.meta[FRAME_ROOT] = next(iter(roots))
-    if len(roots) < 2 or model is None:
+    temporaries = any(root.startswith("L['___stack") for root in roots)
+    if model is None or not (len(roots) > 1 or temporaries):
         return
     places: dict[str, set[str]] = {}
     for root, path, parameter in read:
@@ -222,13 +223,15 @@ def _mark_frame_root(gm: torch.fx.GraphModule, model: torch.nn.Module | None, na
             for name in names[id(parameter)]
             if name == path or name.endswith("." + path)
         }
+        if not path:  # the local is the parameter itself
+            found = set(names[id(parameter)])
         places[root] = places.get(root, found) & found
     if any(len(found) != 1 for found in places.values()):
         return  # a local whose parameters are tied to several modules: named as it is
     placed = {root: next(iter(found)) for root, found in places.items()}
     # from the module that holds them all, which plays the frame's ``self`` (set_root_path
     # places it; blocks of one class that run one graph each name its layers alike)
-    steps = [path.split(".") if path else [] for path in placed.values()]
+    steps = [path.split(".")[:-1] if path else [] for path in placed.values()]
     common = 0
     while all(len(s) > common and s[common] == steps[0][common] for s in steps):
         common += 1

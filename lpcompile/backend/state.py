@@ -140,9 +140,9 @@ class Registry:
         self._restart_warning = False  # a checkpoint without stream state was loaded
         self.records: collections.deque = collections.deque(maxlen=MAX_RECORDS)
         self._splits = weakref.WeakKeyDictionary()  # DDPOptimizer's split -> its first piece's graph id
-        # a split's first piece's graph id -> the adaptive states of its pieces in the forward
-        # that ran them last (blocks compiled one by one run one split each)
-        self._pieces: dict[int, list[weakref.ref[AdaptiveScaleState]]] = {}
+        # a split's first piece's graph id -> the graph ids and adaptive states of its pieces
+        # in the forward that ran them last (blocks compiled one by one run one split each)
+        self._pieces: dict[int, list[tuple[int, weakref.ref[AdaptiveScaleState]]]] = {}
         self._unrecorded = 0  # unrecorded() blocks entered: their graphs share no state
         self.watches = CoverageWatches()  # modules no lowprec graph reads, named once
         self.graph_count = 0  # graphs compiled by this process
@@ -316,10 +316,10 @@ class Registry:
         state = AdaptiveScaleState(layout, weights, owners, device)
         if entry is None:
             return state
-        if split_from == graph_id:  # a split's first piece: a forward through it starts
-            self._pieces[graph_id] = []
         pieces = [] if split_from is None else self._pieces.setdefault(split_from, [])
-        before = [alive for piece in pieces if (alive := piece()) is not None]  # in graph order
+        if pieces and graph_id <= pieces[-1][0]:  # a piece before the last: another forward
+            pieces.clear()
+        before = [alive for _, piece in pieces if (alive := piece()) is not None]  # in graph order
         shared = self._unrecorded == 0 and next(
             (
                 s
@@ -331,7 +331,7 @@ class Registry:
             None,
         )
         if split_from is not None:
-            pieces.append(weakref.ref(shared or state))
+            pieces.append((graph_id, weakref.ref(shared or state)))
         if shared:
             entry.adaptive[graph_id] = shared
             return shared

@@ -62,6 +62,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import warnings
+import weakref
 import zlib
 from collections import defaultdict
 from collections.abc import Iterable, Mapping
@@ -340,17 +341,19 @@ class _ScalerJoinHook(JoinHook):
     found none), then, once every rank has joined, the scale of a last joiner. ``Join``
     runs the main hook once per forward of the model that leads it (DDP's): an iteration of
     the scaler's last one spans as many forwards as it had :meth:`LossScaler.scale` calls
-    (microbatches of gradient accumulation); once per iteration where the scaler leads."""
+    (microbatches of gradient accumulation), counted on from a step this rank left
+    unfinished; once per iteration where the scaler leads."""
 
     def __init__(self, scaler: LossScaler) -> None:
         self.scaler = scaler
-        self.forwards = 0
 
     def main_hook(self) -> None:
         scaler, ranks = self.scaler, self.scaler._ranks()
-        self.forwards += 1
-        if not scaler._join_config.is_first_joinable and self.forwards % scaler._last_scales:
+        # the others' forward, counted on from the step this rank left unfinished, if any
+        scaler._scales += 1
+        if not scaler._join_config.is_first_joinable and scaler._scales < scaler._last_scales:
             return
+        scaler._scales = 0
         for _ in range(scaler._last_reductions):
             flag = torch.zeros((), dtype=torch.float32, device=scaler.join_device)
             torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX, group=ranks)
@@ -368,7 +371,7 @@ class _ScalerJoinHook(JoinHook):
         scale, tracker, iteration = state.tolist()
         scaler._scale.fill_(scale)
         scaler._tracker.fill_(int(tracker))
-        scaler._iteration = int(iteration)
+        scaler._iteration, scaler._scales = int(iteration), 0
 
 
 class LossScaler(Joinable):
@@ -434,6 +437,7 @@ class LossScaler(Joinable):
         self._reductions, self._last_reductions = 0, 1
         self._scales, self._last_scales = 0, 1
         self._replica_groups: dict[tuple[int, ...], Any] = {}  # process groups by members
+        self._replicated: weakref.WeakSet = weakref.WeakSet()  # the states step() gave replicas
         self._per_optimizer: dict[int, dict[str, Any]] = defaultdict(_fresh_state)
 
     @property
@@ -620,6 +624,8 @@ class LossScaler(Joinable):
                 _agree_replicas(firsts, replicas, scale.device)
             for s in states:
                 s.ranks = replicas if s in firsts else None
+                if s.ranks is not None:
+                    self._replicated.add(s)
         scale = self._require_scale("step")
         state = self._per_optimizer[id(optimizer)]
         if state["stage"] is _Stage.STEPPED:
@@ -683,9 +689,10 @@ class LossScaler(Joinable):
                 found_inf = any(self._found_inf_bool(state, scale.device) for state in optimizers)
                 groups = [group for state in optimizers for group in state["param_groups"]]
                 trained = _trained_states(REGISTRY.adaptive_states(), groups)
-                for s in REGISTRY.adaptive_states():
-                    if s not in trained:  # no step agrees its statistics any more: its own
+                for s in list(self._replicated):
+                    if s not in trained:  # no step of this scaler agrees them now: its rank's
                         s.ranks = None
+                        self._replicated.discard(s)
                 # without inf/NaN in the step, only states whose in-graph probes counted some,
                 # and those agreeing over replicas (which may have counted some)
                 states = [s for s in trained if found_inf or s.flags.grad is not None or s.ranks is not None]

@@ -502,3 +502,27 @@ def test_a_layer_compiled_as_a_frame_of_its_own_past_the_limit_is_named():
     assert fp32[0] is False and fp32[-1] is True  # (three layers, one code: the limit comes soon)
     assert len(found) == 1
     assert f"Linear's forward ({nn.Linear.forward.__code__.co_filename}:" in str(found[0].message)
+
+
+class OneTemporary(nn.Module):
+    """``self.w * self.head(self.encoder(x))`` with a graph break in the encoder: the resumed
+    frame holds the weight and the head as stack temporaries; one without the weight."""
+
+    def __init__(self, weighted: bool) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.encoder, self.head, self.weighted = Broken(), nn.Linear(8, 8), weighted
+        self.w = nn.Parameter(torch.randn(8, 8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.weighted:
+            return self.w @ self.head(self.encoder(x)).T
+        return self.head(self.encoder(x))
+
+
+@pytest.mark.parametrize("weighted", [False, True], ids=["head", "weight-and-head"])
+def test_a_single_stack_temporary_and_a_parameter_on_the_stack_are_placed(weighted):
+    """Named as in the model compiled whole (the head was ``weight``, or ``""``)."""
+    model = OneTemporary(weighted)
+    own = {"w", "matmul"} if weighted else set()  # the forward's own product's, as compiled whole
+    assert _layers(model) == {"encoder.up", "encoder.down", "head"} | own

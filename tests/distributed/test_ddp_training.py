@@ -122,10 +122,11 @@ def test_a_rank_that_dies_mid_step_stops_the_other_within_the_timeout(tmp_path):
     assert waited < timeout + 15.0, f"the surviving rank took {waited:.1f} s to fail"
 
 
-def train_uneven(rank: int, microbatches: int) -> dict:
+def train_uneven(rank: int, microbatches: int, unfinished: bool = False) -> dict:
     """Rank 0 trains five steps, rank 1 two, under ``Join([ddp, scaler])``, each step over
     ``microbatches`` (gradients accumulated, DDP's ``no_sync`` but for the last); rank 0's
-    fifth loss overflows, while rank 1 has joined."""
+    fifth loss overflows, while rank 1 has joined. ``unfinished``: rank 1's batches end one
+    microbatch into its third step."""
     torch._dynamo.reset()
     model = mlp3()
     ddp = DDP(torch.compile(model, backend="lowprec", options=NEAREST))
@@ -140,6 +141,9 @@ def train_uneven(rank: int, microbatches: int) -> dict:
             scaler.step(optimizer)
             scaler.update()
             optimizer.zero_grad()
+        if rank == 1 and unfinished:
+            with ddp.no_sync():
+                scaler.scale(ddp(shard(batch(20), rank)).square().mean()).backward()
     return {
         "scale": scaler.get_scale(),
         "skipped": scaler.skipped_steps,
@@ -148,13 +152,13 @@ def train_uneven(rank: int, microbatches: int) -> dict:
     }
 
 
-@pytest.mark.parametrize("microbatches", [1, 2])
-def test_ranks_with_uneven_inputs_join_the_scaler(tmp_path, microbatches):
+@pytest.mark.parametrize(("microbatches", "unfinished"), [(1, False), (2, False), (2, True)])
+def test_ranks_with_uneven_inputs_join_the_scaler(tmp_path, microbatches, unfinished):
     """A rank out of inputs does the scaler's inf/NaN all-reduce of each step the other still
     runs (without it, they paired with DDP's and crashed), once per step over microbatches,
     and ends with the scale of the last to join: four clean steps grew it, the overflow
-    halved it (rank 1's own two steps grew it to 2**10)."""
-    first, second = run_ranks(train_uneven, tmp_path, microbatches, timeout=30.0).check()
+    halved it (rank 1's own two steps grew it to 2**10). A step left unfinished counts."""
+    first, second = run_ranks(train_uneven, tmp_path, microbatches, unfinished, timeout=30.0).check()
     assert first["scale"] == second["scale"] == 2.0**11
     assert first["iteration"] == second["iteration"] == 5
     assert (first["skipped"], second["skipped"]) == (1, 0)

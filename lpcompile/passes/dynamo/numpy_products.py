@@ -77,8 +77,8 @@ def _torch_call(node: torch.fx.Node, name: str, ranks: list[int]) -> tuple[Any, 
         if isinstance(axes, list | tuple):  # NumPy's (1, 0) is torch's ([1], [0])
             axes = [[axis] if isinstance(axis, int) else list(axis) for axis in axes]
         return (torch.tensordot, (*args[:2], axes), {}) if not kwargs else None
-    if name == "einsum":
-        kwargs.pop("optimize", None)  # the order of contraction only
+    if name == "einsum":  # the order of contraction: torch's (opt_einsum's path) from here on
+        kwargs.pop("optimize", None)
     if kwargs or name == "imatmul":  # out=, dtype=, ...; an in-place product
         return None
     if name in ("matmul", "einsum", "inner", "outer"):
@@ -104,7 +104,7 @@ def write_numpy_products(gm: torch.fx.GraphModule, ctx: CompileContext) -> None:
             if not any(v.is_floating_point() or v.is_complex() for v in tensors):
                 continue  # integer products are exact
             scalars = [v for v in values if not isinstance(v, torch.Tensor) or v.dim() == 0]
-            if name != "einsum" and scalars:
+            if scalars and (name != "einsum" or len(values) - len(scalars) < 2):
                 continue  # a scalar's: a multiplication
             one_dtype = len(tensors) == len(values) and len({v.dtype for v in tensors}) == 1
             call = _torch_call(node, name, [v.dim() for v in tensors]) if one_dtype else None
