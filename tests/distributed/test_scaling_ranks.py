@@ -100,16 +100,21 @@ def test_ranks_that_unscale_apart_agree(tmp_path):
     assert first == second and first["skipped"] >= 1, first  # the overflow, on both
 
 
+def _adaptive(model: nn.Module, rank: int) -> tuple:
+    """``model`` compiled for adaptive scaling, its SGD optimizer, an adaptive scaler, and
+    the generator of the rank's batches."""
+    run = torch.compile(model, backend="lowprec", options=EAGER_ALS)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    return run, opt, LossScaler("adaptive"), torch.Generator().manual_seed(10 + rank)
+
+
 def _warmed_up(rank: int) -> list[list[float]]:
     """Per-layer scales after a backward outside the scaler (a warm-up) on data of a
     rank-dependent magnitude, then a few steps; between two of them rank 0 alone runs an
     ``eval()`` forward with grad on (a graph, and a state, the other rank lacks)."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 16), nn.Dropout(), nn.Linear(16, 4))
-    run = torch.compile(model, backend="lowprec", options=EAGER_ALS)
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    scaler = LossScaler("adaptive")
-    g = torch.Generator().manual_seed(10 + rank)
+    run, opt, scaler, g = _adaptive(model, rank)
     scales = []
     for step in range(5):
         if step == 3 and rank == 0:
@@ -140,10 +145,7 @@ def _recompiled_on_rank_1(rank: int) -> dict:
     on, while rank 0 keeps its first one."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4))
-    run = torch.compile(model, backend="lowprec", options=EAGER_ALS)
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    scaler = LossScaler("adaptive")
-    g = torch.Generator().manual_seed(10 + rank)
+    run, opt, scaler, g = _adaptive(model, rank)
     scales = []
     for step in range(5):
         rows = 12 if rank == 1 and step > 0 else 16
