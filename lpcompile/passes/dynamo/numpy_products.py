@@ -92,8 +92,9 @@ def _torch_call(node: torch.fx.Node, name: str, ranks: list[int]) -> tuple[Any, 
 
 def write_numpy_products(gm: torch.fx.GraphModule, ctx: CompileContext) -> None:
     """Write each NumPy product (:func:`numpy_product`) whose operands are tensors of one
-    float dtype as the torch function of the same result; warn about the others with
-    float operands, which run unrounded."""
+    float dtype as the torch call ``torch._numpy`` makes (:func:`_torch_call`); warn about
+    the others with float operands, which run unrounded. A product with a number or a 0-d
+    array (of one operand besides, for ``einsum``) is a multiplication, left alone."""
     kept = []
     for graph in with_bodies(gm):
         for node in graph.graph.nodes:
