@@ -165,3 +165,77 @@ def test_ranks_that_recompile_apart_keep_agreeing(tmp_path):
     first, second = run_ranks(_recompiled_on_rank_1, tmp_path, timeout=30.0, deadline=150.0).check()
     assert first["scales"] == second["scales"]
     assert first["graphs"] == second["graphs"] == 1
+
+
+def _gan(rank: int) -> dict:
+    """A GAN's two models, each with its adaptive scaler and optimizer, over a few steps
+    on data of a rank-dependent magnitude: the generator's backward runs through the
+    discriminator too, whose statistics its own scaler agrees at its next step. The
+    discriminator's scales are read at each of its backwards, before its step."""
+    torch.manual_seed(0)
+    gen = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Linear(16, 8))
+    disc = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+    run_gen, opt_gen, scaler_gen, g = _adaptive(gen, rank)
+    run_disc, opt_disc, scaler_disc, _ = _adaptive(disc, rank)
+    magnitude = 1e-6 if rank else 1.0
+    scales = []
+    for _ in range(5):
+        fake = run_gen(torch.randn(16, 4, generator=g))
+        real = torch.randn(16, 8, generator=g)
+        loss = (run_disc(fake.detach()) - run_disc(real)).square().mean() * magnitude
+        scaler_disc.scale(loss).backward()
+        scales.append([t.cumulative for t in stats(disc)])
+        scaler_disc.step(opt_disc)
+        scaler_disc.update()
+        opt_disc.zero_grad()
+        scaler_gen.scale(-run_disc(fake).mean() * magnitude).backward()
+        scaler_gen.step(opt_gen)
+        scaler_gen.update()
+        opt_gen.zero_grad()
+    return {"disc": scales, "gen": [t.cumulative for t in stats(gen)]}
+
+
+def test_two_scalers_keep_their_replicas_agreeing(tmp_path):
+    """One scaler's ``update`` leaves the replica groups of the other's states alone: the
+    discriminator's scales agree over the ranks at every backward, not only after its
+    scaler's steps."""
+    first, second = run_ranks(_gan, tmp_path, timeout=30.0, deadline=150.0).check()
+    assert first == second
+    assert len(set(map(tuple, first["disc"]))) > 1, "the scales should change over the steps"
+
+
+def _optimizers(rank: int) -> dict:
+    """The statistics an adaptive state holds after each step over data of a rank-dependent
+    magnitude (every call records them), stepped by one optimizer and by two (one per
+    layer: both step the state)."""
+    found = {}
+    for optimizers in (1, 2):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+        run = torch.compile(model, backend="lowprec", options={**EAGER_ALS, "loss_scale_interval": 1})
+        scaler, g = LossScaler("adaptive"), torch.Generator().manual_seed(10 + rank)
+        groups = [model.parameters()] if optimizers == 1 else [model[0].parameters(), model[2].parameters()]
+        opts = [torch.optim.SGD(group, lr=0.01) for group in groups]
+        found[optimizers] = []
+        for _ in range(6):  # calibrating steps refresh in step(), the later ones at the next call
+            loss = run(torch.randn(16, 8, generator=g)).square().mean() * (1e-3 if rank else 1.0)
+            scaler.scale(loss).backward()
+            for opt in opts:
+                scaler.step(opt)
+            (state,) = REGISTRY.adaptive_states(model)
+            found[optimizers].append(None if state.hist.grad is None else state.hist.grad.clone())
+            scaler.update()
+            for opt in opts:
+                opt.zero_grad()
+    return found
+
+
+def test_a_second_optimizer_sums_the_statistics_once(tmp_path):
+    """Two optimizers stepping the layers of one adaptive state sum its statistics over the
+    replicas once, as one optimizer does."""
+    first, second = run_ranks(_optimizers, tmp_path).check()
+    held = [i for i, stats in enumerate(first[1]) if stats is not None]
+    assert held, "no step held statistics"
+    for i in held:
+        assert torch.equal(first[1][i], second[1][i]), f"step {i}"  # summed over the ranks
+        assert torch.equal(first[2][i], first[1][i]) and torch.equal(second[2][i], second[1][i]), f"step {i}"

@@ -115,3 +115,50 @@ def test_split_graphs_that_recompile_on_one_rank_keep_agreeing(tmp_path):
     assert first["states"] == second["states"] == first["graphs"]
     assert first["history"] == second["history"] and len(first["history"]) == 4
     assert min(len(h) for h in first["history"].values()) >= 2
+
+
+class _Block(torch.nn.Module):
+    """A layer norm and two 1 MiB layers: with 1 MiB buckets, DDPOptimizer splits the
+    block's graph into three pieces, the first (the norm's) without layers to scale."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(512)
+        self.up = torch.nn.Linear(512, 512)
+        self.down = torch.nn.Linear(512, 512)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.relu(self.up(self.norm(x))))
+
+
+def _blocks_one_by_one(rank: int) -> dict:
+    """Two identical blocks, each compiled on its own, under DDP: with DDPOptimizer splitting
+    each block's graph into pieces, and without."""
+    found = {}
+    for split in (True, False):
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(_Block(), _Block())
+        for block in model:
+            block.compile(backend="lowprec", options={**OPTIONS, "executor": "eager"})
+        with torch._dynamo.config.patch(optimize_ddp=split):
+            ddp = DDP(model, bucket_cap_mb=1)
+            optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+            scaler = LossScaler("adaptive")
+            for step in range(STEPS):
+                x = torch.randn(4, 512, generator=torch.Generator().manual_seed(10 * rank + step))
+                scaler.scale(ddp(x).square().mean() * (1e-4 if rank else 1.0)).backward()
+                scaler.step(optimizer)
+                scaler.update()
+                optimizer.zero_grad()
+        found[split] = {t.layer: t.history for t in stats(model)}
+        found[f"states {split}"] = len(REGISTRY.adaptive_states(model))
+    return found
+
+
+def test_identical_blocks_compiled_one_by_one_and_split_scale_apart(tmp_path):
+    """Each block's pieces chain on their own, also where the first piece scales nothing:
+    the split blocks take the scales of the blocks' whole graphs."""
+    for rank, found in enumerate(run_ranks(_blocks_one_by_one, tmp_path, deadline=300.0).check()):
+        assert (found["states True"], found["states False"]) == (4, 2), f"rank {rank}"  # a state per piece
+        assert len(found[True]) == 4 and found[True] == found[False], f"rank {rank}"
