@@ -102,6 +102,15 @@ def check_streams_state(saved: Any) -> None:
                 )
 
 
+@dataclass(frozen=True)
+class Place:
+    """The module whose frame ran a graph for a model's parameter, found at its first call."""
+
+    path: str  # its FQN in the outermost module running then ("": that module itself)
+    instance: weakref.ref | None  # the module, if not that outermost one (watch.instance_of)
+    relative: str | None  # the parameter's FQN from that module
+
+
 @dataclass
 class Entry:
     """What lowprec keeps for one parameter; the model-wide fields live on its first."""
@@ -117,11 +126,9 @@ class Entry:
     # graph id -> (its counted gradient sites, the probe whose gradient sums per site its
     # range counts and the backward passes)
     gradient_saturation: dict[int, tuple[list[Site], torch.Tensor]] = field(default_factory=dict)
-    # the module whose graphs this parameter names, if not the outermost module running, and
-    # its FQN there (watch.instance_of), found at its first call (None: not called yet)
-    instance: weakref.ref | None = None
-    path: str | None = None
-    relative: str | None = None  # this parameter's FQN from the frame's module, at that call
+    # graph id -> the module whose frame ran the graph with this parameter, found at the first
+    # call of a graph of that frame: a parameter tied across modules names several frames
+    places: dict[int, Place] = field(default_factory=dict)
 
 
 class Registry:
@@ -183,16 +190,20 @@ class Registry:
 
     def instance_path(self, key: torch.Tensor, graph_id: int, relative: str | None) -> str:
         """Note a call of graph ``graph_id`` for ``key``'s model, and return that model's FQN in
-        the outermost module running at its first call ("" for that module itself): blocks
-        compiled one by one share a graph, and this tells them apart (their random streams,
-        their layers' names)."""
+        the outermost module running at the first call of a graph of its frame ("" for that
+        module itself): blocks compiled one by one share a graph, and this tells them apart
+        (their random streams, their layers' names). A key tied across modules (an embedding
+        shared with the head) names the graphs of each module's frame: each is placed apart."""
         entry = self.entry(key)
         entry.graphs.add(graph_id)
-        if entry.path is None:
-            entry.path, module = instance_of(self.key(key), relative)
-            entry.instance = None if module is None else weakref.ref(module)
-            entry.relative = relative
-        return entry.path
+        if (place := entry.places.get(graph_id)) is None:
+            # another graph of the same frame's module (a recompile) keeps where it was found
+            place = next((p for p in entry.places.values() if p.relative == relative), None)
+            if place is None:
+                path, module = instance_of(self.key(key), relative)
+                place = Place(path, None if module is None else weakref.ref(module), relative)
+            entry.places[graph_id] = place
+        return place.path
 
     def streams_state(self) -> list[dict[str, Any]]:
         """The call counts of every model alive, with a digest of its key parameter's values
@@ -474,10 +485,12 @@ class Registry:
         wanted = model_tensor_ids(model)
         return [entry for key, entry in list(self._entries.items()) if id(key) in wanted]
 
-    def named_entries(self, model: torch.nn.Module) -> list[tuple[Entry, str]]:
-        """:meth:`model_entries`, each with the FQN in ``model`` of the module whose graphs it
-        names ("" for ``model`` itself), in ``model``'s order of modules. A block that ran on
-        its own at its first call is found in ``model`` by its parameter."""
+    def named_graphs(self, model: torch.nn.Module) -> list[tuple[Entry, int, str | None]]:
+        """The graphs of :meth:`model_entries`, each with its entry and the FQN in ``model``
+        of the module whose frame ran it with that entry's parameter as its key ("" for
+        ``model`` itself; None where it ran with another key: an adaptive state keyed by a
+        layer's weight), in ``model``'s order of modules, then compile order. A block that
+        ran on its own at its first call is found in ``model`` by its parameter."""
         root = unwrapped(model)[0]
         order: dict[int, tuple[int, str]] = {}
         for name, module in root.named_modules():
@@ -485,13 +498,23 @@ class Registry:
         wanted = model_tensor_ids(model)
         found = []
         for key, entry in list(self._entries.items()):
-            if id(key) in wanted:
-                if entry.instance is None:
-                    module = instance_of(key, entry.relative, root)[1]
-                else:
-                    module = entry.instance()
-                found.append((order.get(id(module), (-1, "")), entry))
-        return [(entry, name) for (_, name), entry in sorted(found, key=lambda item: item[0])]
+            if id(key) not in wanted:
+                continue
+            graphs = (
+                entry.graphs | set(entry.adaptive) | set(entry.saturation) | set(entry.gradient_saturation)
+            )
+            for graph_id in graphs:
+                if (place := entry.places.get(graph_id)) is None:
+                    found.append(((-1, graph_id), entry, graph_id, None))
+                    continue
+                module = (
+                    instance_of(key, place.relative, root)[1] if place.instance is None else place.instance()
+                )
+                (index, name) = order.get(id(module), (-1, ""))
+                found.append(((index, graph_id), entry, graph_id, name))
+        return [
+            (entry, graph_id, name) for _, entry, graph_id, name in sorted(found, key=lambda item: item[0])
+        ]
 
 
 REGISTRY = Registry()
@@ -521,10 +544,9 @@ def coverage(model: torch.nn.Module) -> list[LayerCoverage]:
     """Per product of ``model``'s compiled graphs: which roles were rounded, with which
     format and rounding, or why the product stays in higher precision."""
     runs: dict[int, list[str]] = {}  # graph id -> the modules that ran it (blocks share one)
-    for entry, name in REGISTRY.named_entries(model):
-        for graph_id in entry.graphs:
-            if name not in runs.setdefault(graph_id, []):
-                runs[graph_id].append(name)
+    for _, graph_id, name in REGISTRY.named_graphs(model):
+        if name is not None and name not in runs.setdefault(graph_id, []):
+            runs[graph_id].append(name)
     rows = []
     for record in REGISTRY.model_records(model):
         roles: dict[str, dict[str, str]] = {}
@@ -572,24 +594,23 @@ def saturation(model: torch.nn.Module) -> list[SaturationCount]:
     against the format's range, summed over the calls so far (reading them synchronises
     the device)."""
     rows = []
-    for entry, name in REGISTRY.named_entries(model):
-        for graph_id in sorted(set(entry.saturation) | set(entry.gradient_saturation)):
-            found = []
-            if graph_id in entry.saturation:
-                sites, counts = entry.saturation[graph_id]
-                per_site = zip(sites, counts.tolist(), strict=True)
-                found += [(site, calls, *row) for site, (*row, calls) in per_site]
-            if graph_id in entry.gradient_saturation:
-                sites, probe = entry.gradient_saturation[graph_id]
-                totals = torch.zeros_like(probe) if probe.grad is None else probe.grad
-                found += [
-                    (site, int(passes), *map(int, row))
-                    for site, (*row, passes) in zip(sites, totals.tolist(), strict=True)
-                ]
-            rows += [
-                SaturationCount(qualified_name(name, site.layer), site.role, site.fmt, graph_id, *counts)
-                for site, *counts in found
+    for entry, graph_id, name in REGISTRY.named_graphs(model):
+        found = []
+        if graph_id in entry.saturation:
+            sites, counts = entry.saturation[graph_id]
+            per_site = zip(sites, counts.tolist(), strict=True)
+            found += [(site, calls, *row) for site, (*row, calls) in per_site]
+        if graph_id in entry.gradient_saturation:
+            sites, probe = entry.gradient_saturation[graph_id]
+            totals = torch.zeros_like(probe) if probe.grad is None else probe.grad
+            found += [
+                (site, int(passes), *map(int, row))
+                for site, (*row, passes) in zip(sites, totals.tolist(), strict=True)
             ]
+        rows += [
+            SaturationCount(qualified_name(name or "", site.layer), site.role, site.fmt, graph_id, *counts)
+            for site, *counts in found
+        ]
     return rows
 
 
@@ -619,13 +640,13 @@ def stats(model: torch.nn.Module) -> list[LayerTelemetry]:
     order): scale α, cumulative scale, the last refresh's underflow fraction, overflows since,
     the history of refreshes, and the id of the oldest graph of them."""
     graphs = [
-        (graph_id, entry, name, s)
-        for entry, name in REGISTRY.named_entries(model)
-        for graph_id, s in entry.adaptive.items()
+        (graph_id, name, entry.adaptive[graph_id])
+        for entry, graph_id, name in REGISTRY.named_graphs(model)
+        if graph_id in entry.adaptive
     ]
     found = {}  # a state its graphs share once, at the oldest
-    for graph_id, entry, name, s in sorted(graphs, key=lambda item: item[0]):
-        found.setdefault(id(s), (graph_id, name if entry.path is not None else _placed(model, s), s))
+    for graph_id, name, s in sorted(graphs, key=lambda item: item[0]):
+        found.setdefault(id(s), (graph_id, _placed(model, s) if name is None else name, s))
     return [
         dataclasses.replace(t, layer=qualified_name(name, t.layer), graph_id=graph_id)
         for graph_id, name, state in found.values()

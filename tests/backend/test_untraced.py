@@ -322,6 +322,53 @@ def test_blocks_whose_resumed_frames_hold_stack_temporaries_are_told_apart():
     assert {row.layer for row in lpcompile.coverage(model)} == {f"{i}.{name}" for i in "01" for name in names}
 
 
+class TiedEncoder(nn.Module):
+    def __init__(self, embed: nn.Embedding) -> None:
+        super().__init__()
+        self.embed, self.layer = embed, nn.Linear(8, 8)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.embed(ids)
+        torch._dynamo.graph_break()
+        return torch.relu(self.layer(h))
+
+
+class TiedSeq2Seq(nn.Module):
+    """An encoder-decoder sharing its embedding with the encoder, the decoder and the head,
+    with a graph break in the encoder after its lookup (HF's LED, Switch Transformers): the
+    tied weight is the first parameter of the encoder's first frame and of the model's
+    resumed one, which also runs the decoder and the head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.shared = nn.Embedding(16, 8)
+        self.encoder = TiedEncoder(self.shared)
+        self.decoder = nn.Module()
+        self.decoder.embed, self.decoder.layer = self.shared, nn.Linear(8, 8)
+        self.head = nn.Linear(8, 16, bias=False)
+        self.head.weight = self.shared.weight
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        memory = self.encoder(ids)
+        return self.head(torch.relu(self.decoder.layer(self.decoder.embed(ids) + memory)))
+
+
+def test_the_frames_of_a_weight_tied_across_modules_are_named_from_the_model():
+    """Each frame whose first parameter is the tied weight is placed by its own module: the
+    decoder and the head were named under the encoder (``encoder.decoder.layer``), whose
+    frame read the weight first."""
+    torch._dynamo.reset()
+    model = TiedSeq2Seq()
+    options = {**EAGER_SR, "saturation": "count"}
+    run = torch.compile(model, backend="lowprec", options=options)
+    run(torch.randint(0, 16, (4, 6))).sum().backward()
+    expected = {"encoder.layer", "decoder.layer", "head"}
+    assert {row.layer for row in lpcompile.coverage(model)} == expected
+    assert {row.layer for row in lpcompile.saturation(model)} == expected
+    assert expected <= {name for name, _ in model.named_modules(remove_duplicate=False)}
+
+
 class Recompute(torch.autograd.Function):
     """A reversible layer's pattern: the backward recomputes the forward and backpropagates
     through it, which Dynamo cannot trace, so it runs the Function uncompiled."""
