@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from grid import SR_EVERYWHERE, GridCheck, watched_backend
 from torch import nn
 
 import lpcompile
@@ -50,3 +51,27 @@ def test_a_graph_compiled_under_no_grad_lists_no_backward_roles():
         compiled(torch.randn(2, 8))
     rows = {row.layer: row.quantized for row in lpcompile.coverage(model)}
     assert rows["first"] == {"activation": "e5m2 nearest saturate", "weight": "e5m2 nearest saturate"}, rows
+
+
+def test_frozen_layers_list_the_backward_roles_their_backward_computes():
+    """A frozen first layer, whose input needs no gradient, has no backward product: neither
+    its error nor its weight gradient is listed (its error was). A frozen last layer still
+    passes the error on, rounded, as the dispatch check sees it run."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
+    model[0].requires_grad_(False)
+    model[4].requires_grad_(False)
+    check = GridCheck()
+    torch._dynamo.reset()
+    loss = torch.compile(model, backend=watched_backend(SR_EVERYWHERE, check))(torch.randn(4, 8)).sum()
+    with check:
+        loss.backward()
+    rows = {row.layer: set(row.quantized) for row in lpcompile.coverage(model)}
+    assert rows == {
+        "0": {"activation", "weight"},
+        "2": {"activation", "weight", "error", "weight_grad"},
+        "4": {"activation", "weight", "error"},
+    }
+    # the forward's three, and the backward's: layer 4's error times its weight, layer 2's
+    # weight gradient
+    assert check.count == 5 and not check.off_grid

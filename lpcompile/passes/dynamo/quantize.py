@@ -28,6 +28,7 @@ from collections.abc import Callable, Iterable
 import torch
 import torch.fx
 import torch.nn.functional as F
+from torch._subclasses.fake_tensor import FakeTensor
 
 from lpcompile.config import QuantSpec, Role
 from lpcompile.numerics.quantize import (
@@ -964,12 +965,21 @@ def _quantize_calls(gm: torch.fx.GraphModule, ctx: CompileContext, calls: list[t
             value = _quantize_operand(gm, ctx, operand, call, call, operand in computed)
             if value is not operand:
                 call.update_arg(index, value)
-        # (a graph compiled under no_grad has no backward: Dynamo guards on the grad mode)
-        if config.error.enabled and torch.is_grad_enabled() and (output := product_output(call)) is not None:
+        # (a graph compiled under no_grad has no backward: Dynamo guards on the grad mode; a
+        # product of no operand that gets a gradient, a frozen first layer's, has no error)
+        output = product_output(call)
+        if config.error.enabled and torch.is_grad_enabled() and output is not None and _gets_error(output):
             users = list(output.users)
             error = _insert(gm, ctx, output, Role.ERROR, layer, spec_for(call, config.error), True)
             for user in users:
                 user.replace_input_with(output, error)
+
+
+def _gets_error(output: torch.fx.Node) -> bool:
+    """Whether a product's ``output`` gets a gradient, as its fake example says (an example
+    under ``torch.vmap``, a plain tensor, does not say: it does)."""
+    example = output.meta.get("example_value")
+    return not isinstance(example, FakeTensor) or example.requires_grad
 
 
 def _quantize_function(gm: torch.fx.GraphModule, ctx: CompileContext, call: torch.fx.Node) -> None:
