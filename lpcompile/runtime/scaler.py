@@ -609,8 +609,12 @@ class LossScaler(Joinable):
         """
         if not self._enabled:
             return optimizer.step(*args, **kwargs)
-        if "closure" in kwargs:
-            raise RuntimeError("closure use is not supported while loss scaling is enabled")
+        if kwargs.get("closure") is not None or any(map(callable, args)):  # step(closure) too
+            raise RuntimeError(
+                "closure use is not supported while loss scaling is enabled: the closure's backward "
+                "would run after the gradients were unscaled: step a closure optimizer (LBFGS) without the "
+                "scaler, or with LossScaler(enabled=False)"
+            )
         if self.mode == "adaptive":
             _check_adaptive_models()
             states = _trained_states(REGISTRY.adaptive_states(), optimizer.param_groups)

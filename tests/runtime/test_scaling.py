@@ -220,6 +220,25 @@ def test_unscale_twice_and_step_twice_raise():
     scaler.unscale_(opt)  # fine again after update()
 
 
+@pytest.mark.parametrize("positional", [False, True], ids=["closure=", "step(opt, closure)"])
+def test_a_closure_is_refused_however_it_is_passed(positional):
+    """LBFGS's usual ``step(closure)`` was let through, unscaling the gradients from before
+    the closure ran and optimizing on scaled ones."""
+    model, _ = _model_and_opt()
+    opt = torch.optim.LBFGS(model.parameters())
+    scaler = LossScaler()
+    scaler.scale(model(_batch(0)).sum()).backward()
+
+    def closure() -> torch.Tensor:
+        opt.zero_grad()
+        loss = scaler.scale(model(_batch(0)).sum())
+        loss.backward()
+        return loss
+
+    with pytest.raises(RuntimeError, match="closure use is not supported"):
+        scaler.step(opt, closure) if positional else scaler.step(opt, closure=closure)
+
+
 def test_unscale_divides_grads_by_scale():
     model, opt = _model_and_opt()
     model(_batch(0)).sum().backward()
