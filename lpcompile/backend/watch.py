@@ -223,13 +223,21 @@ class CoverageWatch:
     """The parameters lowprec's graphs read until the end of ``root``'s next forward (hooks
     run only on a call that starts with one registered: where the root's call began with
     none, as ``torch.compile``'s wrapper and DDP's, that is the second forward). Then it
-    warns once, naming the modules no graph read (:func:`unread_modules`).
+    warns once, naming the modules no graph read (:func:`unread_modules`), but for those
+    under a submodule that is a watched root of its own (compiled apart, and called apart:
+    the encoder HF's ``generate`` calls before the model's ``forward``), which its watch names.
 
     A root compiled in place (``root.compile()``) gets no hook, which Dynamo would trace
     into its graph; its compiled call is wrapped instead, until that check."""
 
-    def __init__(self, root: torch.nn.Module, active: weakref.WeakSet[CoverageWatch]) -> None:
+    def __init__(
+        self,
+        root: torch.nn.Module,
+        active: weakref.WeakSet[CoverageWatch],
+        roots: weakref.WeakKeyDictionary[torch.nn.Module, CoverageWatch],
+    ) -> None:
         self.read: set[int] = set()
+        self._roots = roots  # every watched root: a submodule among them has a watch of its own
         # exclude patterns that matched a layer of one of the root's graphs, those warned
         # about, and those each graph compiled while the watch is active matched none of
         # (with the graph in words)
@@ -265,7 +273,15 @@ class CoverageWatch:
             self._handle.remove()
             self._handle = None
         self._active.discard(self)
-        missed = unread_modules(root, self.read)
+        model = unwrapped(root)[0]
+        apart = {id(unwrapped(r)[0]) for r in list(self._roots)} - {id(model)}
+        # an encoder compiled in place, which HF's generate calls before the model's forward
+        inner = [name for name, m in model.named_modules() if id(m) in apart]
+        missed = [
+            found
+            for found in unread_modules(root, self.read)
+            if not any(found[0] == name or found[0].startswith(name + ".") for name in inner)
+        ]
         self.read.clear()  # the ids of parameters freed later may be reused
         unused = {p for patterns, _ in self.unmatched_excludes for p in patterns}
         unused -= self.matched_excludes | self.warned_excludes
@@ -319,7 +335,7 @@ class CoverageWatches:
     def start(self, root: torch.nn.Module) -> None:
         """Watch ``root``'s next forward, unless it has been watched already."""
         if root not in self._by_root:
-            self._by_root[root] = CoverageWatch(root, self._active)
+            self._by_root[root] = CoverageWatch(root, self._active, self._by_root)
 
     def warn_unmatched_excludes(
         self, root: torch.nn.Module | None, patterns: tuple[str, ...], unused: list[str], graph: str

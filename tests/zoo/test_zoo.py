@@ -144,6 +144,29 @@ def test_exclude_matches_hf_module_names():
     assert "lm_head" not in layers and "model.layers.0.mlp.up_proj" in layers
 
 
+@pytest.mark.parametrize("encoder", [False, True], ids=["model", "model-and-encoder"])
+def test_an_encoder_decoders_generate_rounds_the_encoder_compiled_in_place(encoder):
+    """``generate`` calls the encoder itself, before the model's ``forward``: compiled in place
+    with the model, the encoder runs in lowprec graphs, and the model's watch leaves it to
+    the encoder's own; without it, the warning names the encoder."""
+    torch._dynamo.reset()  # compiled afresh: the watches start at a compile
+    torch.manual_seed(0)
+    model, inputs = hf_model("t5")
+    model.eval().compile(backend="lowprec", options=EAGER)
+    if encoder:
+        model.get_encoder().compile(backend="lowprec", options=EAGER)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model.generate(inputs["input_ids"], max_new_tokens=3, min_new_tokens=3, do_sample=False)
+        model.generate(inputs["input_ids"], max_new_tokens=3, min_new_tokens=3, do_sample=False)
+    unread = [str(w.message) for w in caught if "no lowprec graph read" in str(w.message)]
+    rounded = {row.layer.split(".")[0] for row in lpcompile.coverage(model)}
+    if encoder:
+        assert not unread and rounded == {"encoder", "decoder", "lm_head"}, (unread, rounded)
+    else:
+        assert len(unread) == 1 and "encoder.block.0" in unread[0] and rounded == {"decoder", "lm_head"}
+
+
 @pytest.mark.slow
 def test_hf_trainer_trains_a_model_compiled_before_it(tmp_path):
     """HF's Trainer compiles only with the backends accelerate lists: the model is compiled
