@@ -34,7 +34,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from lpcompile.backend.adaptive import AdaptiveScaleState, LayerTelemetry, check_saved_state
 from lpcompile.backend.distributed import unsharded_parameters
-from lpcompile.backend.watch import CoverageWatches, instance_of, module_name, unwrapped
+from lpcompile.backend.watch import CoverageWatches, instance_of, module_name, outermost_module, unwrapped
 from lpcompile.numerics.scale_grad import count_probe
 from lpcompile.passes.driver import PredictionInput, Site
 from lpcompile.passes.dynamo.loss_scale import AdaptiveLayout
@@ -197,10 +197,13 @@ class Registry:
         entry = self.entry(key)
         entry.graphs.add(graph_id)
         if (place := entry.places.get(graph_id)) is None:
-            # another graph of the same frame's module (a recompile) keeps where it was found
-            place = next((p for p in entry.places.values() if p.relative == relative), None)
+            path, module = instance_of(self.key(key), relative)
+            # a graph of a module placed before (a recompile, a block then called on its own)
+            # keeps where that module was found
+            running = module if module is not None else outermost_module()
+            running = None if running is None else unwrapped(running)[0]
+            place = next((p for p in entry.places.values() if p.instance and p.instance() is running), None)
             if place is None:
-                path, module = instance_of(self.key(key), relative)
                 place = Place(path, None if module is None else weakref.ref(module), relative)
             entry.places[graph_id] = place
         return place.path
@@ -488,9 +491,10 @@ class Registry:
     def named_graphs(self, model: torch.nn.Module) -> list[tuple[Entry, int, str | None]]:
         """The graphs of :meth:`model_entries`, each with its entry and the FQN in ``model``
         of the module whose frame ran it with that entry's parameter as its key ("" for
-        ``model`` itself; None where it ran with another key: an adaptive state keyed by a
-        layer's weight), in ``model``'s order of modules, then compile order. A block that
-        ran on its own at its first call is found in ``model`` by its parameter."""
+        ``model`` itself; None where no call placed it: not called yet, or with another key,
+        as an adaptive state keyed by a layer's weight), in ``model``'s order of modules,
+        then compile order. A block that ran on its own at its first call is found in
+        ``model`` by its parameter."""
         root = unwrapped(model)[0]
         order: dict[int, tuple[int, str]] = {}
         for name, module in root.named_modules():
@@ -544,9 +548,10 @@ def coverage(model: torch.nn.Module) -> list[LayerCoverage]:
     """Per product of ``model``'s compiled graphs: which roles were rounded, with which
     format and rounding, or why the product stays in higher precision."""
     runs: dict[int, list[str]] = {}  # graph id -> the modules that ran it (blocks share one)
-    for _, graph_id, name in REGISTRY.named_graphs(model):
-        if name is not None and name not in runs.setdefault(graph_id, []):
-            runs[graph_id].append(name)
+    for entry, graph_id, name in REGISTRY.named_graphs(model):
+        # (a graph compiled for this key and not yet called: its names are its frame's)
+        if graph_id in entry.graphs and (name or "") not in runs.setdefault(graph_id, []):
+            runs[graph_id].append(name or "")
     rows = []
     for record in REGISTRY.model_records(model):
         roles: dict[str, dict[str, str]] = {}

@@ -32,7 +32,7 @@ import sys
 import types
 import warnings
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -127,7 +127,9 @@ def instance_of(
     frame's ``self``), and that module's FQN in ``root`` (by default the outermost module
     running); ("", None) where it is ``root`` itself, or where none holds ``param`` so.
     Blocks compiled one by one run one graph, their parameters its inputs: this tells them
-    apart."""
+    apart. Where ``param`` is tied across modules that each read it as ``relative`` (the
+    embedding of an encoder's and a decoder's stack), the innermost of them running on the
+    Python stack is the one (without one running, the first)."""
     if relative is None:
         return "", None
     root = outermost_module() if root is None else root
@@ -143,14 +145,30 @@ def instance_of(
         for name, module in modules.items()
         if id(module) == owner
     ]
-    for name in names:
-        path = module_name(name)
-        if path == relative or path.endswith("." + relative):
-            path = path.removesuffix(relative).removesuffix(".")
-            if path:
-                found = next(m for n, m in modules.items() if module_name(n) == path)  # its parameter's
-                return path, unwrapped(found)[0]
-    return "", None
+    paths = [
+        path.removesuffix(relative).removesuffix(".")
+        for path in map(module_name, names)
+        if path == relative or path.endswith("." + relative)
+    ]
+    held = {}  # each path's module, by identity
+    for path in paths:
+        module = root if not path else next(m for n, m in modules.items() if module_name(n) == path)
+        held.setdefault(id(unwrapped(module)[0]), path)
+    path = next((p for p in paths if p), "")
+    if len(held) > 1:
+        running = (held.get(id(unwrapped(owner)[0])) for owner in module_selves(sys._getframe(1)))
+        path = next((p for p in running if p is not None), path)
+    if not path:
+        return "", None
+    found = next(m for n, m in modules.items() if module_name(n) == path)  # its parameter's
+    return path, unwrapped(found)[0]
+
+
+def module_selves(frame: types.FrameType) -> Iterator[torch.nn.Module]:
+    """The modules that are ``self`` of ``frame`` and of its callers, innermost first."""
+    for _, owner in calling_selves(frame, depth=None):
+        if isinstance(owner, torch.nn.Module):
+            yield owner
 
 
 def names_in_model(root: torch.nn.Module, pattern: str) -> bool:
@@ -223,9 +241,9 @@ class CoverageWatch:
     """The parameters lowprec's graphs read until the end of ``root``'s next forward (hooks
     run only on a call that starts with one registered: where the root's call began with
     none, as ``torch.compile``'s wrapper and DDP's, that is the second forward). Then it
-    warns once, naming the modules no graph read (:func:`unread_modules`), but for those
-    under a submodule that is a watched root of its own (compiled apart, and called apart:
-    the encoder HF's ``generate`` calls before the model's ``forward``), which its watch names.
+    warns once, naming the modules no graph read (:func:`unread_modules`) there, nor while
+    a submodule watched as a root of its own ran (compiled apart, and called apart: the
+    encoder HF's ``generate`` calls before the model's ``forward``).
 
     A root compiled in place (``root.compile()``) gets no hook, which Dynamo would trace
     into its graph; its compiled call is wrapped instead, until that check."""
@@ -237,6 +255,8 @@ class CoverageWatch:
         roots: weakref.WeakKeyDictionary[torch.nn.Module, CoverageWatch],
     ) -> None:
         self.read: set[int] = set()
+        # the root's parameters that were read, by id, kept at the check (while they live)
+        self.covered: dict[int, weakref.ref] = {}
         self._roots = roots  # every watched root: a submodule among them has a watch of its own
         # exclude patterns that matched a layer of one of the root's graphs, those warned
         # about, and those each graph compiled while the watch is active matched none of
@@ -263,6 +283,10 @@ class CoverageWatch:
 
         root._compiled_call_impl = call
 
+    def seen(self) -> set[int]:
+        """The ids of the parameters lowprec's graphs read while this watch was active."""
+        return self.read | {i for i, p in self.covered.items() if p() is not None}
+
     def check(self, root: torch.nn.Module, args: Any, kwargs: dict[str, Any], output: Any) -> None:
         """End the watch (at the end of ``root``'s forward, called with ``args`` and
         ``kwargs``): warn about the modules of ``root`` no graph read, and about the sparse
@@ -274,14 +298,14 @@ class CoverageWatch:
             self._handle = None
         self._active.discard(self)
         model = unwrapped(root)[0]
-        apart = {id(unwrapped(r)[0]) for r in list(self._roots)} - {id(model)}
-        # an encoder compiled in place, which HF's generate calls before the model's forward
-        inner = [name for name, m in model.named_modules() if id(m) in apart]
-        missed = [
-            found
-            for found in unread_modules(root, self.read)
-            if not any(found[0] == name or found[0].startswith(name + ".") for name in inner)
+        inner = [
+            watch
+            for r, watch in list(self._roots.items())
+            if (sub := unwrapped(r)[0]) is not model and any(m is sub for m in model.modules())
         ]
+        missed = unread_modules(root, self.read.union(*(watch.seen() for watch in inner)))
+        params = [*model.parameters(), *unsharded_parameters(root).values()]
+        self.covered.update((id(p), weakref.ref(p)) for p in params if id(p) in self.read)
         self.read.clear()  # the ids of parameters freed later may be reused
         unused = {p for patterns, _ in self.unmatched_excludes for p in patterns}
         unused -= self.matched_excludes | self.warned_excludes

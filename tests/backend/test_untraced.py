@@ -354,12 +354,43 @@ class TiedSeq2Seq(nn.Module):
         return self.head(torch.relu(self.decoder.layer(self.decoder.embed(ids) + memory)))
 
 
-def test_the_frames_of_a_weight_tied_across_modules_are_named_from_the_model():
+class TiedStack(nn.Module):
+    """A stack reading the tied embedding as its own ``embed``, with a graph break after
+    its first layer (T5's and Switch Transformers' encoder and decoder stacks, a decoder's
+    taking the encoder's output: Dynamo compiles a graph for each)."""
+
+    def __init__(self, embed: nn.Embedding, decoder: bool) -> None:
+        super().__init__()
+        self.embed, self.layer, self.decoder = embed, nn.Linear(8, 8), decoder
+
+    def forward(self, ids: torch.Tensor, memory: torch.Tensor | None = None) -> torch.Tensor:
+        h = self.layer(self.embed(ids) + memory if self.decoder else self.embed(ids))
+        torch._dynamo.graph_break()
+        return torch.relu(h)
+
+
+class TiedStacks(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.shared = nn.Embedding(16, 8)
+        self.encoder, self.decoder = TiedStack(self.shared, False), TiedStack(self.shared, True)
+        self.head = nn.Linear(8, 16, bias=False)
+        self.head.weight = self.shared.weight
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.decoder(ids, self.encoder(ids))
+        return self.head(h)
+
+
+@pytest.mark.parametrize("model", [TiedSeq2Seq, TiedStacks], ids=["seq2seq", "stacks"])
+def test_the_frames_of_a_weight_tied_across_modules_are_named_from_the_model(model):
     """Each frame whose first parameter is the tied weight is placed by its own module: the
     decoder and the head were named under the encoder (``encoder.decoder.layer``), whose
-    frame read the weight first."""
+    frame read the weight first; two stacks of one class, each reading it as its own
+    ``embed``, are told apart by which of them runs."""
+    model = model()
     torch._dynamo.reset()
-    model = TiedSeq2Seq()
     options = {**EAGER_SR, "saturation": "count"}
     run = torch.compile(model, backend="lowprec", options=options)
     run(torch.randint(0, 16, (4, 6))).sum().backward()

@@ -237,5 +237,6 @@ def test_a_second_optimizer_sums_the_statistics_once(tmp_path):
     held = [i for i, stats in enumerate(first[1]) if stats is not None]
     assert held, "no step held statistics"
     for i in held:
+        assert all(run[i] is not None for run in (second[1], first[2], second[2])), f"step {i}"
         assert torch.equal(first[1][i], second[1][i]), f"step {i}"  # summed over the ranks
         assert torch.equal(first[2][i], first[1][i]) and torch.equal(second[2][i], second[1][i]), f"step {i}"

@@ -976,8 +976,10 @@ def _quantize_calls(gm: torch.fx.GraphModule, ctx: CompileContext, calls: list[t
 
 
 def _gets_error(output: torch.fx.Node) -> bool:
-    """Whether a product's ``output`` gets a gradient, as its fake example says (an example
-    under ``torch.vmap``, a plain tensor, does not say: it does)."""
+    """Whether a product's ``output`` gets a gradient, as its fake example says. Unlike
+    :func:`needs_grad`, which reads any example, a missing error site is a silent FP32
+    error: an example that is not fake (under ``torch.vmap``, a plain tensor whose
+    ``requires_grad`` says nothing) keeps the site."""
     example = output.meta.get("example_value")
     return not isinstance(example, FakeTensor) or example.requires_grad
 
