@@ -107,8 +107,7 @@ class Place:
     """The module whose frame ran a graph for a model's parameter, found at its first call."""
 
     path: str  # its FQN in the outermost module running then ("": that module itself)
-    instance: weakref.ref | None  # the module, if not that outermost one (watch.instance_of)
-    relative: str | None  # the parameter's FQN from that module
+    module: weakref.ref | None  # the module (None: no module ran it, a compiled function)
 
 
 @dataclass
@@ -197,14 +196,12 @@ class Registry:
         entry = self.entry(key)
         entry.graphs.add(graph_id)
         if (place := entry.places.get(graph_id)) is None:
-            path, module = instance_of(self.key(key), relative)
-            # a graph of a module placed before (a recompile, a block then called on its own)
-            # keeps where that module was found
-            running = module if module is not None else outermost_module()
-            running = None if running is None else unwrapped(running)[0]
-            place = next((p for p in entry.places.values() if p.instance and p.instance() is running), None)
-            if place is None:
-                place = Place(path, None if module is None else weakref.ref(module), relative)
+            place = Place("", None)  # a graph keyed by no parameter: no module to find
+            if relative is not None:
+                path, module = instance_of(self.key(key), relative)
+                if module is None and (module := outermost_module()) is not None:
+                    module = unwrapped(module)[0]  # the frame's module is the outermost
+                place = Place(path, None if module is None else weakref.ref(module))
             entry.places[graph_id] = place
         return place.path
 
@@ -493,8 +490,8 @@ class Registry:
         of the module whose frame ran it with that entry's parameter as its key ("" for
         ``model`` itself; None where no call placed it: not called yet, or with another key,
         as an adaptive state keyed by a layer's weight), in ``model``'s order of modules,
-        then compile order. A block that ran on its own at its first call is found in
-        ``model`` by its parameter."""
+        then compile order. The module that ran it is found in ``model`` by identity (a
+        block that ran on its own at its first call too)."""
         root = unwrapped(model)[0]
         order: dict[int, tuple[int, str]] = {}
         for name, module in root.named_modules():
@@ -511,9 +508,7 @@ class Registry:
                 if (place := entry.places.get(graph_id)) is None:
                     found.append(((-1, graph_id), entry, graph_id, None))
                     continue
-                module = (
-                    instance_of(key, place.relative, root)[1] if place.instance is None else place.instance()
-                )
+                module = None if place.module is None else place.module()
                 (index, name) = order.get(id(module), (-1, ""))
                 found.append(((index, graph_id), entry, graph_id, name))
         return [

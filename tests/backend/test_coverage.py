@@ -75,3 +75,32 @@ def test_frozen_layers_list_the_backward_roles_their_backward_computes():
     # the forward's three, and the backward's: layer 4's error times its weight, layer 2's
     # weight gradient
     assert check.count == 5 and not check.off_grid
+
+
+class Teacher(nn.Module):
+    """A layer run under ``torch.no_grad()`` inside a training ``forward`` (a teacher's)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.teacher, self.student, self.head = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            target = self.teacher(x)
+        return self.head(torch.relu(self.student(x)) + target)
+
+
+def test_a_layer_under_no_grad_in_a_training_forward_lists_no_backward_roles():
+    """Its weight gets no gradient (listed as rounded, it was), and its output no error."""
+    model = Teacher()
+    check = GridCheck()
+    torch._dynamo.reset()
+    loss = torch.compile(model, backend=watched_backend(SR_EVERYWHERE, check))(torch.randn(4, 8)).sum()
+    with check:
+        loss.backward()
+    assert model.teacher.weight.grad is None
+    rows = {row.layer: set(row.quantized) for row in lpcompile.coverage(model)}
+    assert rows["teacher"] == {"activation", "weight"}
+    assert rows["student"] == {"activation", "weight", "error", "weight_grad"}
+    assert check.count == 3 + 3 and not check.off_grid  # the head's two and the student's one

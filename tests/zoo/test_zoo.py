@@ -209,7 +209,8 @@ def test_hf_trainer_trains_a_model_compiled_before_it(tmp_path):
 def test_peft_lora_runs_on_the_grid_with_peft_module_names():
     """PEFT's LoRA adapters on HF Llama: base layers and adapters on the grid, layer names
     the PeftModel's own (PEFT reaches its modules through a ``__getattr__`` of its own),
-    and no weight gradient to round for a frozen base weight."""
+    and no weight gradient to round for a frozen base weight; nor an error in the first
+    layer, where nothing before the base layer is trained."""
     peft = pytest.importorskip("peft")
     torch.manual_seed(0)
     model, inputs = hf_model("llama")
@@ -222,10 +223,11 @@ def test_peft_lora_runs_on_the_grid_with_peft_module_names():
     layers = {s.layer.split("#")[0] for s in sites}
     modules = {n for n, _ in model.named_modules()}
     assert layers <= modules, sorted(layers - modules)
-    q_proj = "base_model.model.model.layers.0.self_attn.q_proj"
+    q_proj = "base_model.model.model.layers.{}.self_attn.q_proj"
     roles = {layer: {s.role for s in sites if s.layer == layer} for layer in layers}
-    assert roles[f"{q_proj}.base_layer"] == {"activation", "weight", "error"}
-    assert roles[f"{q_proj}.lora_A.default"] == {"activation", "weight", "error", "weight_grad"}
+    assert roles[f"{q_proj.format(0)}.base_layer"] == {"activation", "weight"}
+    assert roles[f"{q_proj.format(1)}.base_layer"] == {"activation", "weight", "error"}
+    assert roles[f"{q_proj.format(0)}.lora_A.default"] == {"activation", "weight", "error", "weight_grad"}
 
 
 @pytest.mark.parametrize("implementation", ["grouped_mm", "batched_mm"])

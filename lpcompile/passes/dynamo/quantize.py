@@ -922,14 +922,15 @@ def _quantize_operand(
     call: torch.fx.Node,
     before: torch.fx.Node,
     computed_weight: bool = False,
+    backward: bool = True,
 ) -> torch.fx.Node:
     """``operand`` of the product ``call``, quantized (with its gradient, for a trained
-    weight) right before ``before``. A weight is a parameter, or (``computed_weight``) a
-    tensor computed from parameters."""
+    weight of a product with a ``backward``) right before ``before``. A weight is a
+    parameter, or (``computed_weight``) a tensor computed from parameters."""
     config, layer = ctx.config, layer_name(call)
     weight = computed_weight or weight_of(operand) is not None
     value = operand
-    if weight and config.weight_grad.enabled and needs_grad(operand) and torch.is_grad_enabled():
+    if weight and backward and config.weight_grad.enabled and needs_grad(operand) and torch.is_grad_enabled():
         spec = spec_for(call, config.weight_grad)
         value = _insert(gm, ctx, value, Role.WEIGHT_GRAD, layer, spec, True, before)
     role = Role.WEIGHT if weight else Role.ACTIVATION
@@ -951,6 +952,11 @@ def _quantize_calls(gm: torch.fx.GraphModule, ctx: CompileContext, calls: list[t
     for call in calls:
         check_operand_dtypes(call)
         layer = layer_name(call)
+        # (a graph compiled under no_grad has no backward: Dynamo guards on the grad mode; a
+        # product whose output gets no gradient, a frozen first layer's or one under a
+        # no_grad block, has no error and no weight gradient)
+        output = product_output(call)
+        backward = torch.is_grad_enabled() and output is not None and _gets_error(output)
         for index in product_operands(call):
             operand = call.args[index]
             if not isinstance(operand, torch.fx.Node):
@@ -962,13 +968,10 @@ def _quantize_calls(gm: torch.fx.GraphModule, ctx: CompileContext, calls: list[t
                     gathers.add(gather)
                     gather.update_arg(0, _quantize_operand(gm, ctx, gather.args[0], call, gather))
                 continue
-            value = _quantize_operand(gm, ctx, operand, call, call, operand in computed)
+            value = _quantize_operand(gm, ctx, operand, call, call, operand in computed, backward)
             if value is not operand:
                 call.update_arg(index, value)
-        # (a graph compiled under no_grad has no backward: Dynamo guards on the grad mode; a
-        # product of no operand that gets a gradient, a frozen first layer's, has no error)
-        output = product_output(call)
-        if config.error.enabled and torch.is_grad_enabled() and output is not None and _gets_error(output):
+        if config.error.enabled and backward:
             users = list(output.users)
             error = _insert(gm, ctx, output, Role.ERROR, layer, spec_for(call, config.error), True)
             for user in users:
