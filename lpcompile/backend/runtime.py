@@ -73,8 +73,13 @@ def model_key_name(gm: torch.fx.GraphModule) -> str | None:
 
 
 def model_key(args: Sequence[Any], index: int | None) -> torch.Tensor:
-    """The tensor that stands for the model in this call."""
-    return REGISTRY.no_model if index is None else REGISTRY.key(args[index])
+    """The tensor that stands for the model in this call: no model's where it was computed
+    in this call (an activation, the first input requiring grad of a frame without
+    parameters after a graph break, new at every call: its graphs count their calls per
+    stream and settings in the process, as those with no such input do)."""
+    if index is None or args[index].grad_fn is not None:
+        return REGISTRY.no_model
+    return REGISTRY.key(args[index])
 
 
 def compiled_model_key(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> torch.Tensor:

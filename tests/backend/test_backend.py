@@ -611,6 +611,31 @@ def test_functional_code_counts_per_trained_input():
     assert not torch.equal(runs[0][0], runs[0][2])  # batch 4 twice: steps 0 and 2, not one seed
 
 
+class ActivationProduct(nn.Module):
+    """A frame after a graph break whose products multiply activations only: no parameter
+    names its model, and its first input requiring grad is computed at every call."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x * self.scale  # no product: the same values at every call
+        torch._dynamo.graph_break()
+        return h @ h.T
+
+
+def test_a_graph_without_parameters_draws_new_bits_at_each_call():
+    """Keyed by its activation, new at every call, it counted from call 0 each time: the
+    same stochastic-rounding bits at every step."""
+    torch._dynamo.reset()
+    options = {"recipe": "fp8-e5m2-sr", "activation": {"rounding": "stochastic"}, **EAGER}
+    run = torch.compile(ActivationProduct(), backend="lowprec", options=options)
+    x = torch.randn(4, 8) * 3.3
+    outputs = [run(x) for _ in range(3)]
+    assert not any(torch.equal(outputs[0], later) for later in outputs[1:])
+
+
 def test_evaluation_under_no_grad_does_not_shift_the_training_bits():
     results = []
     for evaluate in (False, True):
