@@ -77,9 +77,14 @@ def model_key(args: Sequence[Any], index: int | None) -> torch.Tensor:
     in this call (an activation, the first input requiring grad of a frame without
     parameters after a graph break, new at every call: its graphs count their calls per
     stream and settings in the process, as those with no such input do)."""
-    if index is None or args[index].grad_fn is not None:
+    if index is None:
         return REGISTRY.no_model
-    return REGISTRY.key(args[index])
+    key = args[index]
+    return (
+        REGISTRY.no_model
+        if key.grad_fn is not None and not isinstance(key, FakeTensor)
+        else REGISTRY.key(key)
+    )
 
 
 def compiled_model_key(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> torch.Tensor:

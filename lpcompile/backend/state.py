@@ -107,7 +107,8 @@ class Place:
     """The module whose frame ran a graph for a model's parameter, found at its first call."""
 
     path: str  # its FQN in the outermost module running then ("": that module itself)
-    module: weakref.ref | None  # the module (None: no module ran it, a compiled function)
+    module: weakref.ref | None  # the module (None: not found, or no module ran it)
+    relative: str | None  # the parameter's FQN from that module (None: no parameter)
 
 
 @dataclass
@@ -196,12 +197,17 @@ class Registry:
         entry = self.entry(key)
         entry.graphs.add(graph_id)
         if (place := entry.places.get(graph_id)) is None:
-            place = Place("", None)  # a graph keyed by no parameter: no module to find
+            place = Place("", None, relative)  # a graph keyed by no parameter: no module to find
             if relative is not None:
                 path, module = instance_of(self.key(key), relative)
-                if module is None and (module := outermost_module()) is not None:
-                    module = unwrapped(module)[0]  # the frame's module is the outermost
-                place = Place(path, None if module is None else weakref.ref(module))
+                if module is None and (outer := outermost_module()) is not None:
+                    outer = unwrapped(outer)[0]  # the frame's module, where the outermost holds the key
+                    module = outer if any(p is self.key(key) for p in outer.parameters()) else None
+                # a graph of a module placed before (a recompile, a block then called on its
+                # own) keeps where that module was found first
+                held = (p for p in entry.places.values() if p.module is not None and p.module() is module)
+                place = next(held, None) if module is not None else None
+                place = place or Place(path, None if module is None else weakref.ref(module), relative)
             entry.places[graph_id] = place
         return place.path
 
@@ -491,7 +497,7 @@ class Registry:
         ``model`` itself; None where no call placed it: not called yet, or with another key,
         as an adaptive state keyed by a layer's weight), in ``model``'s order of modules,
         then compile order. The module that ran it is found in ``model`` by identity (a
-        block that ran on its own at its first call too)."""
+        block that ran on its own at its first call too), else by the key's name in it."""
         root = unwrapped(model)[0]
         order: dict[int, tuple[int, str]] = {}
         for name, module in root.named_modules():
@@ -509,6 +515,8 @@ class Registry:
                     found.append(((-1, graph_id), entry, graph_id, None))
                     continue
                 module = None if place.module is None else place.module()
+                if id(module) not in order:  # not found then, freed, or not in ``model``
+                    module = instance_of(key, place.relative, root)[1]
                 (index, name) = order.get(id(module), (-1, ""))
                 found.append(((index, graph_id), entry, graph_id, name))
         return [

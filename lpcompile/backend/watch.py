@@ -129,9 +129,10 @@ def instance_of(
     Blocks compiled one by one run one graph, their parameters its inputs: this tells them
     apart. Where ``param`` is tied across modules that each read it as ``relative`` (the
     embedding of an encoder's and a decoder's stack), the innermost of them running on the
-    Python stack is the one (without one running, the first)."""
+    Python stack is the one (without one running, or with ``root`` given, the first)."""
     if relative is None:
         return "", None
+    running = root is None
     root = outermost_module() if root is None else root
     if root is None:
         return "", None
@@ -155,9 +156,9 @@ def instance_of(
         module = root if not path else next(m for n, m in modules.items() if module_name(n) == path)
         held.setdefault(id(unwrapped(module)[0]), path)
     path = next((p for p in paths if p), "")
-    if len(held) > 1:
-        running = (held.get(id(unwrapped(owner)[0])) for owner in module_selves(sys._getframe(1)))
-        path = next((p for p in running if p is not None), path)
+    if len(held) > 1 and running:
+        on_stack = (held.get(id(unwrapped(owner)[0])) for owner in module_selves(sys._getframe(1)))
+        path = next((p for p in on_stack if p is not None), path)
     if not path:
         return "", None
     found = next(m for n, m in modules.items() if module_name(n) == path)  # its parameter's

@@ -148,3 +148,31 @@ def test_one_of_identical_blocks_compiled_with_options_of_its_own_is_kept_apart(
     assert check.count == 15 and sum(check.off_grid.values()) == sum(kept.values()), dict(check.products)
     rows = {row.layer: row.kept for row in lpcompile.coverage(model)}
     assert rows == {f"layers.{i}.{layer}": "exclude" if i == 0 else None for i in range(3) for layer in "ab"}
+
+
+class Student(nn.Module):
+    """A student whose ``forward`` runs a teacher held outside its modules (in a list, so
+    not registered), the teacher's blocks compiled one by one."""
+
+    def __init__(self, teacher: nn.Module) -> None:
+        super().__init__()
+        self.teacher = [teacher]
+        self.layer = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            target = self.teacher[0](x)
+        return (self.layer(x) - target).square().sum()
+
+
+def test_blocks_of_a_model_run_inside_another_are_named_from_their_own():
+    """The outermost module running (the student) does not hold the teacher's blocks: they
+    are found in the teacher (each was placed at the student, named ``""``, and all but
+    one dropped from its coverage)."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    teacher = nn.Sequential(ResidualBlock(), ResidualBlock())
+    for block in teacher:
+        block.compile(backend="lowprec", options=SR)
+    Student(teacher)(torch.randn(4, 8)).backward()
+    assert [row.layer for row in lpcompile.coverage(teacher)] == ["0.a", "0.b", "1.a", "1.b"]

@@ -104,3 +104,33 @@ def test_a_layer_under_no_grad_in_a_training_forward_lists_no_backward_roles():
     assert rows["teacher"] == {"activation", "weight"}
     assert rows["student"] == {"activation", "weight", "error", "weight_grad"}
     assert check.count == 3 + 3 and not check.off_grid  # the head's two and the student's one
+
+
+class Guided(nn.Module):
+    """A layer under ``torch.enable_grad()`` inside a ``forward`` called under ``no_grad``
+    (classifier guidance in a sampling loop): its product has a backward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.layer = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.enable_grad():
+            return self.layer(x)
+
+
+def test_a_layer_under_enable_grad_in_a_no_grad_call_rounds_its_backward():
+    """The graph compiles under no_grad, but the layer's output gets a gradient: its error
+    and weight gradient are rounded (they were not, and its backward ran off the grid)."""
+    model = Guided()
+    check = GridCheck()
+    torch._dynamo.reset()
+    run = torch.compile(model, backend=watched_backend(SR_EVERYWHERE, check))
+    with torch.no_grad():
+        out = run(torch.randn(4, 8))
+    with check:
+        out.square().sum().backward()
+    rows = {row.layer: set(row.quantized) for row in lpcompile.coverage(model)}
+    assert rows["layer"] == {"activation", "weight", "error", "weight_grad"}
+    assert check.count == 1 + 1 and not check.off_grid, dict(check.products)  # the weight gradient's

@@ -930,7 +930,7 @@ def _quantize_operand(
     config, layer = ctx.config, layer_name(call)
     weight = computed_weight or weight_of(operand) is not None
     value = operand
-    if weight and backward and config.weight_grad.enabled and needs_grad(operand) and torch.is_grad_enabled():
+    if weight and backward and config.weight_grad.enabled and needs_grad(operand):
         spec = spec_for(call, config.weight_grad)
         value = _insert(gm, ctx, value, Role.WEIGHT_GRAD, layer, spec, True, before)
     role = Role.WEIGHT if weight else Role.ACTIVATION
@@ -952,11 +952,10 @@ def _quantize_calls(gm: torch.fx.GraphModule, ctx: CompileContext, calls: list[t
     for call in calls:
         check_operand_dtypes(call)
         layer = layer_name(call)
-        # (a graph compiled under no_grad has no backward: Dynamo guards on the grad mode; a
-        # product whose output gets no gradient, a frozen first layer's or one under a
-        # no_grad block, has no error and no weight gradient)
+        # (a product whose output gets no gradient has no error and no weight gradient: one
+        # under no_grad, a frozen first layer's)
         output = product_output(call)
-        backward = torch.is_grad_enabled() and output is not None and _gets_error(output)
+        backward = output is not None and _gets_error(output)
         for index in product_operands(call):
             operand = call.args[index]
             if not isinstance(operand, torch.fx.Node):
@@ -966,7 +965,8 @@ def _quantize_calls(gm: torch.fx.GraphModule, ctx: CompileContext, calls: list[t
                 # gather, so that it is rounded once and its summed gradient is rounded whole
                 if gather not in gathers:
                     gathers.add(gather)
-                    gather.update_arg(0, _quantize_operand(gm, ctx, gather.args[0], call, gather))
+                    rounded = _quantize_operand(gm, ctx, gather.args[0], call, gather, backward=backward)
+                    gather.update_arg(0, rounded)
                 continue
             value = _quantize_operand(gm, ctx, operand, call, call, operand in computed, backward)
             if value is not operand:
@@ -979,12 +979,14 @@ def _quantize_calls(gm: torch.fx.GraphModule, ctx: CompileContext, calls: list[t
 
 
 def _gets_error(output: torch.fx.Node) -> bool:
-    """Whether a product's ``output`` gets a gradient, as its fake example says. Unlike
-    :func:`needs_grad`, which reads any example, a missing error site is a silent FP32
-    error: an example that is not fake (under ``torch.vmap``, a plain tensor whose
-    ``requires_grad`` says nothing) keeps the site."""
+    """Whether a product's ``output`` gets a gradient, as its fake example says (under the
+    grad mode where it ran: an ``enable_grad`` block of a frame entered under ``no_grad``
+    has a backward). Unlike :func:`needs_grad`, which reads any example, a missing error
+    site is a silent FP32 error: without a fake example (under ``torch.vmap``, a plain
+    tensor whose ``requires_grad`` says nothing) the grad mode the graph compiled under
+    decides (Dynamo guards on it)."""
     example = output.meta.get("example_value")
-    return not isinstance(example, FakeTensor) or example.requires_grad
+    return example.requires_grad if isinstance(example, FakeTensor) else torch.is_grad_enabled()
 
 
 def _quantize_function(gm: torch.fx.GraphModule, ctx: CompileContext, call: torch.fx.Node) -> None:
