@@ -922,7 +922,8 @@ def _quantize_operand(
     call: torch.fx.Node,
     before: torch.fx.Node,
     computed_weight: bool = False,
-    backward: bool = True,
+    *,
+    backward: bool,
 ) -> torch.fx.Node:
     """``operand`` of the product ``call``, quantized (with its gradient, for a trained
     weight of a product with a ``backward``) right before ``before``. A weight is a
@@ -968,7 +969,7 @@ def _quantize_calls(gm: torch.fx.GraphModule, ctx: CompileContext, calls: list[t
                     rounded = _quantize_operand(gm, ctx, gather.args[0], call, gather, backward=backward)
                     gather.update_arg(0, rounded)
                 continue
-            value = _quantize_operand(gm, ctx, operand, call, call, operand in computed, backward)
+            value = _quantize_operand(gm, ctx, operand, call, call, operand in computed, backward=backward)
             if value is not operand:
                 call.update_arg(index, value)
         if config.error.enabled and backward:
