@@ -34,7 +34,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from lpcompile.backend.adaptive import AdaptiveScaleState, LayerTelemetry, check_saved_state
 from lpcompile.backend.distributed import unsharded_parameters
-from lpcompile.backend.watch import CoverageWatches, instance_of, module_name, outermost_module, unwrapped
+from lpcompile.backend.watch import CoverageWatches, instance_of, module_name, running_holder, unwrapped
 from lpcompile.numerics.scale_grad import count_probe
 from lpcompile.passes.driver import PredictionInput, Site
 from lpcompile.passes.dynamo.loss_scale import AdaptiveLayout
@@ -190,19 +190,18 @@ class Registry:
 
     def instance_path(self, key: torch.Tensor, graph_id: int, relative: str | None) -> str:
         """Note a call of graph ``graph_id`` for ``key``'s model, and return that model's FQN in
-        the outermost module running at the first call of a graph of its frame ("" for that
-        module itself): blocks compiled one by one share a graph, and this tells them apart
-        (their random streams, their layers' names). A key tied across modules (an embedding
-        shared with the head) names the graphs of each module's frame: each is placed apart."""
+        the outermost module running that holds ``key``, at the first call of a graph of its
+        frame ("" for that module itself): blocks compiled one by one share a graph, and
+        this tells them apart (their random streams, their layers' names). A key tied across
+        modules (an embedding shared with the head) names the graphs of each module's frame:
+        each is placed apart."""
         entry = self.entry(key)
         entry.graphs.add(graph_id)
         if (place := entry.places.get(graph_id)) is None:
             place = Place("", None, relative)  # a graph keyed by no parameter: no module to find
             if relative is not None:
                 path, module = instance_of(self.key(key), relative)
-                if module is None and (outer := outermost_module()) is not None:
-                    outer = unwrapped(outer)[0]  # the frame's module, where the outermost holds the key
-                    module = outer if any(p is self.key(key) for p in outer.parameters()) else None
+                module = module or running_holder(self.key(key))  # the frame's: the outermost
                 # a graph of a module placed before (a recompile, a block then called on its
                 # own) keeps where that module was found first
                 held = (p for p in entry.places.values() if p.module is not None and p.module() is module)

@@ -125,7 +125,8 @@ def instance_of(
 ) -> tuple[str, torch.nn.Module | None]:
     """The module whose graph's frame reads ``param`` as ``relative`` (its FQN from that
     frame's ``self``), and that module's FQN in ``root`` (by default the outermost module
-    running); ("", None) where it is ``root`` itself, or where none holds ``param`` so.
+    running that holds ``param``: :func:`running_holder`); ("", None) where it is ``root``
+    itself, or where none holds ``param`` so.
     Blocks compiled one by one run one graph, their parameters its inputs: this tells them
     apart. Where ``param`` is tied across modules that each read it as ``relative`` (the
     embedding of an encoder's and a decoder's stack), the innermost of them running on the
@@ -133,7 +134,7 @@ def instance_of(
     if relative is None:
         return "", None
     running = root is None
-    root = outermost_module() if root is None else root
+    root = running_holder(param) if root is None else root
     if root is None:
         return "", None
     root = unwrapped(root)[0]
@@ -163,6 +164,19 @@ def instance_of(
         return "", None
     found = next(m for n, m in modules.items() if module_name(n) == path)  # its parameter's
     return path, unwrapped(found)[0]
+
+
+def running_holder(param: torch.Tensor) -> torch.nn.Module | None:
+    """The outermost module on the Python stack that holds ``param`` (or FSDP2's unsharded
+    stand-in for it), unwrapped: a teacher's blocks run inside a student that does not hold
+    them are its own; None without one."""
+    found = None
+    for owner in module_selves(sys._getframe(1)):
+        module = unwrapped(owner)[0]
+        held = [*module.parameters(), *unsharded_parameters(module).values()]
+        if any(p is param for p in held):
+            found = module
+    return found
 
 
 def module_selves(frame: types.FrameType) -> Iterator[torch.nn.Module]:

@@ -180,6 +180,22 @@ def weight_operand(node: torch.fx.Node) -> torch.fx.Node | None:
     return None
 
 
+def has_backward(gm: torch.fx.GraphModule) -> bool:
+    """Whether a backward may run through ``gm``: compiled under grad mode (Dynamo guards on
+    it), or under ``no_grad`` with an output it computes that requires grad, as its fake
+    example says (an ``enable_grad`` block inside the frame)."""
+    if torch.is_grad_enabled():
+        return True
+    outputs = torch.utils._pytree.tree_leaves(gm.graph.output_node().args)
+    return any(
+        isinstance(o, torch.fx.Node)
+        and o.op not in ("placeholder", "get_attr")
+        and isinstance(example := o.meta.get("example_value"), FakeTensor)
+        and example.requires_grad
+        for o in outputs
+    )
+
+
 def needs_grad(value: object) -> bool:
     """Whether the graph value ``value`` gets a gradient (as far as its example says: a
     frozen weight, an input batch, a symbolic size and anything under ``no_grad`` do not)."""

@@ -3,9 +3,11 @@ or why it stays in higher precision, for every recipe (not only adaptive ones)."
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn.functional as F
-from grid import SR_EVERYWHERE, GridCheck, watched_backend
+from grid import SR_EVERYWHERE, GridCheck, on_e5m2_grid, watched_backend
+from models import LinearFunction
 from torch import nn
 
 import lpcompile
@@ -108,29 +110,37 @@ def test_a_layer_under_no_grad_in_a_training_forward_lists_no_backward_roles():
 
 class Guided(nn.Module):
     """A layer under ``torch.enable_grad()`` inside a ``forward`` called under ``no_grad``
-    (classifier guidance in a sampling loop): its product has a backward."""
+    (classifier guidance in a sampling loop): its product has a backward. ``function``: the
+    product a custom ``torch.autograd.Function``'s."""
 
-    def __init__(self) -> None:
+    def __init__(self, function: bool) -> None:
         super().__init__()
         torch.manual_seed(0)
-        self.layer = nn.Linear(8, 8)
+        self.layer, self.function = nn.Linear(8, 8, bias=False), function
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         with torch.enable_grad():
-            return self.layer(x)
+            return LinearFunction.apply(x, self.layer.weight) if self.function else self.layer(x)
 
 
-def test_a_layer_under_enable_grad_in_a_no_grad_call_rounds_its_backward():
+@pytest.mark.parametrize("function", [False, True], ids=["linear", "function"])
+def test_a_layer_under_enable_grad_in_a_no_grad_call_rounds_its_backward(function):
     """The graph compiles under no_grad, but the layer's output gets a gradient: its error
-    and weight gradient are rounded (they were not, and its backward ran off the grid)."""
-    model = Guided()
+    and weight gradient are rounded and counted (they were not, and its backward ran off
+    the grid)."""
+    model = Guided(function)
     check = GridCheck()
     torch._dynamo.reset()
-    run = torch.compile(model, backend=watched_backend(SR_EVERYWHERE, check))
+    options = {**SR_EVERYWHERE, "saturation": "count"}
+    run = torch.compile(model, backend=watched_backend(options, check))
     with torch.no_grad():
         out = run(torch.randn(4, 8))
     with check:
         out.square().sum().backward()
-    rows = {row.layer: set(row.quantized) for row in lpcompile.coverage(model)}
-    assert rows["layer"] == {"activation", "weight", "error", "weight_grad"}
-    assert check.count == 1 + 1 and not check.off_grid, dict(check.products)  # the weight gradient's
+    assert check.count >= 2 and not check.off_grid, dict(check.products)  # the backward's too
+    assert on_e5m2_grid(model.layer.weight.grad)
+    counted = {row.role for row in lpcompile.saturation(model) if row.calls}
+    assert {"error", "weight_grad"} <= counted or function, counted  # (a Function's counts none)
+    if not function:
+        rows = {row.layer: set(row.quantized) for row in lpcompile.coverage(model)}
+        assert rows["layer"] == {"activation", "weight", "error", "weight_grad"}

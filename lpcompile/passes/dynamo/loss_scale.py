@@ -63,6 +63,7 @@ from lpcompile.passes.graph import (
     LINEAR_TARGETS,
     SCALE_GRAD,
     base_of,
+    has_backward,
     is_function_call,
     layer_name,
     needs_grad,
@@ -187,8 +188,9 @@ def recording_mode(ctx: CompileContext) -> str:
 
 
 def loss_scale_applies(gm: torch.fx.GraphModule, ctx: CompileContext, kind: str) -> bool:
-    """``loss_scale="adaptive"``, in a graph with a backward (not one compiled under no_grad)."""
-    return ctx.config.loss_scale == "adaptive" and torch.is_grad_enabled()
+    """``loss_scale="adaptive"``, in a graph with a backward (not one compiled under no_grad,
+    but for an ``enable_grad`` block in it: :func:`has_backward`)."""
+    return ctx.config.loss_scale == "adaptive" and has_backward(gm)
 
 
 def insert_loss_scale(gm: torch.fx.GraphModule, ctx: CompileContext) -> None:

@@ -66,6 +66,7 @@ from lpcompile.passes.graph import (
     computed_from_parameters,
     find_calls,
     gather_of_parameter,
+    has_backward,
     is_attention,
     is_function_call,
     is_layer_call,
@@ -942,7 +943,6 @@ def _quantize_operand(
 
 def _quantize_calls(gm: torch.fx.GraphModule, ctx: CompileContext, calls: list[torch.fx.Node]) -> None:
     config = ctx.config
-    gathers: set[torch.fx.Node] = set()
     # found before any quantize is inserted: those read lowprec's seed, an input of no parameter
     computed = {
         operand
@@ -950,13 +950,18 @@ def _quantize_calls(gm: torch.fx.GraphModule, ctx: CompileContext, calls: list[t
         for operand in map(call.args.__getitem__, product_operands(call))
         if isinstance(operand, torch.fx.Node) and computed_from_parameters(operand)
     }
+    # (a product whose output gets no gradient has no error and no weight gradient: one
+    # under no_grad, a frozen first layer's; a weight gathered for several products gets
+    # one where any of them does)
+    backward = {call: (output := product_output(call)) is not None and _gets_error(output) for call in calls}
+    gathers: dict[torch.fx.Node, bool] = {}  # the gathers of a parameter read, and their backward
+    for call in calls:
+        for operand in map(call.args.__getitem__, product_operands(call)):
+            if isinstance(operand, torch.fx.Node) and (gather := gather_of_parameter(operand)) is not None:
+                gathers[gather] = gathers.get(gather, False) or backward[call]
     for call in calls:
         check_operand_dtypes(call)
         layer = layer_name(call)
-        # (a product whose output gets no gradient has no error and no weight gradient: one
-        # under no_grad, a frozen first layer's)
-        output = product_output(call)
-        backward = output is not None and _gets_error(output)
         for index in product_operands(call):
             operand = call.args[index]
             if not isinstance(operand, torch.fx.Node):
@@ -964,15 +969,19 @@ def _quantize_calls(gm: torch.fx.GraphModule, ctx: CompileContext, calls: list[t
             if (gather := gather_of_parameter(operand)) is not None:
                 # the weight picked per token (experts): quantize the whole parameter before the
                 # gather, so that it is rounded once and its summed gradient is rounded whole
-                if gather not in gathers:
-                    gathers.add(gather)
-                    rounded = _quantize_operand(gm, ctx, gather.args[0], call, gather, backward=backward)
+                if gather in gathers:
+                    rounded = _quantize_operand(
+                        gm, ctx, gather.args[0], call, gather, backward=gathers.pop(gather)
+                    )
                     gather.update_arg(0, rounded)
                 continue
-            value = _quantize_operand(gm, ctx, operand, call, call, operand in computed, backward=backward)
+            value = _quantize_operand(
+                gm, ctx, operand, call, call, operand in computed, backward=backward[call]
+            )
             if value is not operand:
                 call.update_arg(index, value)
-        if config.error.enabled and backward:
+        if config.error.enabled and backward[call]:
+            output = product_output(call)
             users = list(output.users)
             error = _insert(gm, ctx, output, Role.ERROR, layer, spec_for(call, config.error), True)
             for user in users:
@@ -985,9 +994,11 @@ def _gets_error(output: torch.fx.Node) -> bool:
     has a backward). Unlike :func:`needs_grad`, which reads any example, a missing error
     site is a silent FP32 error: without a fake example (under ``torch.vmap``, a plain
     tensor whose ``requires_grad`` says nothing) the grad mode the graph compiled under
-    decides (Dynamo guards on it)."""
+    decides (:func:`has_backward`)."""
     example = output.meta.get("example_value")
-    return example.requires_grad if isinstance(example, FakeTensor) else torch.is_grad_enabled()
+    return (
+        example.requires_grad if isinstance(example, FakeTensor) else has_backward(output.graph.owning_module)
+    )
 
 
 def _quantize_function(gm: torch.fx.GraphModule, ctx: CompileContext, call: torch.fx.Node) -> None:
@@ -1006,7 +1017,7 @@ def _quantize_function(gm: torch.fx.GraphModule, ctx: CompileContext, call: torc
     forward, backward = function_bodies(gm, call)
     _take_views_inside(forward, call)
     rounded = _round_body_operands(forward, ctx, layer, set(), {})
-    if torch.is_grad_enabled():  # (compiled under no_grad, its backward never runs)
+    if has_backward(gm):  # (compiled under no_grad, its backward never runs)
         spec = config.weight_grad
         inputs = forward.graph.find_nodes(op="placeholder")[: len(call.args) - 2]
         multiplied = {

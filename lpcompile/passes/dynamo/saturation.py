@@ -31,7 +31,7 @@ from lpcompile.passes.dynamo.quantize import (
     graph_input,
     nodes_in_run_order,
 )
-from lpcompile.passes.graph import FUNCTION_APPLY, inline, is_function_call, needs_grad
+from lpcompile.passes.graph import FUNCTION_APPLY, has_backward, inline, is_function_call, needs_grad
 
 QUANTIZE = torch.ops.lowprec.quantize.default
 QUANTIZE_GRAD = torch.ops.lowprec.quantize_grad.default
@@ -79,7 +79,7 @@ def insert_saturation_counts(gm: torch.fx.GraphModule, ctx: CompileContext) -> N
         (outputs,) = output.args
         output.args = ((*outputs, counts),)
         gm.recompile()
-    if torch.is_grad_enabled():
+    if has_backward(gm):
         _count_gradients(gm, ctx)
 
 
