@@ -201,7 +201,8 @@ class Registry:
             place = Place("", None, relative)  # a graph keyed by no parameter: no module to find
             if relative is not None:
                 path, module = instance_of(self.key(key), relative)
-                module = module or running_holder(self.key(key))  # the frame's: the outermost
+                if module is None:  # the frame's module is the outermost
+                    module = running_holder(self.key(key))
                 # a graph of a module placed before (a recompile, a block then called on its
                 # own) keeps where that module was found first
                 held = (p for p in entry.places.values() if p.module is not None and p.module() is module)

@@ -173,6 +173,8 @@ def running_holder(param: torch.Tensor) -> torch.nn.Module | None:
     found = None
     for owner in module_selves(sys._getframe(1)):
         module = unwrapped(owner)[0]
+        if "_parameters" not in vars(module):  # (in its __init__, before Module's)
+            continue
         held = [*module.parameters(), *unsharded_parameters(module).values()]
         if any(p is param for p in held):
             found = module

@@ -182,16 +182,16 @@ def weight_operand(node: torch.fx.Node) -> torch.fx.Node | None:
 
 def has_backward(gm: torch.fx.GraphModule) -> bool:
     """Whether a backward may run through ``gm``: compiled under grad mode (Dynamo guards on
-    it), or under ``no_grad`` with an output it computes that requires grad, as its fake
-    example says (an ``enable_grad`` block inside the frame)."""
+    it), or under ``no_grad`` with an output its autograd graph computes, as its example
+    says (an ``enable_grad`` block inside the frame; not a view of a parameter, which
+    requires grad under ``no_grad`` too)."""
     if torch.is_grad_enabled():
         return True
     outputs = torch.utils._pytree.tree_leaves(gm.graph.output_node().args)
     return any(
         isinstance(o, torch.fx.Node)
-        and o.op not in ("placeholder", "get_attr")
-        and isinstance(example := o.meta.get("example_value"), FakeTensor)
-        and example.requires_grad
+        and isinstance(example := o.meta.get("example_value"), torch.Tensor)
+        and example.grad_fn is not None
         for o in outputs
     )
 
