@@ -156,6 +156,7 @@ def _blocks_one_by_one(rank: int) -> dict:
     return found
 
 
+@pytest.mark.slow
 def test_identical_blocks_compiled_one_by_one_and_split_scale_apart(tmp_path):
     """Each block's pieces chain on their own, also where the first piece scales nothing:
     the split blocks take the scales of the blocks' whole graphs."""
