@@ -315,6 +315,32 @@ def test_trainer_crosses_stages_with_skip_connections():
         torch.testing.assert_close(p, q)
 
 
+class ActivationStage(nn.Module):
+    """A second stage without parameters that multiplies activations only."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x * self.scale  # no product
+        pipe_split()
+        return (h.mT @ h)[:1, :3]
+
+
+def test_a_stage_without_parameters_draws_new_bits_at_each_step():
+    """Its graph was keyed by its input, a new leaf at every step: it counted from call 0
+    each time, and the same sample, with unchanged weights, took the same bits."""
+    torch.manual_seed(0)
+    x, y = torch.randn(1, 8) * 0.37, torch.tensor([1])
+    options = {"executor": "eager", "recipe": "fp8-e5m2-sr", "activation": {"rounding": "stochastic"}}
+    trainer = PipelinedTrainer(ActivationStage(), x, lr=0.0, compile=options)
+    for _ in range(4):
+        trainer.step(x, y)
+    trainer.drain()
+    assert len(set(trainer.losses)) > 1
+
+
 def test_symbolic_shapes_give_symbolic_costs():
     model = MLP(16, 32, 32, 4)
     options = {"executor": "eager", "pipeline": {"stages": 2}}

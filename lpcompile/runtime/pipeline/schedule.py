@@ -221,6 +221,9 @@ class Stage:
     trained: list[bool]  # which state entries are slots of trained parameters
     inputs: list[TensorMeta | None] = field(default_factory=list)  # layouts of what it receives
     queue: deque = field(default_factory=deque)
+    # what the registry keys the stage's per-model state by where no parameter does (a stage
+    # without parameters: its graphs would be keyed by their first input, new at every call)
+    key: torch.Tensor = field(default_factory=lambda: torch.empty(0))
 
 
 def build_stage(
@@ -254,14 +257,16 @@ def _slot(param: torch.Tensor) -> nn.Parameter:
     return slot
 
 
-def grad_inputs(values: Sequence[Any]) -> list[Any]:
-    """Detached copies of a message; floating tensors become leaves that collect their gradient."""
+def grad_inputs(values: Sequence[Any], key: torch.Tensor) -> list[Any]:
+    """Detached copies of a message; floating tensors become leaves that collect their
+    gradient, standing for ``key`` in the registry (the stage's call counts stay with it)."""
     out = []
     for v in values:
         if isinstance(v, torch.Tensor):
             v = v.detach()
             if v.is_floating_point():
                 v.requires_grad_(True)
+                REGISTRY.alias(v, key)
         out.append(v)
     return out
 
@@ -379,7 +384,7 @@ class StageRunner:
             for slot, p in zip(slots, stage.params, strict=True):
                 slot.data.copy_(self.optimizer.predicted_weight(p))
                 slot.grad = None
-        inputs = values if stage.index == 0 else grad_inputs(values)
+        inputs = values if stage.index == 0 else grad_inputs(values, stage.key)
         calls = {id(s): s.calls for s in REGISTRY.adaptive_states()} if self.adaptive else {}
         with torch.enable_grad(), stage.random.active():
             outputs = stage.runner(*state, *inputs)
@@ -472,7 +477,7 @@ class StageRunner:
                     continue  # a value that is not a tensor: no stand-in; it compiles at its first call
                 else:
                     device = next((p.device for p in stage.params), None) or _device_of(first_inputs)
-                    inputs = grad_inputs([_zeros(m, device) for m in stage.inputs])
+                    inputs = grad_inputs([_zeros(m, device) for m in stage.inputs], stage.key)
                 state = stage.ring[0]
                 slots = [v for v, t in zip(state, stage.trained, strict=True) if t]
                 with torch.no_grad():
