@@ -102,6 +102,11 @@ def check_streams_state(saved: Any) -> None:
                 )
 
 
+def _counts(rows: list[list[Any]]) -> dict[StepCounter, int]:
+    """Saved call-count rows (checked by :func:`check_streams_state`) as counts by counter."""
+    return {(int(s), c, g): int(n) for s, c, g, n in rows}
+
+
 @dataclass(frozen=True)
 class Place:
     """The module whose frame ran a graph for a model's parameter, found at its first call."""
@@ -140,6 +145,7 @@ class Registry:
         # the key of graphs that take no parameter (functional code): they count per
         # stream and settings in the process
         self.no_model = torch.empty(0)
+        self._owned = WeakIdKeyDictionary()  # keys whose call counts their owner saves (owned_key)
         self._deferred: list[dict[str, Any]] = []  # saved adaptive states awaiting their graphs
         # saved (digest, counts) no model has taken yet
         self._saved_steps: list[tuple[str, dict[StepCounter, int]]] = []
@@ -159,6 +165,23 @@ class Registry:
     def key(self, tensor: torch.Tensor) -> torch.Tensor:
         """The parameter that stands for ``tensor`` in the registry (itself, or what it aliases)."""
         return self._aliases.get(tensor, tensor)
+
+    def owned_key(self) -> torch.Tensor:
+        """A new key for state its owner saves and loads itself (:meth:`steps_state`): a
+        pipeline stage without parameters, which no weights tell from a stale copy.
+        :meth:`streams_state` leaves its counts out, and loaded streams never go to it."""
+        key = torch.empty(0)
+        self._owned[key] = True
+        return key
+
+    def steps_state(self, key: torch.Tensor) -> list[list[Any]]:
+        """The call counts of ``key``'s graphs, as rows of :meth:`streams_state`."""
+        entry = self._entries.get(self.key(key))
+        return [] if entry is None else [[*counter, count] for counter, count in entry.steps.items()]
+
+    def load_steps_state(self, key: torch.Tensor, saved: list[list[Any]]) -> None:
+        """Restore :meth:`steps_state` into ``key``'s graphs."""
+        self.entry(key).steps = collections.Counter(_counts(saved))
 
     def alias(self, stand_in: torch.Tensor, param: torch.Tensor) -> None:
         """Let ``stand_in`` share ``param``'s state (a copy the model's graphs read instead)."""
@@ -220,7 +243,7 @@ class Registry:
                 "steps": [[*counter, count] for counter, count in entry.steps.items()],
             }
             for key, entry in list(self._entries.items())
-            if entry.steps
+            if entry.steps and key not in self._owned
         ]
 
     def load_streams_state(self, saved: list[dict[str, Any]] | None) -> None:
@@ -231,9 +254,7 @@ class Registry:
             self._saved_steps, self._restart_warning = [], True
             return
         check_streams_state(saved)
-        self._saved_steps = [
-            (model["model"], {(int(s), c, g): int(n) for s, c, g, n in model["steps"]}) for model in saved
-        ]
+        self._saved_steps = [(model["model"], _counts(model["steps"])) for model in saved]
         self._looked_up = WeakIdKeyDictionary()
         self._restart_warning = False
         for key, entry in list(self._entries.items()):
@@ -246,7 +267,7 @@ class Registry:
         have them, and only that one for a model alive at the load (``live``: it may be
         the saved model's stale copy). Warn when none has them."""
         key = self.key(key)
-        if key in self._looked_up:
+        if key in self._looked_up or key in self._owned:
             return
         found = [i for i, (_, steps) in enumerate(self._saved_steps) if streams & {s for s, _, _ in steps}]
         if len(found) > 1 or (found and live):

@@ -341,6 +341,53 @@ def test_a_stage_without_parameters_draws_new_bits_at_each_step():
     assert len(set(trainer.losses)) > 1
 
 
+class ActivationMiddle(nn.Module):
+    """Three stages, the middle one without parameters."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.c = nn.Linear(8, 8), nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        pipe_split()
+        h = h @ (h.mT @ h) * 0.1
+        pipe_split()
+        return self.c(h)
+
+
+def test_a_stage_without_parameters_resumes_in_a_trainer_beside_the_one_that_saved():
+    """Its counts, keyed by no weights, went to the saving trainer's stage, still alive,
+    where a model's go to the copy whose weights match."""
+    import copy
+
+    options = {"executor": "eager", "recipe": "fp8-e5m2-sr", "activation": {"rounding": "stochastic"}}
+    data = torch.Generator().manual_seed(7)
+    xs, ys = torch.randn(10, 1, 8, generator=data), torch.randint(0, 4, (10, 1), generator=data)
+
+    def make() -> tuple[nn.Module, PipelinedTrainer]:
+        torch.manual_seed(0)
+        model = ActivationMiddle()
+        return model, PipelinedTrainer(model, xs[0], lr=0.05, momentum=0.9, compile=options, seed=1)
+
+    def feed(trainer: PipelinedTrainer, xs: torch.Tensor, ys: torch.Tensor) -> list[float]:
+        done = len(trainer.losses)
+        for x, y in zip(xs, ys, strict=True):
+            trainer.step(x, y)
+        trainer.drain()
+        return trainer.losses[done:]
+
+    first_model, first = make()
+    feed(first, xs[:5], ys[:5])
+    saved, weights = copy.deepcopy(first.state_dict()), copy.deepcopy(first_model.state_dict())
+    continued = feed(first, xs[5:], ys[5:])
+    model, resumed = make()
+    model.load_state_dict(weights)
+    resumed.load_state_dict(saved)
+    assert feed(resumed, xs[5:], ys[5:]) == continued
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), first_model.parameters(), strict=True))
+
+
 def test_symbolic_shapes_give_symbolic_costs():
     model = MLP(16, 32, 32, 4)
     options = {"executor": "eager", "pipeline": {"stages": 2}}

@@ -222,8 +222,9 @@ class Stage:
     inputs: list[TensorMeta | None] = field(default_factory=list)  # layouts of what it receives
     queue: deque = field(default_factory=deque)
     # what the registry keys the stage's per-model state by where no parameter does (a stage
-    # without parameters: its graphs would be keyed by their first input, new at every call)
-    key: torch.Tensor = field(default_factory=lambda: torch.empty(0))
+    # without parameters: its graphs would be keyed by their first input, new at every call);
+    # the trainer saves its call counts
+    key: torch.Tensor = field(default_factory=REGISTRY.owned_key)
 
 
 def build_stage(

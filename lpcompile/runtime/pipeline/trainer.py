@@ -63,6 +63,7 @@ Not done: BatchNorm (refused).
 
 from __future__ import annotations
 
+import functools
 import types
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -440,6 +441,7 @@ class PipelinedTrainer:
                 index: scale.state_dict() for index, scale in self._scales().items() if scale is not None
             },
             "random": {stage.index: stage.random.state_dict() for stage in self.stages},
+            "stage_streams": {stage.index: REGISTRY.steps_state(stage.key) for stage in self.stages},
         }
         if self._ranks is not None:
             state["params"] = {name: p.detach().clone() for name, p in self._owned_parameters()}
@@ -473,6 +475,7 @@ class PipelinedTrainer:
             load_params = self._params_loader(state_dict["params"])
         load_scales = self._scales_loader(state_dict.get("loss_scales", {}))
         load_random = self._random_loader(state_dict["random"])
+        load_stage_streams = self._stage_streams_loader(state_dict.get("stage_streams"))
         if load_params is not None:
             load_params()  # first: the saved stream counts find their model by its weights
         load_adaptive = REGISTRY.adaptive_loader(state_dict["adaptive"], self._adaptive_model())
@@ -481,8 +484,26 @@ class PipelinedTrainer:
         self._last_fed = None
         REGISTRY.load_streams_state(state_dict["streams"])
         load_adaptive()
-        for load in (*load_scales, *load_random):
+        for load in (*load_scales, *load_random, *load_stage_streams):
             load()
+
+    def _stage_streams_loader(self, saved: Any) -> list[Callable[[], None]]:
+        """What loads the call counts the stages' own keys hold (stages without parameters);
+        none from a state dict saved before it held them (those stages restart their counts)."""
+        if saved is None:
+            return []
+        indices = [stage.index for stage in self.stages]
+        if not isinstance(saved, dict) or sorted(saved) != indices:
+            have = sorted(saved) if isinstance(saved, dict) else type(saved).__name__
+            raise ValueError(
+                f"the state dict's 'stage_streams' must hold the call counts of stages {indices}, "
+                f"it holds {have}"
+            )
+        check_streams_state([{"model": "", "steps": saved[index]} for index in indices])
+        return [
+            functools.partial(REGISTRY.load_steps_state, stage.key, saved[stage.index])
+            for stage in self.stages
+        ]
 
     def _random_loader(self, saved: Any) -> list[Callable[[], None]]:
         indices = [stage.index for stage in self.stages]
