@@ -12,6 +12,8 @@ state dicts of ``LossScaler``, ``MasterWeightOptimizer`` and ``PipelinedTrainer`
 Saved counts find their model by its graphs' random streams (hashes of their
 layers), and among models with the same streams by a digest of the first
 parameter's values, which a resumed model has again once its weights are loaded.
+A key whose owner saves its counts itself (:meth:`Registry.owned_key`: a pipeline
+stage without parameters, which no weights tell from a stale copy) stays out of that.
 """
 
 from __future__ import annotations

@@ -155,6 +155,16 @@ def resumable(case: str, phase: str, distributed: bool, folder: Path, rank: int 
             state["streams"] = []
         if phase == "rest-unseeded":
             state["random"] = pipeline.state_dict()["random"]
+        if phase == "rest" and distributed:  # a bad state dict changes nothing, weights included
+            before = [p.detach().clone() for p in pipeline.model.parameters()]
+            zeros = {name: torch.zeros_like(p) for name, p in state["params"].items()}
+            try:
+                pipeline.load_state_dict({**state, "params": zeros, "adaptive": [{"bogus": 1}]})
+            except ValueError:
+                pass
+            else:
+                raise AssertionError("a bad 'adaptive' entry was loaded")
+            assert all(torch.equal(a, b) for a, b in zip(before, pipeline.model.parameters(), strict=True))
         pipeline.load_state_dict(state)
     pipeline.fit(x[half:], y[half:], seed=4)
     return pipeline.full_state_dict()

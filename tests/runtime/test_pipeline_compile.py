@@ -386,6 +386,9 @@ def test_a_stage_without_parameters_resumes_in_a_trainer_beside_the_one_that_sav
     resumed.load_state_dict(saved)
     assert feed(resumed, xs[5:], ys[5:]) == continued
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), first_model.parameters(), strict=True))
+    # a state dict saved before it held the stages' counts restarts them (they stayed)
+    first.load_state_dict({key: value for key, value in saved.items() if key != "stage_streams"})
+    assert REGISTRY.steps_state(first.stages[1].key) == []
 
 
 def test_symbolic_shapes_give_symbolic_costs():

@@ -170,7 +170,8 @@ def test_a_world_size_that_does_not_fit_is_refused_before_any_work(monkeypatch):
 @pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_drain_save_and_resume_in_fresh_processes_equals_the_uninterrupted_run(tmp_path, world):
     """The uninterrupted run (drained at the same point) is the simulator's, which the
-    ranks equal bit for bit (tested above)."""
+    ranks equal bit for bit (tested above). A bad state dict changes nothing: a rank's
+    weights loaded before the adaptive states were checked."""
     case = "fp8-sr-dropout"  # stochastic rounding and dropout: call counts and streams resume
     for phase in ("first", "rest", "rest-old", "rest-unseeded"):
         assert launch("rank_resume", world, tmp_path, case, phase, deadline=300) == [0] * world, phase

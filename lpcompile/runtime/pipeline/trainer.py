@@ -476,10 +476,10 @@ class PipelinedTrainer:
         load_scales = self._scales_loader(state_dict.get("loss_scales", {}))
         load_random = self._random_loader(state_dict["random"])
         load_stage_streams = self._stage_streams_loader(state_dict.get("stage_streams"))
-        if load_params is not None:
-            load_params()  # first: the saved stream counts find their model by its weights
         load_adaptive = REGISTRY.adaptive_loader(state_dict["adaptive"], self._adaptive_model())
-        self.optimizer.load_state_dict(state_dict["optimizer"])
+        self.optimizer.load_state_dict(state_dict["optimizer"])  # (checked before it loads)
+        if load_params is not None:
+            load_params()  # before the streams: the saved counts find their model by its weights
         self.steps, self.samples = int(state_dict["steps"]), int(state_dict["samples"])
         self._last_fed = None
         REGISTRY.load_streams_state(state_dict["streams"])
@@ -489,9 +489,9 @@ class PipelinedTrainer:
 
     def _stage_streams_loader(self, saved: Any) -> list[Callable[[], None]]:
         """What loads the call counts the stages' own keys hold (stages without parameters);
-        none from a state dict saved before it held them (those stages restart their counts)."""
+        from a state dict saved before it held them, what restarts those counts."""
         if saved is None:
-            return []
+            return [functools.partial(REGISTRY.load_steps_state, stage.key, []) for stage in self.stages]
         indices = [stage.index for stage in self.stages]
         if not isinstance(saved, dict) or sorted(saved) != indices:
             have = sorted(saved) if isinstance(saved, dict) else type(saved).__name__
@@ -499,7 +499,11 @@ class PipelinedTrainer:
                 f"the state dict's 'stage_streams' must hold the call counts of stages {indices}, "
                 f"it holds {have}"
             )
-        check_streams_state([{"model": "", "steps": saved[index]} for index in indices])
+        for index in indices:
+            try:
+                check_streams_state([{"model": "", "steps": saved[index]}])
+            except ValueError as error:
+                raise ValueError(f"the state dict's 'stage_streams' of stage {index}: {error}") from None
         return [
             functools.partial(REGISTRY.load_steps_state, stage.key, saved[stage.index])
             for stage in self.stages
