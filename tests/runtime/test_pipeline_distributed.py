@@ -16,6 +16,7 @@ from __future__ import annotations
 import pytest
 import torch
 from pipeline_ranks import CASES, launch, reports, resumable, train
+from torch.distributed.pipelining import pipe_split
 
 from lpcompile.runtime.pipeline import PipelinedTrainer
 from lpcompile.runtime.pipeline.distributed import Layout, check_world_size
@@ -142,6 +143,23 @@ def test_a_hung_rank_ends_the_run_within_the_timeout(tmp_path):
     _fault(tmp_path, 4, victim=2, how="stop", timeout=4.0)
 
 
+class IdleSecondStage(torch.nn.Module):
+    """Four stages, the second without parameters."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4), torch.nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        pipe_split()
+        h = torch.tanh(h)
+        pipe_split()
+        h = self.b(h)
+        pipe_split()
+        return self.c(h)
+
+
 def test_a_world_size_that_does_not_fit_is_refused_before_any_work(monkeypatch):
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("LOCAL_RANK", "0")
@@ -159,6 +177,10 @@ def test_a_world_size_that_does_not_fit_is_refused_before_any_work(monkeypatch):
     with pytest.raises(ValueError, match=r"8 ranks cannot run a pipeline of 4 stages"):
         PipelinedTrainer(model, torch.randn(1, 4), stages=4, lr=0.1, distributed=True)
     assert check_world_size(2, 4) == 2 and check_world_size(4, 4) == 1
+    # a rank whose stages hold no trained parameter: every rank failed building its optimizer
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    with pytest.raises(ValueError, match=r"ranks \[1\] would run stages \[\[1\]\], which hold no trained"):
+        PipelinedTrainer(IdleSecondStage(), torch.randn(1, 4), lr=0.1, distributed=True, setup_timeout=5.0)
     monkeypatch.delenv("MASTER_PORT")
     with pytest.raises(ValueError, match="torchrun's environment \\(missing MASTER_PORT\\)"):
         PipelinedTrainer(model, torch.randn(1, 4), stages=2, lr=0.1, distributed=True)

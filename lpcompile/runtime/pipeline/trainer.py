@@ -257,12 +257,13 @@ class PipelinedTrainer:
         local = range(num_stages) if ranks is None else ranks.stages(num_stages)
         #: this process's rank and the number of ranks (0 and 1 in the simulator)
         self.rank, self.world_size = (0, 1) if ranks is None else (ranks.rank, ranks.world_size)
-        if ranks is not None:
-            _check_messages(graphs, local)
-            agreed = {"loss_scale": repr(scaling), "seed": seed}
-            ranks.join(setup_timeout, {**_summary(self.partition, graphs), **agreed})
         trained = {id(p): p for p in model.parameters() if p.requires_grad}
         placeholders = {n.name: n for n in gm.graph.find_nodes(op="placeholder")}
+        if ranks is not None:
+            _check_messages(graphs, local)
+            _check_ranks_train(graphs, placeholders, trained, ranks.world_size)
+            agreed = {"loss_scale": repr(scaling), "seed": seed}
+            ranks.join(setup_timeout, {**_summary(self.partition, graphs), **agreed})
         #: the stages this process runs (all of them in the simulator)
         self.stages: list[Stage] = []
         for index in local:
@@ -636,6 +637,25 @@ class _Feed:
 
     def flush(self) -> None:
         pass
+
+
+def _check_ranks_train(
+    graphs: Sequence[StageGraph], placeholders: dict[str, torch.fx.Node], trained: dict[int, Any], world: int
+) -> None:
+    """Distributed: refuse, on every rank before joining, stages placed so that a rank's
+    hold no trained parameter (its optimizer would have none)."""
+    per_rank = len(graphs) // world
+
+    def trains(graph: StageGraph) -> bool:
+        return any(id(placeholders[name].meta[KEPT_GRAPHARG].example) in trained for name in graph.state)
+
+    idle = [r for r in range(world) if not any(map(trains, graphs[r * per_rank : (r + 1) * per_rank]))]
+    if idle:
+        stages = [list(range(r * per_rank, (r + 1) * per_rank)) for r in idle]
+        raise ValueError(
+            f"ranks {idle} would run stages {stages}, which hold no trained parameter: place the "
+            "boundaries so that each rank's stages hold one, or run fewer ranks"
+        )
 
 
 def _check_messages(graphs: Sequence[StageGraph], local: range) -> None:
