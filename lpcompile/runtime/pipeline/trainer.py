@@ -261,7 +261,7 @@ class PipelinedTrainer:
         placeholders = {n.name: n for n in gm.graph.find_nodes(op="placeholder")}
         if ranks is not None:
             _check_messages(graphs, local)
-            _check_ranks_train(graphs, placeholders, trained, ranks.world_size)
+            _check_ranks_train(graphs, placeholders, trained, len(local))
             agreed = {"loss_scale": repr(scaling), "seed": seed}
             ranks.join(setup_timeout, {**_summary(self.partition, graphs), **agreed})
         #: the stages this process runs (all of them in the simulator)
@@ -493,13 +493,7 @@ class PipelinedTrainer:
         from a state dict saved before it held them, what restarts those counts."""
         if saved is None:
             return [functools.partial(REGISTRY.load_steps_state, stage.key, []) for stage in self.stages]
-        indices = [stage.index for stage in self.stages]
-        if not isinstance(saved, dict) or sorted(saved) != indices:
-            have = sorted(saved) if isinstance(saved, dict) else type(saved).__name__
-            raise ValueError(
-                f"the state dict's 'stage_streams' must hold the call counts of stages {indices}, "
-                f"it holds {have}"
-            )
+        indices = self._check_by_stage(saved, "stage_streams", "the call counts")
         for index in indices:
             try:
                 check_streams_state([{"model": "", "steps": saved[index]}])
@@ -510,13 +504,19 @@ class PipelinedTrainer:
             for stage in self.stages
         ]
 
-    def _random_loader(self, saved: Any) -> list[Callable[[], None]]:
+    def _check_by_stage(self, saved: Any, key: str, what: str) -> list[int]:
+        """This process's stage indices, which the state dict's ``key`` (``what`` of each
+        stage) must have as its keys; else ``ValueError``."""
         indices = [stage.index for stage in self.stages]
         if not isinstance(saved, dict) or sorted(saved) != indices:
             have = sorted(saved) if isinstance(saved, dict) else type(saved).__name__
             raise ValueError(
-                f"the state dict's 'random' must hold the random streams of stages {indices}, it holds {have}"
+                f"the state dict's {key!r} must hold {what} of stages {indices}, it holds {have}"
             )
+        return indices
+
+    def _random_loader(self, saved: Any) -> list[Callable[[], None]]:
+        self._check_by_stage(saved, "random", "the random streams")
         return [stage.random.loader(saved[stage.index], stage.index) for stage in self.stages]
 
     def _scales_loader(self, saved: Any) -> list[Callable[[], None]]:
@@ -640,11 +640,14 @@ class _Feed:
 
 
 def _check_ranks_train(
-    graphs: Sequence[StageGraph], placeholders: dict[str, torch.fx.Node], trained: dict[int, Any], world: int
+    graphs: Sequence[StageGraph],
+    placeholders: dict[str, torch.fx.Node],
+    trained: dict[int, Any],
+    per_rank: int,
 ) -> None:
     """Distributed: refuse, on every rank before joining, stages placed so that a rank's
-    hold no trained parameter (its optimizer would have none)."""
-    per_rank = len(graphs) // world
+    (``per_rank`` of them each) hold no trained parameter (its optimizer would have none)."""
+    world = len(graphs) // per_rank
 
     def trains(graph: StageGraph) -> bool:
         return any(id(placeholders[name].meta[KEPT_GRAPHARG].example) in trained for name in graph.state)
