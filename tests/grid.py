@@ -86,6 +86,13 @@ def _on_scaled_lines(lines: torch.Tensor) -> torch.Tensor:
     return on_grid
 
 
+def tensorwise_cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``t`` scaled to ``dtype``'s range, cast with torch, scaled back in FP32 (torchao's formula)."""
+    largest = torch.finfo(dtype).max
+    scale = (largest / t.abs().max().double().clamp(min=AMAX_FLOOR)).float()
+    return (t.float() * scale).clamp(-largest, largest).to(dtype).float() / scale
+
+
 def on_scaled_fp8_grid(t: torch.Tensor) -> bool:
     """Every value is on the scaled grid of :func:`_on_scaled_lines`, with the factor of the
     tensor's largest magnitude: what a tensor rounded with tensorwise scaling and divided back

@@ -247,6 +247,13 @@ def per_tensor(scaling: str) -> str:
     return scaling.replace("rowwise", "tensorwise")
 
 
+def divides_back_exactly(scaling: str) -> bool:
+    """Whether values rounded with ``scaling``'s factors and divided back by them are the
+    format's values times powers of two (no scaling, the ``_pow2`` and MX scalings): a
+    float16 or bfloat16 tensor holds them as they are."""
+    return scaling == "none" or scaling.endswith("_pow2") or scaling in MX_MODES
+
+
 def mx_factor(amax, target: FloatFormat, mode: str = "floor", ops=rng.TorchOps):
     """The factor (one over the E8M0 scale) of an MX block whose largest magnitude is
     ``amax`` (FP32), for the element format ``target`` (its largest value ``largest``), as

@@ -589,9 +589,7 @@ def inline(
         out = fn(**proxies)
     out = map_aggregate(out, lambda a: a.node if isinstance(a, torch.fx.Proxy) else a)
     new = [n for n in gm.graph.nodes if n not in before]
-    values = [a.meta.get("example_value") for a in node.all_input_nodes]
-    # the example values' own mode (the graph's copy may carry another in its context)
-    fake_mode = next((v.fake_mode for v in values if isinstance(v, FakeTensor)), None)
+    fake_mode = _fake_mode(node)
     for made in new:
         made.meta["nn_module_stack"] = dict(node.meta.get("nn_module_stack") or {})
         made.meta["stack_trace"] = node.meta.get("stack_trace")
@@ -599,6 +597,34 @@ def inline(
             with fake_mode:
                 made.meta["example_value"] = _example(made)
     return out
+
+
+def _fake_mode(node: torch.fx.Node) -> Any:
+    """The fake mode of ``node``'s inputs' example values (the graph's copy may carry
+    another in its context), or ``None``."""
+    values = [a.meta.get("example_value") for a in node.all_input_nodes]
+    return next((v.fake_mode for v in values if isinstance(v, FakeTensor)), None)
+
+
+def refresh_example(node: torch.fx.Node) -> None:
+    """Compute ``node``'s example value again from its inputs' (its arguments changed)."""
+    if (fake_mode := _fake_mode(node)) is not None:
+        with fake_mode:
+            node.meta["example_value"] = _example(node)
+
+
+def cast_to(
+    value: torch.fx.Node, dtype: torch.dtype, layer_call: torch.fx.Node, before: torch.fx.Node | None = None
+) -> torch.fx.Node:
+    """``value.to(dtype)``, right before ``before`` (else right after ``value``), a node of
+    ``layer_call``'s module with its example value."""
+    graph = value.graph
+    with graph.inserting_before(before) if before is not None else graph.inserting_after(value):
+        node = graph.call_method("to", (value, dtype))
+    node.meta["nn_module_stack"] = dict(layer_call.meta.get("nn_module_stack") or {})
+    node.meta["stack_trace"] = layer_call.meta.get("stack_trace")
+    refresh_example(node)
+    return node
 
 
 def _example(node: torch.fx.Node) -> Any:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import fnmatch
+import operator
 import warnings
 from collections.abc import Callable, Iterable
 
@@ -30,9 +31,10 @@ import torch.fx
 import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensor
 
-from lpcompile.config import QuantSpec, Role
+from lpcompile.config import ROLES, LowPrecConfig, QuantSpec, Role
 from lpcompile.numerics.quantize import (
     FLOAT_DTYPES,
+    divides_back_exactly,
     is_rowwise,
     is_tiled,
     part_dtype,
@@ -59,10 +61,12 @@ from lpcompile.passes.graph import (
     FLEX_ATTENTION,
     FUNCTION_APPLY,
     LIBRARY_PRODUCTS,
+    LINEAR_TARGETS,
     OPERAND_NAMES,
     SCALE_GRAD,
     append_input,
     base_of,
+    cast_to,
     computed_from_parameters,
     find_calls,
     gather_of_parameter,
@@ -78,6 +82,7 @@ from lpcompile.passes.graph import (
     product_operands,
     product_output,
     recompile_bodies,
+    refresh_example,
     shown_name,
     state_name,
     weight_of,
@@ -925,13 +930,14 @@ def _quantize_operand(
     computed_weight: bool = False,
     *,
     backward: bool,
+    upcast: bool = False,
 ) -> torch.fx.Node:
     """``operand`` of the product ``call``, quantized (with its gradient, for a trained
-    weight of a product with a ``backward``) right before ``before``. A weight is a
-    parameter, or (``computed_weight``) a tensor computed from parameters."""
+    weight of a product with a ``backward``) right before ``before``, in FP32 if ``upcast``.
+    A weight is a parameter, or (``computed_weight``) a tensor computed from parameters."""
     config, layer = ctx.config, layer_name(call)
     weight = computed_weight or weight_of(operand) is not None
-    value = operand
+    value = cast_to(operand, torch.float32, call, before) if upcast else operand
     if weight and backward and config.weight_grad.enabled and needs_grad(operand):
         spec = spec_for(call, config.weight_grad)
         value = _insert(gm, ctx, value, Role.WEIGHT_GRAD, layer, spec, True, before)
@@ -962,6 +968,7 @@ def _quantize_calls(gm: torch.fx.GraphModule, ctx: CompileContext, calls: list[t
     for call in calls:
         check_operand_dtypes(call)
         layer = layer_name(call)
+        upcast = computes_in_fp32(call, config)
         for index in product_operands(call):
             operand = call.args[index]
             if not isinstance(operand, torch.fx.Node):
@@ -971,21 +978,112 @@ def _quantize_calls(gm: torch.fx.GraphModule, ctx: CompileContext, calls: list[t
                 # gather, so that it is rounded once and its summed gradient is rounded whole
                 if gather in gathers:
                     rounded = _quantize_operand(
-                        gm, ctx, gather.args[0], call, gather, backward=gathers.pop(gather)
+                        gm, ctx, gather.args[0], call, gather, backward=gathers.pop(gather), upcast=upcast
                     )
                     gather.update_arg(0, rounded)
+                    refresh_example(gather)
                 continue
             value = _quantize_operand(
-                gm, ctx, operand, call, call, operand in computed, backward=backward[call]
+                gm, ctx, operand, call, call, operand in computed, backward=backward[call], upcast=upcast
             )
             if value is not operand:
                 call.update_arg(index, value)
+        output = result = product_output(call)
+        users = list(output.users) if output is not None else []
+        bias = _take_bias(call) if _adds_bias_after(call, config) else None
+        if upcast:
+            dtype = call.meta["example_value"].dtype
+            _upcast_other_arguments(call)
+            refresh_example(call)
         if config.error.enabled and backward[call]:
-            output = product_output(call)
-            users = list(output.users)
-            error = _insert(gm, ctx, output, Role.ERROR, layer, spec_for(call, config.error), True)
-            for user in users:
-                user.replace_input_with(output, error)
+            result = _insert(gm, ctx, output, Role.ERROR, layer, spec_for(call, config.error), True)
+        if upcast:
+            result = cast_to(result, dtype, call)
+        if bias is not None:
+            result = _add_bias(result, bias, call)
+        for user in users:
+            user.replace_input_with(output, result)
+
+
+def computes_in_fp32(call: torch.fx.Node, config: LowPrecConfig) -> bool:
+    """Whether the product ``call`` of float16 or bfloat16 operands runs in FP32: a role
+    rounded for it has factors that are no powers of two, so that its values divided back
+    are no 16-bit values. Its rounded operands stay FP32 and its result is cast back, as an
+    FP8 GEMM applies the factors in FP32 and rounds only its result (and as torchao's
+    float8 training emulates it). Under autocast, and in other libraries' operators (which
+    may take 16-bit operands only), the product runs as it is."""
+    example = call.meta.get("example_value")
+    if not isinstance(example, torch.Tensor) or product_output(call) is not call:
+        return False
+    if isinstance(call.target, torch._ops.OpOverload) and call.target.namespace != "aten":
+        return False
+    if isinstance(call.target, torch._ops.OpOverloadPacket) and not call.target._qualified_op_name.startswith(
+        "aten::"
+    ):
+        return False
+    operands = [call.args[i] for i in product_operands(call) if i < len(call.args)]
+    if not any(isinstance(o, torch.fx.Node) for o in operands) or not all(map(_in_16_bits, operands)):
+        return False
+    if runs_under_autocast(call, example.device.type):
+        return False
+    specs = [spec_for(call, config.spec(role)) for role in ROLES]
+    specs += [getattr(config, name) for name in config.per_matmul]
+    return any(spec.enabled and not divides_back_exactly(spec.scaling) for spec in specs)
+
+
+def _in_16_bits(arg: object) -> bool:
+    """Whether ``arg`` is a graph value of a float16 or bfloat16 tensor."""
+    value = arg.meta.get("example_value") if isinstance(arg, torch.fx.Node) else None
+    return isinstance(value, torch.Tensor) and value.dtype in (torch.float16, torch.bfloat16)
+
+
+def _bias_of(call: torch.fx.Node) -> object:
+    return call.args[2] if len(call.args) > 2 else call.kwargs.get("bias")
+
+
+def _adds_bias_after(call: torch.fx.Node, config: LowPrecConfig) -> bool:
+    """Whether the linear layer ``call`` adds its bias to its product's result (error site
+    and cast back included), not inside the product: under a scaled rounding of one of its
+    roles, torchao's float8 recipes, which add it so."""
+    if call.target not in LINEAR_TARGETS or not isinstance(_bias_of(call), torch.fx.Node):
+        return False
+    specs = (spec_for(call, config.spec(role)) for role in ROLES)
+    return any(spec.enabled and spec.scaling != "none" for spec in specs)
+
+
+def _take_bias(call: torch.fx.Node) -> torch.fx.Node:
+    """The linear layer ``call``'s bias, taken out of the call."""
+    bias = _bias_of(call)
+    if len(call.args) > 2:
+        call.update_arg(2, None)
+    else:
+        call.update_kwarg("bias", None)
+    return bias
+
+
+def _upcast_other_arguments(call: torch.fx.Node) -> None:
+    """Cast ``call``'s 16-bit tensor arguments that are no product operands (a bias, an
+    attention mask) to FP32."""
+    operands = set(product_operands(call))
+    for index, arg in enumerate(call.args):
+        if index not in operands and _in_16_bits(arg):
+            call.update_arg(index, cast_to(arg, torch.float32, call, call))
+    for key, arg in call.kwargs.items():
+        if _in_16_bits(arg):
+            call.update_kwarg(key, cast_to(arg, torch.float32, call, call))
+
+
+def _add_bias(result: torch.fx.Node, bias: torch.fx.Node, call: torch.fx.Node) -> torch.fx.Node:
+    """``result + bias`` in ``result``'s dtype (autocast's, for an FP32 bias), a node of
+    ``call``'s module right after ``result``."""
+    with result.graph.inserting_after(result):
+        added = result.graph.call_function(operator.add, (result, bias))
+    if (dtype := result.meta["example_value"].dtype) != bias.meta["example_value"].dtype:
+        added.update_arg(1, cast_to(bias, dtype, call, added))
+    added.meta["nn_module_stack"] = dict(call.meta.get("nn_module_stack") or {})
+    added.meta["stack_trace"] = call.meta.get("stack_trace")
+    refresh_example(added)
+    return added
 
 
 def _gets_error(output: torch.fx.Node) -> bool:

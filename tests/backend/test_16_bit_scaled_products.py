@@ -1,0 +1,123 @@
+"""Scaled products of float16 and bfloat16 models: a scaling whose factors are no powers of
+two gives rounded operands that are no 16-bit values, so the product runs in FP32 and only
+its result is rounded to the model's dtype, as an FP8 GEMM (and torchao's emulation of one)
+computes it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tests.grid import GridCheck, grid_step, on_scaled_fp8_grid, tensorwise_cast
+
+aten = torch.ops.aten
+DTYPES = [torch.bfloat16, torch.float16]
+
+
+def _mlp(dtype: torch.dtype) -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 32)).to(dtype)
+
+
+def _step(model: nn.Module, x: torch.Tensor, options: dict) -> torch.Tensor:
+    torch._dynamo.reset()
+    out = torch.compile(model, backend="lowprec", options=options)(x)
+    out.float().square().mean().backward()
+    return out.detach()
+
+
+@pytest.mark.parametrize(
+    ("recipe", "executor"),
+    [
+        ("fp8-tensorwise", "inductor"),
+        ("fp8-tensorwise", "eager"),
+        # bfloat16 products (power-of-two factors), whose bias addition Inductor would fuse
+        # into the matmul (addmm), one rounding fewer than torchao's eager step
+        ("fp8-rowwise", "eager"),
+    ],
+)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_a_16_bit_step_equals_torchao_float8_training(dtype, recipe, executor):
+    """Biases included: torchao adds them after the product, in the model's dtype."""
+    float8 = pytest.importorskip("torchao.float8")
+    x = torch.randn(16, 64, generator=torch.Generator().manual_seed(1)).to(dtype)
+    model = _mlp(dtype)
+    out = _step(model, x, {"recipe": recipe, "executor": executor})
+    config = float8.Float8LinearConfig.from_recipe_name(recipe.removeprefix("fp8-"))
+    config = float8.Float8LinearConfig(**{**config.__dict__, "emulate": True})
+    peer = float8.convert_to_float8_training(_mlp(dtype), config=config)
+    expected = peer(x)
+    expected.float().square().mean().backward()
+    assert out.dtype == dtype
+    assert torch.equal(out, expected.detach())
+    for (name, p), q in zip(model.named_parameters(), peer.parameters(), strict=True):
+        assert p.grad.dtype == dtype
+        assert torch.equal(p.grad, q.grad), name
+
+
+class _Products(GridCheck):
+    """The dtypes of the float operands of every product that ran, by op."""
+
+    def __init__(self) -> None:
+        super().__init__(on_grid=lambda t: t.dtype != torch.float32 or on_scaled_fp8_grid(t))
+        self.dtypes: dict[str, set[torch.dtype]] = {}
+
+    def record(self, func, args):
+        super().record(func, args)
+        if func in (aten.mm.default, aten.addmm.default, aten.bmm.default, aten.convolution.default):
+            floats = (a for a in args if isinstance(a, torch.Tensor) and a.is_floating_point())
+            self.dtypes.setdefault(func.overloadpacket.__name__, set()).update(a.dtype for a in floats)
+
+
+class _Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3, padding=1)
+        self.proj = nn.Linear(8, 8)
+        self.w = nn.Parameter(torch.randn(8, 8) / 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.conv(x).flatten(2).transpose(1, 2)  # (batch, 16 positions, 8 channels)
+        return torch.einsum("bsd,de->bse", self.proj(h), self.w)
+
+
+@pytest.mark.parametrize(
+    ("recipe", "product_dtype"),
+    [
+        ("fp8-tensorwise", torch.float32),
+        ("nvfp4", torch.float32),
+        ("fp8-blockwise", torch.float32),
+        # power-of-two factors: the rounded operands are bfloat16 values
+        ("fp8-rowwise", torch.bfloat16),
+        ("mxfp8", torch.bfloat16),
+        ("fp8-e5m2-sr", torch.bfloat16),
+    ],
+)
+def test_products_run_in_fp32_where_the_factors_are_no_powers_of_two(recipe, product_dtype):
+    torch.manual_seed(0)
+    model = _Block().to(torch.bfloat16)
+    x = torch.randn(2, 3, 4, 4, dtype=torch.bfloat16)
+    check = grid_step(model, {"x": x}, {"recipe": recipe, "executor": "eager"}, _Products())
+    assert set(check.dtypes) >= {"convolution", "bmm"} and check.dtypes.keys() & {"mm", "addmm"}
+    assert all(dtypes == {product_dtype} for dtypes in check.dtypes.values()), check.dtypes
+    if recipe == "fp8-tensorwise":  # (the others' factors are per row or block)
+        assert not check.off_grid
+    assert all(p.grad.dtype == torch.bfloat16 and p.grad.isfinite().all() for p in model.parameters())
+
+
+def test_attention_with_a_16_bit_mask_equals_torch_casts_in_fp32():
+    """The mask, no product operand, is cast to FP32 with the operands."""
+    q, k, v = torch.randn(3, 2, 4, 16, 8, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
+    mask = torch.randn(16, 16, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+
+    def attention(q, k, v, mask):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+    torch._dynamo.reset()
+    out = torch.compile(attention, backend="lowprec", options={"recipe": "fp8-tensorwise"})(q, k, v, mask)
+    rounded = (tensorwise_cast(t, torch.float8_e4m3fn) for t in (q, k, v))
+    expected = F.scaled_dot_product_attention(*rounded, attn_mask=mask.float()).to(torch.bfloat16)
+    assert out.dtype == torch.bfloat16
+    assert torch.equal(out, expected)
