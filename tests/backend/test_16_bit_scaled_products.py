@@ -121,3 +121,27 @@ def test_attention_with_a_16_bit_mask_equals_torch_casts_in_fp32():
     expected = F.scaled_dot_product_attention(*rounded, attn_mask=mask.float()).to(torch.bfloat16)
     assert out.dtype == torch.bfloat16
     assert torch.equal(out, expected)
+
+
+class _Experts(nn.Module):
+    """A weight picked per token (a mixture of experts), read by two products."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(16, 16)
+        self.experts = nn.Parameter(torch.randn(4, 16, 16) / 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = self.experts[torch.arange(x.shape[0]) % 4]
+        h = torch.bmm(self.proj(x).unsqueeze(1), w.transpose(1, 2))
+        return torch.bmm(h, w).squeeze(1)
+
+
+def test_a_weight_picked_per_token_is_cast_up_once_for_its_products():
+    torch.manual_seed(0)
+    model = _Experts().to(torch.bfloat16)
+    x = torch.randn(8, 16, dtype=torch.bfloat16)
+    check = grid_step(model, {"x": x}, {"recipe": "fp8-tensorwise", "executor": "eager"}, _Products())
+    assert check.dtypes["bmm"] == {torch.float32} and check.products[("bmm.default", True)] == 6
+    assert not check.off_grid
+    assert all(p.grad.dtype == torch.bfloat16 and p.grad.isfinite().all() for p in model.parameters())

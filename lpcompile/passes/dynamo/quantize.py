@@ -965,10 +965,11 @@ def _quantize_calls(gm: torch.fx.GraphModule, ctx: CompileContext, calls: list[t
         for operand in map(call.args.__getitem__, product_operands(call)):
             if isinstance(operand, torch.fx.Node) and (gather := gather_of_parameter(operand)) is not None:
                 gathers[gather] = gathers.get(gather, False) or backward[call]
-    for call in calls:
+    for call in calls:  # (before any product reads FP32 operands)
         check_operand_dtypes(call)
-        layer = layer_name(call)
-        upcast = computes_in_fp32(call, config)
+    upcasts = {call: computes_in_fp32(call, config) for call in calls}
+    for call in calls:
+        layer, upcast = layer_name(call), upcasts[call]
         for index in product_operands(call):
             operand = call.args[index]
             if not isinstance(operand, torch.fx.Node):
@@ -982,6 +983,9 @@ def _quantize_calls(gm: torch.fx.GraphModule, ctx: CompileContext, calls: list[t
                     )
                     gather.update_arg(0, rounded)
                     refresh_example(gather)
+                if upcast:  # (the gather may read the parameter cast up for another product)
+                    for view in reversed(_view_chain(operand, gather)[:-1]):
+                        refresh_example(view)
                 continue
             value = _quantize_operand(
                 gm, ctx, operand, call, call, operand in computed, backward=backward[call], upcast=upcast
@@ -1214,6 +1218,14 @@ def is_float_value(value: object) -> bool:
     return isinstance(value, torch.Tensor) and (value.is_floating_point() or value.is_complex())
 
 
+def _view_chain(operand: torch.fx.Node, base: torch.fx.Node) -> list[torch.fx.Node]:
+    """``operand``, the views it takes of ``base``, and ``base`` last."""
+    chain = [operand]
+    while chain[-1] is not base:
+        chain.append(chain[-1].args[0])
+    return chain
+
+
 def _views_of(
     gm: torch.fx.GraphModule,
     operand: torch.fx.Node,
@@ -1222,11 +1234,8 @@ def _views_of(
     before: torch.fx.Node,
 ) -> torch.fx.Node:
     """``operand``'s views of ``base`` taken of ``value`` instead, right before ``before``."""
-    chain = [operand]
-    while chain[-1] is not base:
-        chain.append(chain[-1].args[0])
     copies = {base: value}
-    for view in reversed(chain[:-1]):
+    for view in reversed(_view_chain(operand, base)[:-1]):
         with gm.graph.inserting_before(before):
             copies[view] = gm.graph.node_copy(view, lambda node: copies.get(node, node))
     return copies[operand]
