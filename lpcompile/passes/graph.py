@@ -25,6 +25,7 @@ CONV_TRANSPOSE_TARGETS = {torch.conv_transpose1d, torch.conv_transpose2d, torch.
 MATMUL_TARGETS = {torch.matmul, torch.linalg.matmul, operator.matmul, torch.mm, torch.bmm}
 # Mixture-of-experts products: rows of the input grouped by expert, each group times its expert's matrix.
 GROUPED_MM_TARGETS = {torch._grouped_mm, F.grouped_mm}
+CAST = "lowprec_cast"  # node.meta key of a cast lowprec inserted (a product's operand cast up)
 # FlexAttention: one fused call of (query, key, value, score_mod, block mask, ...) that
 # returns its output with the logsumexp.
 FLEX_ATTENTION = torch.ops.higher_order.flex_attention
@@ -600,9 +601,10 @@ def inline(
 
 
 def _fake_mode(node: torch.fx.Node) -> Any:
-    """The fake mode of ``node``'s inputs' example values (the graph's copy may carry
-    another in its context), or ``None``."""
+    """The fake mode of ``node``'s inputs' example values (a DTensor's: its local tensor's;
+    the graph's copy may carry another in its context), or ``None``."""
     values = [a.meta.get("example_value") for a in node.all_input_nodes]
+    values = [getattr(v, "_local_tensor", v) for v in values]
     return next((v.fake_mode for v in values if isinstance(v, FakeTensor)), None)
 
 
@@ -623,6 +625,7 @@ def cast_to(
         node = graph.call_method("to", (value, dtype))
     node.meta["nn_module_stack"] = dict(layer_call.meta.get("nn_module_stack") or {})
     node.meta["stack_trace"] = layer_call.meta.get("stack_trace")
+    node.meta[CAST] = True
     refresh_example(node)
     return node
 

@@ -52,6 +52,7 @@ import torch.fx
 
 from lpcompile.numerics.compat import optimization_hint
 from lpcompile.passes.graph import (
+    CAST,
     CONV_TARGETS,
     CONV_TRANSPOSE_TARGETS,
     LINEAR_TARGETS,
@@ -277,16 +278,19 @@ def _insert_boundaries(gm: torch.fx.GraphModule, stages: int | str) -> str:
 
 
 def _is_lowprec(node: torch.fx.Node) -> bool:
+    """A lowprec operator, or a cast lowprec inserted."""
     target = node.target
-    return node.op == "call_function" and getattr(target, "namespace", None) == "lowprec"
+    return (node.op == "call_function" and getattr(target, "namespace", None) == "lowprec") or bool(
+        node.meta.get(CAST)
+    )
 
 
 def _cut_point(layer: torch.fx.Node) -> torch.fx.Node:
     """The node a boundary in front of ``layer`` goes before.
 
     The lowprec nodes that earlier passes put right in front of a layer to
-    prepare its inputs (quantize, quantize_grad, scale_grad, predict_weight)
-    stay in the layer's stage.
+    prepare its inputs (quantize, quantize_grad, scale_grad, predict_weight, an
+    operand's cast to FP32) stay in the layer's stage.
     """
     cut = layer
     chain = {layer}

@@ -145,3 +145,45 @@ def test_a_weight_picked_per_token_is_cast_up_once_for_its_products():
     assert check.dtypes["bmm"] == {torch.float32} and check.products[("bmm.default", True)] == 6
     assert not check.off_grid
     assert all(p.grad.dtype == torch.bfloat16 and p.grad.isfinite().all() for p in model.parameters())
+
+
+class _ExpertsNorm(_Experts):
+    """Also returns a sum over the picked weights, which is no product."""
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        w = self.experts[torch.arange(x.shape[0]) % 4]
+        return torch.bmm(x.unsqueeze(1), w).squeeze(1), w.square().sum((1, 2))
+
+
+def test_what_else_reads_a_weight_picked_per_token_keeps_the_models_dtype():
+    torch.manual_seed(0)
+    model = _ExpertsNorm().to(torch.bfloat16)
+    x = torch.randn(8, 16, dtype=torch.bfloat16)
+    torch._dynamo.reset()
+    options = {"recipe": "fp8-tensorwise", "executor": "eager"}
+    out, norms = torch.compile(model, backend="lowprec", options=options)(x)
+    assert out.dtype == norms.dtype == torch.bfloat16
+    # the sum reads the weight as its product reads it: rounded whole, then cast to bfloat16
+    rounded = tensorwise_cast(model.experts.detach(), torch.float8_e4m3fn).to(torch.bfloat16)
+    picked = rounded[torch.arange(8) % 4]
+    assert torch.equal(norms, picked.square().sum((1, 2)))
+
+
+def test_grouped_matmuls_keep_their_bfloat16_operands():
+    """torch's grouped matmul takes bfloat16 operands only."""
+
+    class Grouped(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = nn.Parameter(torch.randn(4, 16, 8) / 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch._grouped_mm(x, self.w, offs=torch.tensor([2, 4, 6, 8], dtype=torch.int32))
+
+    torch.manual_seed(0)
+    model = Grouped().to(torch.bfloat16)
+    x = torch.randn(8, 16, dtype=torch.bfloat16)
+    in_bf16 = GridCheck(on_grid=lambda t: t.dtype == torch.bfloat16)
+    check = grid_step(model, {"x": x}, {"recipe": "fp8-tensorwise", "executor": "eager"}, in_bf16)
+    assert check.products[("_grouped_mm.default", True)] >= 1 and not check.off_grid
+    assert model.w.grad.dtype == torch.bfloat16 and model.w.grad.isfinite().all()

@@ -539,3 +539,30 @@ def test_fsdp2_over_tensor_parallel_groups_trains_on_the_grid(tmp_path, adaptive
         for name in ("4.weight", "4.bias"):
             assert torch.equal(ranks[first]["local"][name], ranks[second]["local"][name]), name
     assert ranks[0]["losses"] != ranks[2]["losses"]
+
+
+def _bfloat16_parallel(rank: int, options: dict) -> dict:
+    """A column- then row-parallel bfloat16 MLP, one compiled step: its products run in FP32
+    (factors that are no powers of two), the DTensors cast up and back."""
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    torch.manual_seed(SEED)
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 8)).to(torch.bfloat16)
+    parallelize_module(model, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    check = GridCheck(on_grid=lambda t: t.dtype == torch.float32)
+    x = torch.randn(4, 16, dtype=torch.bfloat16)
+    out = torch.compile(model, backend=watched_backend(options, check))(x)
+    with check:
+        out.float().square().sum().backward()
+    grads = [p.grad.full_tensor() for p in model.parameters()]
+    return {
+        "dtype": str(out.dtype),
+        "grads": all(g.dtype == torch.bfloat16 and g.isfinite().all() for g in grads),
+        "products": dict(check.products),
+    }
+
+
+def test_a_bfloat16_tensor_parallel_step_runs_its_scaled_products_in_fp32(tmp_path):
+    options = {"recipe": "fp8-tensorwise", "executor": "eager", "saturation": "count"}
+    for run in run_ranks(_bfloat16_parallel, tmp_path, options).check():
+        assert run["dtype"] == "torch.bfloat16" and run["grads"]
+        assert run["products"] and all(in_fp32 for _, in_fp32 in run["products"]), run["products"]

@@ -246,6 +246,23 @@ def test_fp8_quantize_sits_next_to_the_prediction():
         }, node.users
 
 
+def test_the_fp32_casts_of_a_16_bit_layer_stay_in_its_stage():
+    """A scaled 16-bit product casts its operands to FP32 before rounding them: the casts
+    stay in the layer's stage, with its weight, and no FP32 operand crosses a boundary."""
+    torch.manual_seed(0)
+    model = MLP(6, 8, 3).to(torch.bfloat16)
+    x = torch.randn(2, 6, dtype=torch.bfloat16)
+    options = {"recipe": "fp8-tensorwise", "pipeline": {"stages": "layer", "prediction": "lwp_v"}}
+    _, _, record = compile_once(model, x, **options)
+    forward = record.aten_graphs["forward"]
+    # the first stage's weight and bias only: the last stage has no delay
+    assert sum(n.target is PREDICT_WEIGHT for n in forward.graph.nodes) == 2
+    for node in forward.graph.nodes:
+        if node.target is torch.ops.aten.mm.default:
+            operands = [a for a in node.args if a.meta["val"].dtype == torch.float32]
+            assert len(operands) == 2 and all(a.meta[STAGE] == node.meta[STAGE] for a in operands)
+
+
 # -- the trainer with compiled stages ------------------------------------------------------------
 
 

@@ -12,7 +12,8 @@ matmul/conv that the quantize pass keeps) it inserts ``lowprec::scale_grad``:
   gradient after its quantize. In a layer without a trained weight (e.g. a
   matmul of two activations) the smallest of these gradients also carries the
   inf/NaN probe: each is a product of the layer's quantized error, so an
-  inf/NaN there shows in all of them. A layer with a trained weight gets no
+  inf/NaN there shows in all of them (a linear layer's bias, which a scaled
+  recipe adds after the error's rounding, is no candidate). A layer with a trained weight gets no
   probe: an inf/NaN in its error shows in that weight's gradient, which
   ``LossScaler`` checks anyway (the per-call count, fused into the backward's
   kernels, made the adaptive MLP's backward 3-5% slower).
@@ -56,7 +57,13 @@ from lpcompile.config import AdaptiveScaleConfig
 from lpcompile.numerics.compat import INDUCTOR_COND_TAKES_SIZES, optimization_hint
 from lpcompile.numerics.scale_grad import STATS_SIZE
 from lpcompile.passes.driver import CompileContext
-from lpcompile.passes.dynamo.quantize import graph_input, is_float_value, layers_in_order, outermost
+from lpcompile.passes.dynamo.quantize import (
+    adds_bias_after,
+    graph_input,
+    is_float_value,
+    layers_in_order,
+    outermost,
+)
 from lpcompile.passes.graph import (
     CONV_TARGETS,
     CONV_TRANSPOSE_TARGETS,
@@ -240,7 +247,10 @@ def insert_loss_scale(gm: torch.fx.GraphModule, ctx: CompileContext) -> None:
             out_dims.append(_out_dim(call, weight))  # before the operands are wrapped below
             groups.append(_groups(call))
             trained = is_weight and needs_grad(weight)
-            counted = None if trained else min((arg for _, arg in inputs), key=_numel, default=None)
+            # (a bias added after the product reads the unrounded error)
+            after = adds_bias_after(call, ctx.config)
+            candidates = [arg for where, arg in inputs if not (after and where in (2, "bias"))]
+            counted = None if trained else min(candidates, key=_numel, default=None)
             for where, arg in inputs:
                 probe, stats = (flag_i, "nonfinite") if arg is counted else (None, "none")
                 unscaled = _scale_grad(graph, arg, inverse, probe, stats, layer)

@@ -60,6 +60,7 @@ from lpcompile.passes.graph import (
     CONV_TRANSPOSE_TARGETS,
     FLEX_ATTENTION,
     FUNCTION_APPLY,
+    GROUPED_MM_TARGETS,
     LIBRARY_PRODUCTS,
     LINEAR_TARGETS,
     OPERAND_NAMES,
@@ -968,6 +969,8 @@ def _quantize_calls(gm: torch.fx.GraphModule, ctx: CompileContext, calls: list[t
     for call in calls:  # (before any product reads FP32 operands)
         check_operand_dtypes(call)
     upcasts = {call: computes_in_fp32(call, config) for call in calls}
+    # a gather of a parameter cast up -> (its dtype before, the views products read it through)
+    upcast_gathers: dict[torch.fx.Node, tuple[torch.dtype, set[torch.fx.Node]]] = {}
     for call in calls:
         layer, upcast = layer_name(call), upcasts[call]
         for index in product_operands(call):
@@ -977,6 +980,8 @@ def _quantize_calls(gm: torch.fx.GraphModule, ctx: CompileContext, calls: list[t
             if (gather := gather_of_parameter(operand)) is not None:
                 # the weight picked per token (experts): quantize the whole parameter before the
                 # gather, so that it is rounded once and its summed gradient is rounded whole
+                if upcast and gather not in upcast_gathers:
+                    upcast_gathers[gather] = (gather.meta["example_value"].dtype, set())
                 if gather in gathers:
                     rounded = _quantize_operand(
                         gm, ctx, gather.args[0], call, gather, backward=gathers.pop(gather), upcast=upcast
@@ -984,7 +989,9 @@ def _quantize_calls(gm: torch.fx.GraphModule, ctx: CompileContext, calls: list[t
                     gather.update_arg(0, rounded)
                     refresh_example(gather)
                 if upcast:  # (the gather may read the parameter cast up for another product)
-                    for view in reversed(_view_chain(operand, gather)[:-1]):
+                    views = _view_chain(operand, gather)[:-1]
+                    upcast_gathers[gather][1].update(views)
+                    for view in reversed(views):
                         refresh_example(view)
                 continue
             value = _quantize_operand(
@@ -994,7 +1001,7 @@ def _quantize_calls(gm: torch.fx.GraphModule, ctx: CompileContext, calls: list[t
                 call.update_arg(index, value)
         output = result = product_output(call)
         users = list(output.users) if output is not None else []
-        bias = _take_bias(call) if _adds_bias_after(call, config) else None
+        bias = _take_bias(call) if adds_bias_after(call, config) else None
         if upcast:
             dtype = call.meta["example_value"].dtype
             _upcast_other_arguments(call)
@@ -1007,6 +1014,20 @@ def _quantize_calls(gm: torch.fx.GraphModule, ctx: CompileContext, calls: list[t
             result = _add_bias(result, bias, call)
         for user in users:
             user.replace_input_with(output, result)
+    for gather, (dtype, views) in upcast_gathers.items():
+        _cast_back_other_readers(gather, dtype, views, set(calls))
+
+
+def _cast_back_other_readers(
+    gather: torch.fx.Node, dtype: torch.dtype, views: set[torch.fx.Node], products: set[torch.fx.Node]
+) -> None:
+    """Give the readers of the FP32 ``gather`` (and of its ``views`` that products read) that
+    are neither those views nor products its values cast back to ``dtype``, as they read them
+    before."""
+    for node in (gather, *views):
+        for user in list(node.users):
+            if user not in views and user not in products:
+                user.replace_input_with(node, cast_to(node, dtype, user, user))
 
 
 def computes_in_fp32(call: torch.fx.Node, config: LowPrecConfig) -> bool:
@@ -1014,10 +1035,12 @@ def computes_in_fp32(call: torch.fx.Node, config: LowPrecConfig) -> bool:
     rounded for it has factors that are no powers of two, so that its values divided back
     are no 16-bit values. Its rounded operands stay FP32 and its result is cast back, as an
     FP8 GEMM applies the factors in FP32 and rounds only its result (and as torchao's
-    float8 training emulates it). Under autocast, and in other libraries' operators (which
-    may take 16-bit operands only), the product runs as it is."""
+    float8 training emulates it). Under autocast, in other libraries' operators and in
+    grouped matmuls (which take 16-bit operands only), the product runs as it is."""
     example = call.meta.get("example_value")
     if not isinstance(example, torch.Tensor) or product_output(call) is not call:
+        return False
+    if call.target in GROUPED_MM_TARGETS or "grouped_mm" in op_name(call):
         return False
     if isinstance(call.target, torch._ops.OpOverload) and call.target.namespace != "aten":
         return False
@@ -1045,7 +1068,7 @@ def _bias_of(call: torch.fx.Node) -> object:
     return call.args[2] if len(call.args) > 2 else call.kwargs.get("bias")
 
 
-def _adds_bias_after(call: torch.fx.Node, config: LowPrecConfig) -> bool:
+def adds_bias_after(call: torch.fx.Node, config: LowPrecConfig) -> bool:
     """Whether the linear layer ``call`` adds its bias to its product's result (error site
     and cast back included), not inside the product: under a scaled rounding of one of its
     roles, torchao's float8 recipes, which add it so."""
@@ -1082,8 +1105,9 @@ def _add_bias(result: torch.fx.Node, bias: torch.fx.Node, call: torch.fx.Node) -
     ``call``'s module right after ``result``."""
     with result.graph.inserting_after(result):
         added = result.graph.call_function(operator.add, (result, bias))
-    if (dtype := result.meta["example_value"].dtype) != bias.meta["example_value"].dtype:
-        added.update_arg(1, cast_to(bias, dtype, call, added))
+    dtypes = {getattr(node.meta.get("example_value"), "dtype", None) for node in (result, bias)}
+    if None not in dtypes and len(dtypes) > 1:
+        added.update_arg(1, cast_to(bias, result.meta["example_value"].dtype, call, added))
     added.meta["nn_module_stack"] = dict(call.meta.get("nn_module_stack") or {})
     added.meta["stack_trace"] = call.meta.get("stack_trace")
     refresh_example(added)
