@@ -25,7 +25,7 @@ CONV_TRANSPOSE_TARGETS = {torch.conv_transpose1d, torch.conv_transpose2d, torch.
 MATMUL_TARGETS = {torch.matmul, torch.linalg.matmul, operator.matmul, torch.mm, torch.bmm}
 # Mixture-of-experts products: rows of the input grouped by expert, each group times its expert's matrix.
 GROUPED_MM_TARGETS = {torch._grouped_mm, F.grouped_mm}
-CAST = "lowprec_cast"  # node.meta key of a cast lowprec inserted (a product's operand cast up)
+CAST = "lowprec_cast"  # node.meta key: whether a cast lowprec inserted prepares the product after it
 # FlexAttention: one fused call of (query, key, value, score_mod, block mask, ...) that
 # returns its output with the logsumexp.
 FLEX_ATTENTION = torch.ops.higher_order.flex_attention
@@ -619,13 +619,14 @@ def cast_to(
     value: torch.fx.Node, dtype: torch.dtype, layer_call: torch.fx.Node, before: torch.fx.Node | None = None
 ) -> torch.fx.Node:
     """``value.to(dtype)``, right before ``before`` (else right after ``value``), a node of
-    ``layer_call``'s module with its example value."""
+    ``layer_call``'s module with its example value; marked (:data:`CAST`) if it goes right
+    before ``layer_call``, whose operand it prepares."""
     graph = value.graph
     with graph.inserting_before(before) if before is not None else graph.inserting_after(value):
         node = graph.call_method("to", (value, dtype))
     node.meta["nn_module_stack"] = dict(layer_call.meta.get("nn_module_stack") or {})
     node.meta["stack_trace"] = layer_call.meta.get("stack_trace")
-    node.meta[CAST] = True
+    node.meta[CAST] = before is layer_call
     refresh_example(node)
     return node
 

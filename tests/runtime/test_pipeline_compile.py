@@ -261,6 +261,15 @@ def test_the_fp32_casts_of_a_16_bit_layer_stay_in_its_stage():
         if node.target is torch.ops.aten.mm.default:
             operands = [a for a in node.args if a.meta["val"].dtype == torch.float32]
             assert len(operands) == 2 and all(a.meta[STAGE] == node.meta[STAGE] for a in operands)
+    # two layers in a row: the first's result is cast back in its own stage, the second's
+    # operand cast up in the second's; the boundary carries a bfloat16 tensor
+    chained = nn.Sequential(nn.Linear(6, 8, bias=False), nn.Linear(8, 3, bias=False)).to(torch.bfloat16)
+    _, _, record = compile_once(chained, x, **options)
+    nodes = record.aten_graphs["forward"].graph.nodes
+    casts = [n for n in nodes if n.target is torch.ops.aten._to_copy.default]
+    f32, bf16 = torch.float32, torch.bfloat16
+    expected = [(f32, 0), (f32, 0), (bf16, 0), (f32, 1), (f32, 1), (bf16, 1)]
+    assert [(n.meta["val"].dtype, n.meta[STAGE]) for n in casts] == expected
 
 
 # -- the trainer with compiled stages ------------------------------------------------------------

@@ -962,13 +962,18 @@ def _quantize_calls(gm: torch.fx.GraphModule, ctx: CompileContext, calls: list[t
     # one where any of them does)
     backward = {call: (output := product_output(call)) is not None and _gets_error(output) for call in calls}
     gathers: dict[torch.fx.Node, bool] = {}  # the gathers of a parameter read, and their backward
+    readers: dict[torch.fx.Node, list[torch.fx.Node]] = {}  # the products that read each gather
     for call in calls:
         for operand in map(call.args.__getitem__, product_operands(call)):
             if isinstance(operand, torch.fx.Node) and (gather := gather_of_parameter(operand)) is not None:
                 gathers[gather] = gathers.get(gather, False) or backward[call]
+                readers.setdefault(gather, []).append(call)
     for call in calls:  # (before any product reads FP32 operands)
         check_operand_dtypes(call)
     upcasts = {call: computes_in_fp32(call, config) for call in calls}
+    for products in readers.values():  # one dtype for a gathered weight: FP32 only if all agree
+        if not all(upcasts[call] for call in products):
+            upcasts.update(dict.fromkeys(products, False))
     # a gather of a parameter cast up -> (its dtype before, the views products read it through)
     upcast_gathers: dict[torch.fx.Node, tuple[torch.dtype, set[torch.fx.Node]]] = {}
     for call in calls:
