@@ -469,10 +469,20 @@ def _execute(
     gm: torch.fx.GraphModule, example_inputs: list, ctx: CompileContext, record: CompiledGraph, tag: str = ""
 ):
     # a recurrent layer left whole (a recipe that rounds nothing): AOT traces its math
-    if find_calls(gm, RECURRENT.keys()):
-        with _tracing_without_onednn():
-            return _compile_aot(gm, example_inputs, ctx, record, tag)
-    return _compile_aot(gm, example_inputs, ctx, record, tag)
+    recurrent = bool(find_calls(gm, RECURRENT.keys()))
+    with _tracing_without_onednn() if recurrent else contextlib.nullcontext(), _backward_without_autocast():
+        return _compile_aot(gm, example_inputs, ctx, record, tag)
+
+
+def _backward_without_autocast() -> contextlib.AbstractContextManager:
+    """AOT autograd traces the backward without autocast, as eager runs a ``backward()``
+    called after the autocast region (torch's advice): each backward product in its
+    forward's dtypes, the FP32 backward of a product lowprec runs in FP32 under autocast
+    included. Where autocast is on while compiling, AOT autograd's default would apply it to
+    the backward too; a value the user set other than that default is kept."""
+    if torch._functorch.config.backward_pass_autocast != "same_as_forward":
+        return contextlib.nullcontext()
+    return torch._functorch.config.patch(backward_pass_autocast="off")
 
 
 def _compile_aot(

@@ -592,12 +592,18 @@ def inline(
     new = [n for n in gm.graph.nodes if n not in before]
     fake_mode = _fake_mode(node)
     for made in new:
-        made.meta["nn_module_stack"] = dict(node.meta.get("nn_module_stack") or {})
-        made.meta["stack_trace"] = node.meta.get("stack_trace")
+        place_in_module(made, node)
         if fake_mode is not None:
             with fake_mode:
                 made.meta["example_value"] = _example(made)
     return out
+
+
+def place_in_module(made: torch.fx.Node, node: torch.fx.Node) -> None:
+    """Give the new node ``made`` ``node``'s module stack and stack trace (reports and
+    pipeline stages place it with ``node``'s layer)."""
+    made.meta["nn_module_stack"] = dict(node.meta.get("nn_module_stack") or {})
+    made.meta["stack_trace"] = node.meta.get("stack_trace")
 
 
 def _fake_mode(node: torch.fx.Node) -> Any:
@@ -624,8 +630,7 @@ def cast_to(
     graph = value.graph
     with graph.inserting_before(before) if before is not None else graph.inserting_after(value):
         node = graph.call_method("to", (value, dtype))
-    node.meta["nn_module_stack"] = dict(layer_call.meta.get("nn_module_stack") or {})
-    node.meta["stack_trace"] = layer_call.meta.get("stack_trace")
+    place_in_module(node, layer_call)
     node.meta[CAST] = before is layer_call
     refresh_example(node)
     return node

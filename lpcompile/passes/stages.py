@@ -290,11 +290,16 @@ def _cut_point(layer: torch.fx.Node) -> torch.fx.Node:
 
     The lowprec nodes that earlier passes put right in front of a layer to
     prepare its inputs (quantize, quantize_grad, scale_grad, predict_weight, an
-    operand's cast to FP32) stay in the layer's stage.
+    operand's cast to FP32, the entry of the region without autocast it runs in,
+    whose exit follows it) stay in the layer's stage.
     """
     cut = layer
     chain = {layer}
-    while cut.prev.op != "root" and _is_lowprec(cut.prev) and all(u in chain for u in cut.prev.users):
+    while (
+        cut.prev.op != "root"
+        and _is_lowprec(cut.prev)
+        and all(u in chain or u.target is torch.amp._exit_autocast for u in cut.prev.users)
+    ):
         cut = cut.prev
         chain.add(cut)
     return cut

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tests.grid import GridCheck, grid_step, on_scaled_fp8_grid, tensorwise_cast
+from tests.grid import Calls, GridCheck, grid_step, on_scaled_fp8_grid, tensorwise_cast
 
 aten = torch.ops.aten
 DTYPES = [torch.bfloat16, torch.float16]
@@ -95,16 +95,80 @@ class _Block(nn.Module):
         ("fp8-e5m2-sr", torch.bfloat16),
     ],
 )
-def test_products_run_in_fp32_where_the_factors_are_no_powers_of_two(recipe, product_dtype):
+@pytest.mark.parametrize("autocast", [False, True], ids=["bfloat16", "autocast"])
+def test_products_run_in_fp32_where_the_factors_are_no_powers_of_two(recipe, product_dtype, autocast):
+    """A bfloat16 model, or an FP32 one under bfloat16 autocast (which would cast the rounded
+    operands to bfloat16): forward and backward products alike."""
     torch.manual_seed(0)
-    model = _Block().to(torch.bfloat16)
-    x = torch.randn(2, 3, 4, 4, dtype=torch.bfloat16)
-    check = grid_step(model, {"x": x}, {"recipe": recipe, "executor": "eager"}, _Products())
+    dtype = torch.float32 if autocast else torch.bfloat16
+    model = _Block().to(dtype)
+    x = torch.randn(2, 3, 4, 4, dtype=dtype)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        check = grid_step(model, {"x": x}, {"recipe": recipe, "executor": "eager"}, _Products())
     assert set(check.dtypes) >= {"convolution", "bmm"} and check.dtypes.keys() & {"mm", "addmm"}
     assert all(dtypes == {product_dtype} for dtypes in check.dtypes.values()), check.dtypes
     if recipe == "fp8-tensorwise":  # (the others' factors are per row or block)
         assert not check.off_grid
-    assert all(p.grad.dtype == torch.bfloat16 and p.grad.isfinite().all() for p in model.parameters())
+    assert all(p.grad.dtype == dtype and p.grad.isfinite().all() for p in model.parameters())
+
+
+class _Rounded(torch.autograd.Function):
+    """``t`` (FP32) rounded per tensor to ``fmt`` with torch's cast; the gradient passes."""
+
+    @staticmethod
+    def forward(ctx, t: torch.Tensor, fmt: torch.dtype) -> torch.Tensor:
+        return tensorwise_cast(t, fmt)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad, None
+
+
+class _RoundedError(torch.autograd.Function):
+    """The identity, whose gradient (FP32) is rounded per tensor to E5M2."""
+
+    @staticmethod
+    def forward(ctx, t: torch.Tensor) -> torch.Tensor:
+        return t.clone()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        return tensorwise_cast(grad, torch.float8_e5m2)
+
+
+def _linear_under_autocast(x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
+    """``layer(x)`` as an FP8 GEMM computes it under bfloat16 autocast: the FP32 weight and
+    the input (in its dtype, cast up) rounded, multiplied in FP32, the error rounded on the
+    FP32 result, which is then rounded to bfloat16 once; the bias added after, in bfloat16."""
+    weight = _Rounded.apply(layer.weight, torch.float8_e4m3fn)
+    product = _Rounded.apply(x.float(), torch.float8_e4m3fn) @ weight.T
+    return _RoundedError.apply(product).bfloat16() + layer.bias.bfloat16()
+
+
+@pytest.mark.parametrize("executor", ["inductor", "eager"])
+def test_an_autocast_step_multiplies_in_fp32_and_rounds_each_result_once(executor):
+    """An FP32 model under bfloat16 autocast, ``fp8-tensorwise``: autocast would round the
+    divided-back operands to bfloat16 a second time, forward and backward (AOT autograd
+    traces the backward under the autocast it compiled in). Checked against the step
+    written out with torch's casts, run without autocast."""
+    x = torch.randn(16, 64, generator=torch.Generator().manual_seed(1), requires_grad=True)
+    x_ref = x.detach().clone().requires_grad_()
+    model, reference = _mlp(torch.float32), _mlp(torch.float32)
+    torch._dynamo.reset()
+    compiled = torch.compile(
+        model, backend="lowprec", options={"recipe": "fp8-tensorwise", "executor": executor}
+    )
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = compiled(x)
+    out.float().square().mean().backward()
+    expected = _linear_under_autocast(torch.relu(_linear_under_autocast(x_ref, reference[0])), reference[2])
+    expected.float().square().mean().backward()
+    assert out.dtype == torch.bfloat16
+    assert torch.equal(out, expected)
+    assert torch.equal(x.grad, x_ref.grad)
+    for (name, p), q in zip(model.named_parameters(), reference.parameters(), strict=True):
+        assert p.grad.dtype == torch.float32
+        assert torch.equal(p.grad, q.grad), name
 
 
 def test_attention_with_a_16_bit_mask_equals_torch_casts_in_fp32():
@@ -147,6 +211,23 @@ def test_a_weight_picked_per_token_is_cast_up_once_for_its_products():
     assert all(p.grad.dtype == torch.bfloat16 and p.grad.isfinite().all() for p in model.parameters())
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_a_second_product_of_a_weight_picked_per_token_rounds_its_fp32_values(dtype):
+    """The second product rounds the gathered weight, which the first rounded, again, from
+    the FP32 values (not from a bfloat16 copy, whose largest magnitude gives another
+    factor): the picks cover every expert, so its factor is the first's and its rounding
+    changes nothing. Forward and backward matmuls alike."""
+    torch.manual_seed(0)
+    model = _Experts().to(dtype)
+    x = torch.randn(8, 16, dtype=dtype)
+    calls = Calls(aten.bmm.default)
+    grid_step(model, {"x": x}, {"recipe": "fp8-tensorwise", "executor": "eager"}, calls)
+    picked = tensorwise_cast(model.experts.detach(), torch.float8_e4m3fn)[torch.arange(8) % 4]
+    weights = [t for _, args, _ in calls.calls for t in args if t.shape == picked.shape]
+    assert len(weights) == 4  # the two forward matmuls' and the two input gradients'
+    assert all(torch.equal(t, picked) or torch.equal(t, picked.mT) for t in weights)
+
+
 class _ExpertsNorm(_Experts):
     """Also returns a sum over the picked weights, which is no product."""
 
@@ -187,3 +268,35 @@ def test_grouped_matmuls_keep_their_bfloat16_operands():
     check = grid_step(model, {"x": x}, {"recipe": "fp8-tensorwise", "executor": "eager"}, in_bf16)
     assert check.products[("_grouped_mm.default", True)] >= 1 and not check.off_grid
     assert model.w.grad.dtype == torch.bfloat16 and model.w.grad.isfinite().all()
+
+
+class _AutocastAround(nn.Module):
+    """Autocast inside the model, around a checkpoint or a ``torch.cond`` of a linear layer."""
+
+    def __init__(self, body: str) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.body, self.a, self.b = body, nn.Linear(64, 32), nn.Linear(64, 32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            if self.body == "checkpoint":
+                return torch.utils.checkpoint.checkpoint(self.a, x, use_reentrant=False)
+            return torch.cond(x.sum() > 0, lambda x: self.a(x), lambda x: self.b(x), (x,))
+
+
+@pytest.mark.parametrize("body", ["checkpoint", "cond"])
+def test_autocast_around_a_body_in_the_model_runs_its_products_in_fp32(body):
+    """The body's graph has no autocast of its own: the parent's, around its call, counts."""
+    x = torch.randn(16, 64, generator=torch.Generator().manual_seed(1)).abs().requires_grad_()
+    x_ref = x.detach().clone().requires_grad_()
+    model, reference = _AutocastAround(body), _AutocastAround(body)
+    options = {"recipe": "fp8-tensorwise", "executor": "eager"}
+    torch._dynamo.reset()
+    out = torch.compile(model, backend="lowprec", options=options)(x)
+    out.float().square().mean().backward()
+    expected = _linear_under_autocast(x_ref, reference.a)
+    expected.float().square().mean().backward()
+    assert torch.equal(out, expected)
+    assert torch.equal(model.a.weight.grad, reference.a.weight.grad)
+    assert torch.equal(x.grad, x_ref.grad)

@@ -508,34 +508,11 @@ def test_nvfp4_2d_weights_are_one_rounding_per_tile_for_both_gemms():
     assert len(others) == 8 and all(on_nvfp4_blocks(f, i, t) for f, i, t in others)
 
 
-class _RowwiseLinearBF16(torch.autograd.Function):
-    """``_RowwiseLinear`` as autocast runs ``F.linear`` in bfloat16: each GEMM's operands cast
-    from the tensors it reads (a float32 tensor first cast to bfloat16, as autocast does),
-    along the dimension it sums over; GEMMs in bfloat16, a given bias added inside the
-    first (``addmm``), its gradient the unrounded error's sum."""
-
-    @staticmethod
-    def forward(ctx, x, weight, bias):
-        ctx.save_for_backward(x, weight)
-        ctx.biased = bias is not None
-        w = _cast(weight, E4M3, -1).bfloat16()
-        x = _cast(x.float(), E4M3, -1).to(torch.bfloat16)
-        return x @ w.T if bias is None else torch.addmm(bias.bfloat16(), x, w.T)
-
-    @staticmethod
-    def backward(ctx, grad):
-        x, weight = ctx.saved_tensors
-        error = _cast(grad.float(), E5M2, -1).bfloat16()
-        grad_x = error @ _cast(weight.bfloat16().float(), E4M3, 0).bfloat16()
-        columns = _cast(grad.float(), E5M2, 0).bfloat16()
-        grad_w = columns.T @ _cast(x.bfloat16().float(), E4M3, 0).bfloat16()
-        return grad_x.to(x.dtype), grad_w.float(), grad.sum(0).float() if ctx.biased else None
-
-
 @pytest.mark.parametrize("executor", ["inductor", "eager"])
-def test_under_autocast_each_matmul_rounds_the_cast_tensors_along_its_summed_dimension(executor):
-    """Autocast casts between a rounding and the matmuls that read it: the backward's
-    matmuls still round their own copies, not the forward's rows."""
+def test_under_autocast_each_matmul_rounds_its_fp32_operands_along_its_summed_dimension(executor):
+    """Rowwise factors are no powers of two, so under autocast the matmuls run in FP32 on
+    the FP32 weights and inputs (a bfloat16 input cast up), their results cast to bfloat16
+    once: the backward's matmuls still round their own copies, not the forward's rows."""
     x = _inputs().detach()[0].requires_grad_()
     torch._dynamo.reset()
     model = _mlp()
@@ -546,11 +523,8 @@ def test_under_autocast_each_matmul_rounds_the_cast_tensors_along_its_summed_dim
     reference, x_ref = _mlp(), x.detach().requires_grad_()
 
     def linear(x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
-        # the bias added after the product, in bfloat16, as torchao adds it; Inductor fuses
-        # that addition of the same dtype into the matmul (addmm)
-        if executor == "inductor":
-            return _RowwiseLinearBF16.apply(x, layer.weight, layer.bias)
-        return _RowwiseLinearBF16.apply(x, layer.weight, None) + layer.bias.bfloat16()
+        # the bias added after the product, in bfloat16, as torchao adds it
+        return _RowwiseLinear.apply(x.float(), layer.weight).bfloat16() + layer.bias.bfloat16()
 
     expected = linear(torch.relu(linear(x_ref, reference[0])), reference[2])
     expected.float().square().mean().backward()
@@ -755,14 +729,15 @@ def test_wgrad_hadamard_and_its_seed_are_in_the_joint_passes_cache_key():
 def test_wgrad_hadamard_sums_in_fp32_under_bfloat16_autocast():
     """The transform's sums of 16 values run in FP32 (in bfloat16 each of its four steps
     would round, and the transform would no longer cancel in the product): the first
-    layer's input, as autocast casts it, transformed by hand in FP32, is what gets rounded."""
+    layer's input (FP32: its product runs in FP32, the NVFP4 factors being no powers of
+    two), transformed by hand, is what gets rounded."""
     torch._dynamo.reset()
     x = _hadamard_inputs(48)
     calls = Calls(QUANTIZE)
     options = {"recipe": "nvfp4-2d", "executor": "eager", "wgrad_hadamard": True}
     with torch.autocast("cpu", dtype=torch.bfloat16):
         grid_step(_mlp(), {"input": x}, options, calls)
-    expected = _hadamard_along_rows(x.bfloat16().float(), 0).T
+    expected = _hadamard_along_rows(x, 0).T
     rounded = [t for _, (t, *_), _ in calls.calls if t.shape == (64, 48)]
     assert [t.dtype for t in rounded].count(torch.float32) == 1
     assert any(

@@ -272,6 +272,26 @@ def test_the_fp32_casts_of_a_16_bit_layer_stay_in_its_stage():
     assert [(n.meta["val"].dtype, n.meta[STAGE]) for n in casts] == expected
 
 
+def test_a_product_run_in_fp32_under_autocast_stays_in_its_stage():
+    """Under autocast, a scaled product runs in a region with autocast off: its entry stays
+    in the layer's stage with the operands' roundings, and the boundary carries autocast's
+    bfloat16 result."""
+    torch.manual_seed(0)
+    options = {"recipe": "fp8-tensorwise", "pipeline": {"stages": "layer", "prediction": "lwp_v"}}
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        _, out, record = compile_once(MLP(6, 8, 3), torch.randn(2, 6), **options)
+    assert out.dtype == torch.bfloat16
+    forward = record.aten_graphs["forward"]
+    assert sum(n.target is PREDICT_WEIGHT for n in forward.graph.nodes) == 2
+    products = [n for n in forward.graph.nodes if n.target is torch.ops.aten.mm.default]
+    assert [n.meta[STAGE] for n in products] == [0, 1]
+    for node in products:
+        assert all(a.meta["val"].dtype == torch.float32 for a in node.args)
+        assert all(a.meta[STAGE] == node.meta[STAGE] for a in node.all_input_nodes)
+    split = next(n for n in forward.graph.nodes if is_pipe_split(n))
+    assert [a.meta["val"].dtype for a in split.next.all_input_nodes] == [torch.bfloat16]
+
+
 # -- the trainer with compiled stages ------------------------------------------------------------
 
 

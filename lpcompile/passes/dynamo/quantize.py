@@ -20,6 +20,7 @@ accumulate in FP32 (the matmul itself is untouched).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import fnmatch
 import operator
@@ -54,6 +55,7 @@ from lpcompile.passes.dynamo.functions import (
 )
 from lpcompile.passes.graph import (
     BODIES,
+    CAST,
     CHECKPOINT,
     COND,
     CONV_TARGETS,
@@ -63,6 +65,7 @@ from lpcompile.passes.graph import (
     GROUPED_MM_TARGETS,
     LIBRARY_PRODUCTS,
     LINEAR_TARGETS,
+    LOWPREC_OPS,
     OPERAND_NAMES,
     SCALE_GRAD,
     append_input,
@@ -80,6 +83,7 @@ from lpcompile.passes.graph import (
     mark_parameters,
     needs_grad,
     parameter_of,
+    place_in_module,
     product_operands,
     product_output,
     recompile_bodies,
@@ -856,8 +860,14 @@ def warn_unentered_subgraphs(gm: torch.fx.GraphModule, ctx: CompileContext, ente
 
 def runs_under_autocast(call: torch.fx.Node, device: str) -> bool:
     """Whether ``call`` runs with autocast on for ``device``: entered around the compiled
-    call (Dynamo compiles under that state, and guards on it), or inside the graph."""
-    enabled = [torch.amp.is_autocast_available(device) and torch.is_autocast_enabled(device)]
+    call (Dynamo compiles under that state, and guards on it), or inside the graph (in a
+    checkpoint body or a ``torch.cond`` branch: in it, or around its call in the parent)."""
+    module = call.graph.owning_module
+    parent = module.meta.get(CHECKPOINT_PARENT) or module.meta.get(COND_PARENT)
+    if parent is not None:
+        enabled = [runs_under_autocast(parent[1], device)]
+    else:
+        enabled = [torch.amp.is_autocast_available(device) and torch.is_autocast_enabled(device)]
     for node in call.graph.nodes:
         if node is call:
             break
@@ -938,7 +948,7 @@ def _quantize_operand(
     A weight is a parameter, or (``computed_weight``) a tensor computed from parameters."""
     config, layer = ctx.config, layer_name(call)
     weight = computed_weight or weight_of(operand) is not None
-    value = cast_to(operand, torch.float32, call, before) if upcast else operand
+    value = cast_to(operand, torch.float32, call, before) if upcast and _in_16_bits(operand) else operand
     if weight and backward and config.weight_grad.enabled and needs_grad(operand):
         spec = spec_for(call, config.weight_grad)
         value = _insert(gm, ctx, value, Role.WEIGHT_GRAD, layer, spec, True, before)
@@ -985,20 +995,28 @@ def _quantize_calls(gm: torch.fx.GraphModule, ctx: CompileContext, calls: list[t
             if (gather := gather_of_parameter(operand)) is not None:
                 # the weight picked per token (experts): quantize the whole parameter before the
                 # gather, so that it is rounded once and its summed gradient is rounded whole
-                if upcast and gather not in upcast_gathers:
+                if upcast and gather not in upcast_gathers and _in_16_bits(gather):
                     upcast_gathers[gather] = (gather.meta["example_value"].dtype, set())
                 if gather in gathers:
                     rounded = _quantize_operand(
                         gm, ctx, gather.args[0], call, gather, backward=gathers.pop(gather), upcast=upcast
                     )
                     gather.update_arg(0, rounded)
-                    refresh_example(gather)
-                if upcast:  # (the gather may read the parameter cast up for another product)
+                    if gather in upcast_gathers:
+                        refresh_example(gather)
+                if gather in upcast_gathers:  # (it may read the parameter cast up for another product)
                     views = _view_chain(operand, gather)[:-1]
                     upcast_gathers[gather][1].update(views)
                     for view in reversed(views):
                         refresh_example(view)
                 continue
+            if (base := base_of(operand)) in upcast_gathers:
+                # another product's gather, whose parameter its rounding now hides: this product
+                # rounds it again, in FP32 (no 16-bit copy of it between)
+                views = _view_chain(operand, base)[:-1]
+                upcast_gathers[base][1].update(views)
+                for view in reversed(views):
+                    refresh_example(view)
             value = _quantize_operand(
                 gm, ctx, operand, call, call, operand in computed, backward=backward[call], upcast=upcast
             )
@@ -1008,17 +1026,23 @@ def _quantize_calls(gm: torch.fx.GraphModule, ctx: CompileContext, calls: list[t
         users = list(output.users) if output is not None else []
         bias = _take_bias(call) if adds_bias_after(call, config) else None
         if upcast:
-            dtype = call.meta["example_value"].dtype
+            dtype, device = call.meta["example_value"].dtype, call.meta["example_value"].device.type
+            autocast = runs_under_autocast(call, device)
             _upcast_other_arguments(call)
-            refresh_example(call)
+            # (it runs without autocast: none, the model's region without it, or lowprec's)
+            off = torch.amp.is_autocast_available(device)
+            with torch.autocast(device, enabled=False) if off else contextlib.nullcontext():
+                refresh_example(call)
         if config.error.enabled and backward[call]:
             result = _insert(gm, ctx, output, Role.ERROR, layer, spec_for(call, config.error), True)
-        if upcast:
+        if upcast and dtype != torch.float32:
             result = cast_to(result, dtype, call)
         if bias is not None:
             result = _add_bias(result, bias, call)
         for user in users:
             user.replace_input_with(output, result)
+        if upcast and autocast:
+            _run_outside_autocast(call, device)
     for gather, (dtype, views) in upcast_gathers.items():
         _cast_back_other_readers(gather, dtype, views, set(calls))
 
@@ -1027,12 +1051,27 @@ def _cast_back_other_readers(
     gather: torch.fx.Node, dtype: torch.dtype, views: set[torch.fx.Node], products: set[torch.fx.Node]
 ) -> None:
     """Give the readers of the FP32 ``gather`` (and of its ``views`` that products read) that
-    are neither those views nor products its values cast back to ``dtype``, as they read them
-    before."""
+    are neither those views nor products, nor roundings of a product's operand (a second
+    product rounds the gathered weight again), its values cast back to ``dtype``, as they
+    read them before."""
     for node in (gather, *views):
         for user in list(node.users):
-            if user not in views and user not in products:
+            if user not in views and user not in products and user.target not in LOWPREC_OPS:
                 user.replace_input_with(node, cast_to(node, dtype, user, user))
+
+
+def _run_outside_autocast(call: torch.fx.Node, device: str) -> None:
+    """Put ``call`` between an ``_enter_autocast`` that turns autocast off for ``device``
+    and its ``_exit_autocast``, so that it multiplies its FP32 operands in FP32. The
+    entry is marked (:data:`CAST`): it prepares the product, and joins its pipeline stage."""
+    graph = call.graph
+    with graph.inserting_before(call):
+        enter = graph.call_function(torch.amp._enter_autocast, (device, None, False, None))
+    with graph.inserting_after(call):
+        leave = graph.call_function(torch.amp._exit_autocast, (enter,))
+    for node in (enter, leave):
+        place_in_module(node, call)
+    enter.meta[CAST] = True
 
 
 def computes_in_fp32(call: torch.fx.Node, config: LowPrecConfig) -> bool:
@@ -1040,8 +1079,10 @@ def computes_in_fp32(call: torch.fx.Node, config: LowPrecConfig) -> bool:
     rounded for it has factors that are no powers of two, so that its values divided back
     are no 16-bit values. Its rounded operands stay FP32 and its result is cast back, as an
     FP8 GEMM applies the factors in FP32 and rounds only its result (and as torchao's
-    float8 training emulates it). Under autocast, in other libraries' operators and in
-    grouped matmuls (which take 16-bit operands only), the product runs as it is."""
+    float8 training emulates it). Under autocast, which would cast its operands to 16 bits
+    (or has cast its output), the product is also one of a 16-bit operand or result, and
+    runs with autocast off. In other libraries' operators and in grouped matmuls (which
+    take 16-bit operands only), the product runs as it is."""
     example = call.meta.get("example_value")
     if not isinstance(example, torch.Tensor) or product_output(call) is not call:
         return False
@@ -1054,9 +1095,12 @@ def computes_in_fp32(call: torch.fx.Node, config: LowPrecConfig) -> bool:
     ):
         return False
     operands = [call.args[i] for i in product_operands(call) if i < len(call.args)]
-    if not any(isinstance(o, torch.fx.Node) for o in operands) or not all(map(_in_16_bits, operands)):
+    if not any(isinstance(o, torch.fx.Node) for o in operands):
         return False
     if runs_under_autocast(call, example.device.type):
+        if not _in_16_bits(call) and not any(map(_in_16_bits, operands)):
+            return False
+    elif not all(map(_in_16_bits, operands)):
         return False
     specs = [spec_for(call, config.spec(role)) for role in ROLES]
     specs += [getattr(config, name) for name in config.per_matmul]
@@ -1113,8 +1157,7 @@ def _add_bias(result: torch.fx.Node, bias: torch.fx.Node, call: torch.fx.Node) -
     dtypes = {getattr(node.meta.get("example_value"), "dtype", None) for node in (result, bias)}
     if None not in dtypes and len(dtypes) > 1:
         added.update_arg(1, cast_to(bias, result.meta["example_value"].dtype, call, added))
-    added.meta["nn_module_stack"] = dict(call.meta.get("nn_module_stack") or {})
-    added.meta["stack_trace"] = call.meta.get("stack_trace")
+    place_in_module(added, call)
     refresh_example(added)
     return added
 
