@@ -51,6 +51,7 @@ from lpcompile.backend.watch import (
     compiled_module,
     instance_of,
     outermost_module,
+    warn_compiling_over_lowprec,
     warn_in_eager_function,
     watch_frame_compiles,
 )
@@ -102,6 +103,9 @@ trace_wrapped_forwards()
 # warn, naming the model; and a model whose frames compile to no graph never calls the
 # backend: watch it from the start of each frame's compile (backend/watch.py).
 watch_frame_compiles(REGISTRY.watches)
+# A torch.compile with another backend around a model compiled with lowprec traces through
+# lowprec's compile: warn, naming the model (backend/watch.py).
+warn_compiling_over_lowprec()
 
 # codegen="triton": after the AOT passes, each fusion group becomes one generated Triton kernel.
 CODEGEN_PASSES = (fuse_lowprec_kernels,)

@@ -26,6 +26,7 @@ frame's compile, starts the watch of a model whose frames compile to no graph.
 
 from __future__ import annotations
 
+import contextlib
 import fnmatch
 import os
 import sys
@@ -37,6 +38,7 @@ from typing import Any
 
 import torch
 from torch._dynamo import convert_frame
+from torch._dynamo.eval_frame import OptimizedModule
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils.hooks import RemovableHandle
 
@@ -467,6 +469,64 @@ class CoverageWatches:
             ' TORCH_LOGS="recompiles" lists why it recompiled',
             stacklevel=caller_level(),
         )
+
+
+def compiled_with_lowprec(compiled: Any, depth: int = 2) -> bool:
+    """Whether ``compiled`` is torch.compile's wrapper of a module or function compiled with
+    lowprec, or a module compiled with lowprec in place (``module.compile(backend="lowprec")``).
+    A function is looked into ``depth`` closures deep (a coverage watch wraps a compiled
+    call)."""
+    if isinstance(compiled, OptimizedModule):
+        return is_lowprec_backend(compiled.dynamo_ctx.callback)
+    if isinstance(compiled, torch.nn.Module):
+        compiled = compiled._compiled_call_impl
+    for cell in getattr(compiled, "__closure__", None) or ():  # (torch.compile's wrapper's)
+        try:
+            value = cell.cell_contents
+        except ValueError:  # (a cell not yet filled)
+            continue
+        if isinstance(value, torch._dynamo.eval_frame._TorchDynamoContext):
+            return is_lowprec_backend(value.callback)
+        if depth > 1 and isinstance(value, types.FunctionType) and compiled_with_lowprec(value, depth - 1):
+            return True
+    return False
+
+
+def compiled_over_warning(context: Any, fn: Any) -> str | None:
+    """The warning where torch.compile's ``context`` (another backend's) compiles ``fn``, a
+    module or function compiled with lowprec, or None."""
+    if is_lowprec_backend(context.callback) or not compiled_with_lowprec(fn):
+        return None
+    inner = torch._dynamo.eval_frame.innermost_fn(fn)
+    name = type(fn).__name__ if isinstance(fn, torch.nn.Module) else f"function {inner.__qualname__}"
+    if isinstance(fn, OptimizedModule):
+        name = type(fn._orig_mod).__name__
+    return (
+        f"lowprec: {name}, compiled with lowprec, is compiled again by a torch.compile with another"
+        " backend: Dynamo traces through lowprec's compile, which never runs, and the model's"
+        " products run unrounded, in its own precision. Compile the model once, with lowprec"
+    )
+
+
+def warn_compiling_over_lowprec() -> None:
+    """Make torch.compile warn (:func:`compiled_over_warning`) where it is given a module or
+    function compiled with lowprec to compile with another backend: Dynamo compiles the
+    model or function inside, through lowprec's compile, which never runs."""
+    context = torch._dynamo.eval_frame.OptimizeContext
+    if hasattr(context.__call__, "lowprec_original"):
+        return
+    original = context.__call__
+
+    def __call__(self: Any, fn: Any) -> Any:
+        message = None
+        with contextlib.suppress(Exception):  # (lowprec's check must never break torch.compile)
+            message = compiled_over_warning(self, fn)
+        if message is not None:
+            warnings.warn(message, stacklevel=caller_level())
+        return original(self, fn)
+
+    __call__.lowprec_original = original
+    context.__call__ = __call__
 
 
 def watch_frame_compiles(watches: CoverageWatches) -> None:

@@ -604,3 +604,47 @@ def test_a_single_stack_temporary_and_a_parameter_on_the_stack_are_placed(weight
     model = OneTemporary(weighted)
     own = {"w", "matmul"} if weighted else set()  # the forward's own product's, as compiled whole
     assert _layers(model) == {"encoder.up", "encoder.down", "head"} | own
+
+
+def _compiled_over(case: str) -> tuple[nn.Module, Callable[[torch.Tensor], torch.Tensor]]:
+    """A model compiled with lowprec, and what compiles it again (``"recompiled"``: compiled
+    in place with another backend instead; ``"method"``: a method other than its call)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
+    if case == "wrapper":
+        return model, torch.compile(
+            torch.compile(model, backend="lowprec", options=EAGER_SR), backend="eager"
+        )
+    if case == "function":
+        step = torch.compile(lambda x: model(x) * 2, backend="lowprec", options=EAGER_SR)
+        return model, torch.compile(step, backend="eager")
+    model.compile(backend="lowprec", options=EAGER_SR)
+    if case == "in place":
+        return model, torch.compile(model, backend="eager")
+    if case == "recompiled":  # (replaces lowprec's compile, and runs eager)
+        model.compile(backend="eager")
+    else:  # (another method of the model, which never calls it)
+        torch.compile(model.extra_repr, backend="eager")
+    return model, model
+
+
+@pytest.mark.parametrize(
+    ("case", "named"),
+    [("wrapper", True), ("function", True), ("in place", True), ("recompiled", False), ("method", False)],
+)
+def test_a_model_compiled_with_lowprec_and_compiled_again_is_named(case, named):
+    """Dynamo traces through the inner compile, and lowprec's backend never runs."""
+    torch._dynamo.reset()
+    x = torch.randn(2, 8)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model, compiled = _compiled_over(case)
+        for _ in range(2):
+            compiled(x).sum().backward()
+    said = [str(w.message) for w in caught if "compiled with lowprec" in str(w.message)]
+    if named:
+        name = "function _compiled_over.<locals>.<lambda>" if case == "function" else "Sequential"
+        assert len(said) == 1 and said[0].startswith(f"lowprec: {name}, compiled with lowprec, is "), said
+        assert lpcompile.coverage(model) == []  # what the warning says: lowprec never ran
+    else:
+        assert said == []
