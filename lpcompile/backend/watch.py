@@ -497,10 +497,12 @@ def compiled_over_warning(context: Any, fn: Any) -> str | None:
     module or function compiled with lowprec, or None."""
     if is_lowprec_backend(context.callback) or not compiled_with_lowprec(fn):
         return None
-    inner = torch._dynamo.eval_frame.innermost_fn(fn)
-    name = type(fn).__name__ if isinstance(fn, torch.nn.Module) else f"function {inner.__qualname__}"
     if isinstance(fn, OptimizedModule):
         name = type(fn._orig_mod).__name__
+    elif isinstance(fn, torch.nn.Module):
+        name = type(fn).__name__
+    else:
+        name = f"function {torch._dynamo.eval_frame.innermost_fn(fn).__qualname__}"
     return (
         f"lowprec: {name}, compiled with lowprec, is compiled again by a torch.compile with another"
         " backend: Dynamo traces through lowprec's compile, which never runs, and the model's"
