@@ -77,13 +77,23 @@ def outermost_module() -> torch.nn.Module | None:
 
 
 def compiled_module() -> torch.nn.Module | None:
-    """The innermost module torch.compile wraps on the Python stack (``torch.compile(model)``
-    or ``model.compile()``), inside DDP's wrapper, or None (a compiled function)."""
-    for frame, owner in calling_selves(sys._getframe(1), depth=None):
-        if isinstance(owner, torch._dynamo.eval_frame.OptimizedModule):
-            return unwrapped(owner)[0]
-        if frame.f_code is torch.nn.Module._wrapped_call_impl.__code__ and owner._compiled_call_impl:
-            return unwrapped(owner)[0]
+    """The innermost module torch.compile wraps on the Python stack (``torch.compile(model)``,
+    ``model.compile()``, or a method of it: ``torch.compile(model.forward)``), inside DDP's
+    wrapper, or None (a compiled function)."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        code = frame.f_code
+        if code.co_name == "compile_wrapper" and code.co_filename == torch._dynamo.eval_frame.__file__:
+            method = frame.f_locals.get("fn")  # what torch.compile was given
+            if isinstance(method, types.MethodType) and isinstance(method.__self__, torch.nn.Module):
+                return unwrapped(method.__self__)[0]
+        elif "self" in code.co_varnames:
+            owner = frame.f_locals.get("self")
+            if isinstance(owner, torch._dynamo.eval_frame.OptimizedModule):
+                return unwrapped(owner)[0]
+            if code is torch.nn.Module._wrapped_call_impl.__code__ and owner._compiled_call_impl:
+                return unwrapped(owner)[0]
+        frame = frame.f_back
     return None
 
 

@@ -222,13 +222,14 @@ def source_fqn(source: str) -> str:
     """``L['self']._modules['0']._parameters['w']`` -> ``0.w``.
 
     The root module is the frame's ``self``, or, where a decorator wraps ``forward``
-    (``def wrapper(*args, **kwargs)``, as transformers does), ``args[0]``. A module
+    (``def wrapper(*args, **kwargs)``, as transformers does), ``args[0]``, or the module of
+    a bound method torch.compile was given (``L['fn'].__self__``). A module
     reached through a ``__getattr__`` of its own (PEFT's wrappers) is read from
     ``__dict__['_modules']``; one whose name is no identifier (``torch.func.functional_call``
     of a ``Sequential``) as ``getattr(L['self'].base, '0')``.
     """
     source = _unwrapped(source)
-    path = re.sub(r"^L\['(?:args|kwargs)'\]\[(?:\d+|'[^']*')\]|^L\['[^']*'\]", "", source)
+    path = re.sub(r"^L\['(?:args|kwargs)'\]\[(?:\d+|'[^']*')\]|^L\['[^']*'\](?:\.__self__)?", "", source)
     path = re.sub(r"\.(?:__dict__\[')?_(?:modules|parameters)(?:'\])?\['([^']*)'\]", r".\1", path)
     return re.sub(r"\[(\d+)\]", r".\1", path).strip(".")
 
@@ -330,8 +331,9 @@ def _exported_path(node: torch.fx.Node, path: str) -> str:
 
 def source_root(source: str) -> str:
     """The local or global of a frame that a Dynamo ``source`` starts from: ``L['self']``,
-    ``L['args'][0]``, ``L['kwargs']['model']``, ``G['model']``."""
-    found = re.match(r"[A-Z]\['[^']*'\](?:\[(?:\d+|'[^']*')\])?", _unwrapped(source))
+    ``L['args'][0]``, ``L['kwargs']['model']``, ``G['model']``; the module of a bound method
+    torch.compile was given (``torch.compile(model.forward)``): ``L['fn'].__self__``."""
+    found = re.match(r"[A-Z]\['[^']*'\](?:\[(?:\d+|'[^']*')\])?(?:\.__self__)?", _unwrapped(source))
     return found.group(0) if found else source
 
 

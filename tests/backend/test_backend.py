@@ -291,6 +291,26 @@ def test_exclude_and_keep_first_last_on_mlp(options, layers):
 
 
 @pytest.mark.parametrize(
+    ("method", "kept"), [("forward", {"0": None, "2": "exclude"}), ("__call__", {"0": None, "2": None})]
+)
+def test_a_compiled_bound_method_names_layers_from_its_module(method, kept):
+    """``model.forward = torch.compile(model.forward, ...)``: Dynamo reads the parameters
+    through the bound method (``L['fn'].__self__``); names still start at the model. Of
+    ``torch.compile(model.__call__)`` Dynamo compiles each Linear's frame apart (it skips
+    torch.nn's own frames), a graph lowprec names from the model all the same."""
+    model = mlp()
+    options = {"recipe": "fp8-e5m2", **EAGER, "exclude": [name for name, why in kept.items() if why]}
+    compiled = torch.compile(getattr(model, method), backend="lowprec", options=options)
+    if method == "forward":
+        model.forward = compiled  # what model(x) calls
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        (model if method == "forward" else compiled)(mlp_input()).sum().backward()
+    assert not [w for w in caught if "lowprec" in str(w.message)]  # as an exclude matching nothing
+    assert {c.layer: c.kept for c in lpcompile.coverage(model)} == kept
+
+
+@pytest.mark.parametrize(
     ("options", "warning"),
     [
         (
