@@ -25,7 +25,9 @@ CONV_TRANSPOSE_TARGETS = {torch.conv_transpose1d, torch.conv_transpose2d, torch.
 MATMUL_TARGETS = {torch.matmul, torch.linalg.matmul, operator.matmul, torch.mm, torch.bmm}
 # Mixture-of-experts products: rows of the input grouped by expert, each group times its expert's matrix.
 GROUPED_MM_TARGETS = {torch._grouped_mm, F.grouped_mm}
-CAST = "lowprec_cast"  # node.meta key: whether a cast lowprec inserted prepares the product after it
+# node.meta key: whether a node lowprec inserted (a cast, the entry of an autocast-free region)
+# prepares the product after it, and so belongs to that product's pipeline stage
+CAST = "lowprec_cast"
 # FlexAttention: one fused call of (query, key, value, score_mod, block mask, ...) that
 # returns its output with the logsumexp.
 FLEX_ATTENTION = torch.ops.higher_order.flex_attention

@@ -278,7 +278,7 @@ def _insert_boundaries(gm: torch.fx.GraphModule, stages: int | str) -> str:
 
 
 def _is_lowprec(node: torch.fx.Node) -> bool:
-    """A lowprec operator, or a cast lowprec inserted."""
+    """A lowprec operator, or a node lowprec inserted to prepare a product (:data:`CAST`)."""
     target = node.target
     return (node.op == "call_function" and getattr(target, "namespace", None) == "lowprec") or bool(
         node.meta.get(CAST)
