@@ -51,9 +51,9 @@ from lpcompile.backend.watch import (
     compiled_module,
     instance_of,
     outermost_module,
-    warn_compiling_over_lowprec,
     warn_in_eager_function,
     watch_frame_compiles,
+    watch_torch_compile,
 )
 from lpcompile.codegen import fuse_lowprec_kernels
 from lpcompile.config import LowPrecConfig, recipes
@@ -105,7 +105,7 @@ trace_wrapped_forwards()
 watch_frame_compiles(REGISTRY.watches)
 # A torch.compile with another backend around a model compiled with lowprec traces through
 # lowprec's compile: warn, naming the model (backend/watch.py).
-warn_compiling_over_lowprec()
+watch_torch_compile()
 
 # codegen="triton": after the AOT passes, each fusion group becomes one generated Triton kernel.
 CODEGEN_PASSES = (fuse_lowprec_kernels,)

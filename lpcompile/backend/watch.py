@@ -59,6 +59,11 @@ SPARSE_LAYOUTS = (torch.sparse_coo, torch.sparse_csr, torch.sparse_csc, torch.sp
 INTERNAL = tuple(os.path.dirname(path) + os.sep for path in (torch.__file__, os.path.dirname(__file__)))
 # Where Dynamo's own code lives (torch.compile's wrapper of a module's call among it)
 DYNAMO_DIR = os.path.dirname(torch._dynamo.__file__) + os.sep
+# Why a torch.compile that calls a model or function compiled with lowprec breaks its graph there
+RUN_APART = (
+    "compiled with lowprec: a torch.compile that calls it runs it apart, with a graph break, so that"
+    " lowprec's graph rounds its products; compile the whole with lowprec to keep one graph"
+)
 # The code of ``torch.autograd.Function.apply``: a frame of it on the stack runs a Function uncompiled.
 FUNCTION_APPLY = torch.autograd.Function.apply.__func__.__code__
 
@@ -481,15 +486,11 @@ class CoverageWatches:
         )
 
 
-def compiled_with_lowprec(compiled: Any, depth: int = 2) -> bool:
+def compiled_with_lowprec(compiled: Any) -> bool:
     """Whether ``compiled`` is torch.compile's wrapper of a module or function compiled with
-    lowprec, or a module compiled with lowprec in place (``module.compile(backend="lowprec")``).
-    A function is looked into ``depth`` closures deep (a coverage watch wraps a compiled
-    call)."""
+    lowprec."""
     if isinstance(compiled, OptimizedModule):
         return is_lowprec_backend(compiled.dynamo_ctx.callback)
-    if isinstance(compiled, torch.nn.Module):
-        compiled = compiled._compiled_call_impl
     for cell in getattr(compiled, "__closure__", None) or ():  # (torch.compile's wrapper's)
         try:
             value = cell.cell_contents
@@ -497,8 +498,6 @@ def compiled_with_lowprec(compiled: Any, depth: int = 2) -> bool:
             continue
         if isinstance(value, torch._dynamo.eval_frame._TorchDynamoContext):
             return is_lowprec_backend(value.callback)
-        if depth > 1 and isinstance(value, types.FunctionType) and compiled_with_lowprec(value, depth - 1):
-            return True
     return False
 
 
@@ -509,8 +508,6 @@ def compiled_over_warning(context: Any, fn: Any) -> str | None:
         return None
     if isinstance(fn, OptimizedModule):
         name = type(fn._orig_mod).__name__
-    elif isinstance(fn, torch.nn.Module):
-        name = type(fn).__name__
     else:
         name = f"function {torch._dynamo.eval_frame.innermost_fn(fn).__qualname__}"
     return (
@@ -520,10 +517,31 @@ def compiled_over_warning(context: Any, fn: Any) -> str | None:
     )
 
 
-def warn_compiling_over_lowprec() -> None:
-    """Make torch.compile warn (:func:`compiled_over_warning`) where it is given a module or
-    function compiled with lowprec to compile with another backend: Dynamo compiles the
-    model or function inside, through lowprec's compile, which never runs."""
+def run_apart(compiled: Any) -> None:
+    """Make a torch.compile whose trace calls ``compiled`` (torch.compile's wrapper of a
+    module or function, for lowprec) break its graph there and call it, as it calls a
+    ``torch.compiler.disable``-d function: lowprec's graph then rounds its products, which
+    Dynamo would otherwise trace through lowprec's compile, unrounded. A ``fullgraph``
+    compile raises, with :data:`RUN_APART` as the reason."""
+    target = compiled.forward if isinstance(compiled, OptimizedModule) else compiled
+    if not isinstance(target, types.FunctionType):
+        return  # (a lazy module's forward: a method of its wrapper)
+    target._torchdynamo_disable = True
+    target._torchdynamo_disable_msg = RUN_APART
+    target.__dict__.pop("_torchdynamo_inline", None)  # (Dynamo would trace the function it wraps)
+
+
+def _call_compiled(module: torch.nn.Module, args: tuple) -> None:
+    """A forward pre-hook that does nothing: Dynamo calls a module with hooks through its
+    ``__call__``, which calls its compiled call (its ``forward`` directly otherwise)."""
+
+
+def watch_torch_compile() -> None:
+    """Make torch.compile mark what it compiles for lowprec to run apart from any other
+    compile that calls it (:func:`run_apart`), and warn (:func:`compiled_over_warning`)
+    where it is given a module or function compiled with lowprec to compile with another
+    backend: Dynamo compiles the model or function inside, through lowprec's compile, which
+    never runs."""
     context = torch._dynamo.eval_frame.OptimizeContext
     if hasattr(context.__call__, "lowprec_original"):
         return
@@ -535,7 +553,14 @@ def warn_compiling_over_lowprec() -> None:
             message = compiled_over_warning(self, fn)
         if message is not None:
             warnings.warn(message, stacklevel=caller_level())
-        return original(self, fn)
+        compiled = original(self, fn)
+        if is_lowprec_backend(self.callback):
+            run_apart(compiled)
+            module = getattr(fn, "__self__", None)
+            if isinstance(module, torch.nn.Module) and fn == module._call_impl:  # module.compile()
+                if _call_compiled not in module._forward_pre_hooks.values():
+                    module.register_forward_pre_hook(_call_compiled)
+        return compiled
 
     __call__.lowprec_original = original
     context.__call__ = __call__

@@ -619,7 +619,7 @@ def _compiled_over(case: str) -> tuple[nn.Module, Callable[[torch.Tensor], torch
         step = torch.compile(lambda x: model(x) * 2, backend="lowprec", options=EAGER_SR)
         return model, torch.compile(step, backend="eager")
     model.compile(backend="lowprec", options=EAGER_SR)
-    if case == "in place":
+    if case == "in place":  # (lowprec runs: see the test below)
         return model, torch.compile(model, backend="eager")
     if case == "recompiled":  # (replaces lowprec's compile, and runs eager)
         model.compile(backend="eager")
@@ -630,10 +630,11 @@ def _compiled_over(case: str) -> tuple[nn.Module, Callable[[torch.Tensor], torch
 
 @pytest.mark.parametrize(
     ("case", "named"),
-    [("wrapper", True), ("function", True), ("in place", True), ("recompiled", False), ("method", False)],
+    [("wrapper", True), ("function", True), ("in place", False), ("recompiled", False), ("method", False)],
 )
 def test_a_model_compiled_with_lowprec_and_compiled_again_is_named(case, named):
-    """Dynamo traces through the inner compile, and lowprec's backend never runs."""
+    """Dynamo traces through the inner compile, and lowprec's backend never runs (torch.compile
+    compiles what a wrapper wraps); a model compiled in place runs apart, with lowprec."""
     torch._dynamo.reset()
     x = torch.randn(2, 8)
     with warnings.catch_warnings(record=True) as caught:
@@ -648,3 +649,76 @@ def test_a_model_compiled_with_lowprec_and_compiled_again_is_named(case, named):
         assert lpcompile.coverage(model) == []  # what the warning says: lowprec never ran
     else:
         assert said == []
+        assert bool(lpcompile.coverage(model)) == (case != "recompiled")  # lowprec ran
+
+
+class Scaled(nn.Module):
+    """A module without products of its own around ``inner``."""
+
+    def __init__(self, inner: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        super().__init__()
+        self.inner = inner
+        self.scale = nn.Parameter(torch.full((2,), 0.5))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner(x).relu() * self.scale
+
+
+def _called_inside(case: str, backend: Callable) -> tuple[nn.Module, Callable[[torch.Tensor], torch.Tensor]]:
+    """A model compiled with lowprec (``backend``), and what another torch.compile compiles that
+    calls it."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
+    if case == "block compiled in place":
+        model.compile(backend=backend)
+        return model, Scaled(model)
+    if case == "function":
+        step = torch.compile(lambda x: model(x), backend=backend)
+        return model, lambda x: step(x) * 2
+    compiled = torch.compile(model, backend=backend)
+    return model, Scaled(compiled) if case == "block" else (lambda x: compiled(x) * 2)
+
+
+class Outer:
+    """Another backend: Dynamo's graphs run as they are, watched by ``check``."""
+
+    def __init__(self, check: GridCheck) -> None:
+        self.check = check
+        self.graphs = 0
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
+        self.graphs += 1
+
+        def run(*args: torch.Tensor) -> object:
+            with self.check:
+                return gm(*args)
+
+        return run
+
+
+@pytest.mark.parametrize("case", ["block", "block compiled in place", "model in a function", "function"])
+def test_lowprec_runs_apart_where_another_compile_calls_it(case):
+    """A model or function compiled with lowprec, called where another backend's torch.compile
+    traces: Dynamo breaks its graph there and calls lowprec's compile, whose graphs round
+    every product, forward and backward, by a dispatch-mode check of what ran."""
+    torch._dynamo.reset()
+    check = GridCheck()
+    model, outer = _called_inside(case, watched_backend(EAGER_SR, check))
+    other = Outer(check)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            loss = torch.compile(outer, backend=other)(torch.randn(4, 8)).sum()
+            with check:
+                loss.backward()
+    assert not [str(w.message) for w in caught if "lowprec" in str(w.message)]
+    assert other.graphs >= 1 and check.count == 2 * 5 and not check.off_grid, dict(check.products)
+    assert [row.layer for row in lpcompile.coverage(model)] == ["0", "2"]
+
+
+def test_a_fullgraph_compile_that_calls_lowprec_says_why_it_breaks():
+    torch._dynamo.reset()
+    _, outer = _called_inside("block", "lowprec")
+    why = "compiled with lowprec: a torch.compile that calls it runs it apart"
+    with pytest.raises(torch._dynamo.exc.Unsupported, match=why):
+        torch.compile(outer, backend="eager", fullgraph=True)(torch.randn(4, 8))
