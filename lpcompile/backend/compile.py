@@ -103,9 +103,10 @@ trace_wrapped_forwards()
 # warn, naming the model; and a model whose frames compile to no graph never calls the
 # backend: watch it from the start of each frame's compile (backend/watch.py).
 watch_frame_compiles(REGISTRY.watches)
-# A torch.compile with another backend around a model compiled with lowprec traces through
-# lowprec's compile: warn, naming the model (backend/watch.py).
-watch_torch_compile()
+# Another backend's torch.compile that calls a model compiled with lowprec would trace
+# through lowprec's compile: it runs it apart instead; given the model itself, it warns,
+# naming the model (backend/watch.py).
+watch_torch_compile(REGISTRY.watches)
 
 # codegen="triton": after the AOT passes, each fusion group becomes one generated Triton kernel.
 CODEGEN_PASSES = (fuse_lowprec_kernels,)

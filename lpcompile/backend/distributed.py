@@ -178,6 +178,8 @@ def product_parameters(module: torch.nn.Module) -> list[str]:
 # The attribute that marks a backend function as lowprec's (``lpcompile.backend.lowprec``
 # has it; a function of the user's that calls lowprec may set it too).
 LOWPREC_BACKEND = "lowprec_backend"
+# A backend function's attribute: its compiles trace through what was compiled with lowprec
+TRACES_THROUGH_LOWPREC = "lowprec_traces_through"
 
 
 def compiling_for_lowprec() -> bool:
@@ -190,12 +192,27 @@ def compiling_for_lowprec() -> bool:
     return False
 
 
-def is_lowprec_backend(compiler_fn: Any) -> bool:
-    """Whether Dynamo's ``compiler_fn`` (or its callback) wraps a backend function marked
-    :data:`LOWPREC_BACKEND`, through torch.compile's wrapper or a ``functools.partial``."""
+def _backend_function(compiler_fn: Any) -> Any:
+    """The backend function Dynamo's ``compiler_fn`` (or its callback) wraps, through
+    torch.compile's wrapper or a ``functools.partial``."""
     backend = torch._dynamo.eval_frame.innermost_backend(compiler_fn)
     backend = getattr(backend, "compiler_fn", backend)  # torch.compile's wrapper
-    return getattr(getattr(backend, "func", backend), LOWPREC_BACKEND, False)
+    return getattr(backend, "func", backend)
+
+
+def is_lowprec_backend(compiler_fn: Any) -> bool:
+    """Whether Dynamo's ``compiler_fn`` (or its callback) wraps a backend function marked
+    :data:`LOWPREC_BACKEND`."""
+    return getattr(_backend_function(compiler_fn), LOWPREC_BACKEND, False)
+
+
+def traces_through_lowprec(compiler_fn: Any) -> bool:
+    """Whether Dynamo's ``compiler_fn`` traces through what was compiled with lowprec, as
+    Dynamo does by default: lowprec's own backend (an outer lowprec compile rounds a block
+    compiled with lowprec with its own options), and a backend marked
+    :data:`TRACES_THROUGH_LOWPREC` (the pipeline's capture of the model's graph)."""
+    backend = _backend_function(compiler_fn)
+    return getattr(backend, LOWPREC_BACKEND, False) or getattr(backend, TRACES_THROUGH_LOWPREC, False)
 
 
 def ddp_optimizer_split() -> Any | None:

@@ -46,6 +46,7 @@ from lpcompile.backend.distributed import (
     calling_selves,
     is_lowprec_backend,
     product_parameters,
+    traces_through_lowprec,
     unsharded_parameters,
     wrapper_kind,
 )
@@ -381,7 +382,9 @@ class CoverageWatch:
 
 
 class CoverageWatches:
-    """The coverage watches of this process: one per root module, and those still active."""
+    """The coverage watches of this process: one per root module, and those still active;
+    and torch.compile's wrappers of what was compiled for lowprec, marked to run apart
+    from another backend's compile (:func:`set_apart`)."""
 
     def __init__(self) -> None:
         self._by_root: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -389,6 +392,15 @@ class CoverageWatches:
         self._active: weakref.WeakSet[CoverageWatch] = weakref.WeakSet()
         # code that went past Dynamo's recompile limit -> weak references to its backends then
         self._past_limit: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self._apart: weakref.WeakSet[types.FunctionType] = weakref.WeakSet()
+
+    def run_apart(self, compiled: Any) -> None:
+        """Mark ``compiled``, what torch.compile returned for lowprec (its wrapper of a module
+        or function), to run apart from the compiles of other backends that call it."""
+        wrapper = compiled.forward if isinstance(compiled, OptimizedModule) else compiled
+        if isinstance(wrapper, types.FunctionType):  # (a lazy module's forward is a method)
+            self._apart.add(wrapper)
+            set_apart(wrapper, True)
 
     def start(self, root: torch.nn.Module) -> None:
         """Watch ``root``'s next forward, unless it has been watched already."""
@@ -435,12 +447,17 @@ class CoverageWatches:
         return call
 
     def start_compiling(self, compiling: types.FrameType) -> None:
-        """Watch the outermost module running where Dynamo, in ``compiling`` (its frame of
-        ``_compile``), compiles a frame for lowprec."""
+        """Where Dynamo, in ``compiling`` (its frame of ``_compile``), begins to compile a
+        frame: mark what was compiled for lowprec to run apart from it, unless it compiles
+        for lowprec (which traces through it, with its own options, as Dynamo does); and
+        watch the outermost module running where it compiles for lowprec."""
         compiler_fn = compiling.f_locals.get("compiler_fn")
-        if compiler_fn is not None and is_lowprec_backend(compiler_fn):
-            if (root := outermost_module()) is not None:
-                self.start(root)
+        if compiler_fn is None:
+            return
+        for wrapper in self._apart:
+            set_apart(wrapper, not traces_through_lowprec(compiler_fn))
+        if is_lowprec_backend(compiler_fn) and (root := outermost_module()) is not None:
+            self.start(root)
 
     def warn_past_limit(self, compiling: types.FrameType, limit_type: str) -> None:
         """Warn where Dynamo, in ``compiling`` (its frame of ``_compile``), hit its
@@ -486,11 +503,15 @@ class CoverageWatches:
         )
 
 
-def compiled_with_lowprec(compiled: Any) -> bool:
+def compiled_with_lowprec(compiled: Any, depth: int = 1) -> bool:
     """Whether ``compiled`` is torch.compile's wrapper of a module or function compiled with
-    lowprec."""
+    lowprec, or a module compiled with lowprec in place (``module.compile(backend="lowprec")``),
+    whose compiled call is looked into two closures deep (a coverage watch wraps it for a
+    forward)."""
     if isinstance(compiled, OptimizedModule):
         return is_lowprec_backend(compiled.dynamo_ctx.callback)
+    if isinstance(compiled, torch.nn.Module):
+        return compiled_with_lowprec(compiled._compiled_call_impl, depth=2)
     for cell in getattr(compiled, "__closure__", None) or ():  # (torch.compile's wrapper's)
         try:
             value = cell.cell_contents
@@ -498,47 +519,82 @@ def compiled_with_lowprec(compiled: Any) -> bool:
             continue
         if isinstance(value, torch._dynamo.eval_frame._TorchDynamoContext):
             return is_lowprec_backend(value.callback)
+        if depth > 1 and isinstance(value, types.FunctionType) and compiled_with_lowprec(value, depth - 1):
+            return True
     return False
+
+
+def _has_hooks(module: torch.nn.Module) -> bool:
+    """Whether Dynamo calls ``module`` through its ``__call__`` (which calls a compiled call),
+    not its ``forward``: it has hooks, or the process global ones."""
+    kinds = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
+    return any(getattr(module, kind) for kind in kinds) or torch.nn.modules.module._has_any_global_hook()
 
 
 def compiled_over_warning(context: Any, fn: Any) -> str | None:
     """The warning where torch.compile's ``context`` (another backend's) compiles ``fn``, a
-    module or function compiled with lowprec, or None."""
-    if is_lowprec_backend(context.callback) or not compiled_with_lowprec(fn):
+    module or function compiled with lowprec, or a module holding modules compiled with
+    lowprec in place that Dynamo will trace through; or None."""
+    if is_lowprec_backend(context.callback):
         return None
-    if isinstance(fn, OptimizedModule):
-        name = type(fn._orig_mod).__name__
-    else:
-        name = f"function {torch._dynamo.eval_frame.innermost_fn(fn).__qualname__}"
+    if compiled_with_lowprec(fn):
+        if isinstance(fn, OptimizedModule):
+            name = type(fn._orig_mod).__name__
+        elif isinstance(fn, torch.nn.Module):
+            name = type(fn).__name__
+        else:
+            name = f"function {torch._dynamo.eval_frame.innermost_fn(fn).__qualname__}"
+        return (
+            f"lowprec: {name}, compiled with lowprec, is compiled again by a torch.compile with another"
+            " backend: Dynamo traces through lowprec's compile, which never runs, and the model's"
+            " products run unrounded, in its own precision. Compile the model once, with lowprec"
+        )
+    model = fn._orig_mod if isinstance(fn, OptimizedModule) else fn
+    if not isinstance(model, torch.nn.Module):
+        return None
+    inside = [
+        module_name(name)
+        for name, module in model.named_modules()
+        if name
+        and not isinstance(module, OptimizedModule)
+        and module._compiled_call_impl is not None
+        and not _has_hooks(module)
+        and compiled_with_lowprec(module)
+    ]
+    if not inside:
+        return None
+    more = f" and {len(inside) - LISTED} more" if len(inside) > LISTED else ""
     return (
-        f"lowprec: {name}, compiled with lowprec, is compiled again by a torch.compile with another"
-        " backend: Dynamo traces through lowprec's compile, which never runs, and the model's"
-        " products run unrounded, in its own precision. Compile the model once, with lowprec"
+        f"lowprec: {type(model).__name__} holds {', '.join(inside[:LISTED])}{more}, compiled with lowprec"
+        " in place (module.compile(backend='lowprec')), and a torch.compile with another backend compiles it:"
+        " Dynamo traces their forward into its own graph, and lowprec never runs, their products"
+        " unrounded. Register torch.compile(module, backend='lowprec') in their place instead (another"
+        " compile calls it apart, with a graph break), or compile the whole model with lowprec"
     )
 
 
-def run_apart(compiled: Any) -> None:
-    """Make a torch.compile whose trace calls ``compiled`` (torch.compile's wrapper of a
-    module or function, for lowprec) break its graph there and call it, as it calls a
-    ``torch.compiler.disable``-d function: lowprec's graph then rounds its products, which
-    Dynamo would otherwise trace through lowprec's compile, unrounded. A ``fullgraph``
-    compile raises, with :data:`RUN_APART` as the reason."""
-    target = compiled.forward if isinstance(compiled, OptimizedModule) else compiled
-    if not isinstance(target, types.FunctionType):
-        return  # (a lazy module's forward: a method of its wrapper)
-    target._torchdynamo_disable = True
-    target._torchdynamo_disable_msg = RUN_APART
-    target.__dict__.pop("_torchdynamo_inline", None)  # (Dynamo would trace the function it wraps)
+def set_apart(wrapper: types.FunctionType, apart: bool) -> None:
+    """Mark torch.compile's ``wrapper`` of a module or function compiled with lowprec to run
+    apart from a compile whose trace calls it (``apart``), as a ``torch.compiler.disable``-d
+    function: Dynamo breaks its graph there and calls it, and lowprec's graph rounds its
+    products (a ``fullgraph`` compile raises, with :data:`RUN_APART` as the reason);
+    otherwise to be traced through, as Dynamo does by default."""
+    found = wrapper.__dict__
+    if apart:
+        found.update(_torchdynamo_disable=True, _torchdynamo_disable_msg=RUN_APART)
+        if "_torchdynamo_inline" in found:  # (Dynamo traces the function it names)
+            found["lowprec_inline"] = found.pop("_torchdynamo_inline")
+    else:
+        found.pop("_torchdynamo_disable", None)
+        found.pop("_torchdynamo_disable_msg", None)
+        if "lowprec_inline" in found:
+            found["_torchdynamo_inline"] = found.pop("lowprec_inline")
 
 
-def _call_compiled(module: torch.nn.Module, args: tuple) -> None:
-    """A forward pre-hook that does nothing: Dynamo calls a module with hooks through its
-    ``__call__``, which calls its compiled call (its ``forward`` directly otherwise)."""
-
-
-def watch_torch_compile() -> None:
-    """Make torch.compile mark what it compiles for lowprec to run apart from any other
-    compile that calls it (:func:`run_apart`), and warn (:func:`compiled_over_warning`)
+def watch_torch_compile(watches: CoverageWatches) -> None:
+    """Make torch.compile mark what it compiles for lowprec to run apart from the compiles
+    of other backends that call it (``watches.run_apart``), and warn
+    (:func:`compiled_over_warning`)
     where it is given a module or function compiled with lowprec to compile with another
     backend: Dynamo compiles the model or function inside, through lowprec's compile, which
     never runs."""
@@ -555,11 +611,7 @@ def watch_torch_compile() -> None:
             warnings.warn(message, stacklevel=caller_level())
         compiled = original(self, fn)
         if is_lowprec_backend(self.callback):
-            run_apart(compiled)
-            module = getattr(fn, "__self__", None)
-            if isinstance(module, torch.nn.Module) and fn == module._call_impl:  # module.compile()
-                if _call_compiled not in module._forward_pre_hooks.values():
-                    module.register_forward_pre_hook(_call_compiled)
+            watches.run_apart(compiled)
         return compiled
 
     __call__.lowprec_original = original

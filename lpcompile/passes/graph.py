@@ -231,7 +231,8 @@ def source_fqn(source: str) -> str:
     of a ``Sequential``) as ``getattr(L['self'].base, '0')``.
     """
     source = _unwrapped(source)
-    path = re.sub(r"^L\['(?:args|kwargs)'\]\[(?:\d+|'[^']*')\]|^L\['[^']*'\](?:\.__self__)?", "", source)
+    bound = r"(?:\.__self__(?!\w))?"  # (a bound method's module)
+    path = re.sub(rf"^L\['(?:args|kwargs)'\]\[(?:\d+|'[^']*')\]{bound}|^L\['[^']*'\]{bound}", "", source)
     path = re.sub(r"\.(?:__dict__\[')?_(?:modules|parameters)(?:'\])?\['([^']*)'\]", r".\1", path)
     return re.sub(r"\[(\d+)\]", r".\1", path).strip(".")
 
@@ -335,7 +336,7 @@ def source_root(source: str) -> str:
     """The local or global of a frame that a Dynamo ``source`` starts from: ``L['self']``,
     ``L['args'][0]``, ``L['kwargs']['model']``, ``G['model']``; the module of a bound method
     torch.compile was given (``torch.compile(model.forward)``): ``L['fn'].__self__``."""
-    found = re.match(r"[A-Z]\['[^']*'\](?:\[(?:\d+|'[^']*')\])?(?:\.__self__)?", _unwrapped(source))
+    found = re.match(r"[A-Z]\['[^']*'\](?:\[(?:\d+|'[^']*')\])?(?:\.__self__(?!\w))?", _unwrapped(source))
     return found.group(0) if found else source
 
 

@@ -19,6 +19,7 @@ from torch import nn
 
 import lpcompile
 from lpcompile.backend.watch import sparse_tensors
+from lpcompile.runtime.pipeline import capture_graph
 
 EAGER_SR = {"recipe": "fp8-e5m2-sr", "executor": "eager"}
 
@@ -619,7 +620,7 @@ def _compiled_over(case: str) -> tuple[nn.Module, Callable[[torch.Tensor], torch
         step = torch.compile(lambda x: model(x) * 2, backend="lowprec", options=EAGER_SR)
         return model, torch.compile(step, backend="eager")
     model.compile(backend="lowprec", options=EAGER_SR)
-    if case == "in place":  # (lowprec runs: see the test below)
+    if case == "in place":
         return model, torch.compile(model, backend="eager")
     if case == "recompiled":  # (replaces lowprec's compile, and runs eager)
         model.compile(backend="eager")
@@ -630,11 +631,10 @@ def _compiled_over(case: str) -> tuple[nn.Module, Callable[[torch.Tensor], torch
 
 @pytest.mark.parametrize(
     ("case", "named"),
-    [("wrapper", True), ("function", True), ("in place", False), ("recompiled", False), ("method", False)],
+    [("wrapper", True), ("function", True), ("in place", True), ("recompiled", False), ("method", False)],
 )
 def test_a_model_compiled_with_lowprec_and_compiled_again_is_named(case, named):
-    """Dynamo traces through the inner compile, and lowprec's backend never runs (torch.compile
-    compiles what a wrapper wraps); a model compiled in place runs apart, with lowprec."""
+    """Dynamo traces through the inner compile, and lowprec's backend never runs."""
     torch._dynamo.reset()
     x = torch.randn(2, 8)
     with warnings.catch_warnings(record=True) as caught:
@@ -649,7 +649,7 @@ def test_a_model_compiled_with_lowprec_and_compiled_again_is_named(case, named):
         assert lpcompile.coverage(model) == []  # what the warning says: lowprec never ran
     else:
         assert said == []
-        assert bool(lpcompile.coverage(model)) == (case != "recompiled")  # lowprec ran
+        assert bool(lpcompile.coverage(model)) == (case == "method")  # lowprec ran
 
 
 class Scaled(nn.Module):
@@ -669,8 +669,10 @@ def _called_inside(case: str, backend: Callable) -> tuple[nn.Module, Callable[[t
     calls it."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
-    if case == "block compiled in place":
+    if case.startswith("block compiled in place"):
         model.compile(backend=backend)
+        if case.endswith("with a hook"):  # (Dynamo calls it through its __call__)
+            model.register_forward_pre_hook(lambda module, args: None)
         return model, Scaled(model)
     if case == "function":
         step = torch.compile(lambda x: model(x), backend=backend)
@@ -696,7 +698,9 @@ class Outer:
         return run
 
 
-@pytest.mark.parametrize("case", ["block", "block compiled in place", "model in a function", "function"])
+@pytest.mark.parametrize(
+    "case", ["block", "block compiled in place with a hook", "model in a function", "function"]
+)
 def test_lowprec_runs_apart_where_another_compile_calls_it(case):
     """A model or function compiled with lowprec, called where another backend's torch.compile
     traces: Dynamo breaks its graph there and calls lowprec's compile, whose graphs round
@@ -722,3 +726,50 @@ def test_a_fullgraph_compile_that_calls_lowprec_says_why_it_breaks():
     why = "compiled with lowprec: a torch.compile that calls it runs it apart"
     with pytest.raises(torch._dynamo.exc.Unsupported, match=why):
         torch.compile(outer, backend="eager", fullgraph=True)(torch.randn(4, 8))
+
+
+def test_a_model_holding_blocks_compiled_in_place_is_named_where_another_backend_compiles_it():
+    """Without hooks, Dynamo traces a module's ``forward``, not the compiled call of a module
+    compiled in place: lowprec never runs, and the warning names the blocks and the fix."""
+    torch._dynamo.reset()
+    model, outer = _called_inside("block compiled in place", "lowprec")
+    with pytest.warns(
+        UserWarning, match=r"Scaled holds inner, compiled with lowprec in place .* Register torch"
+    ):
+        compiled = torch.compile(outer, backend="eager")
+    compiled(torch.randn(4, 8)).sum().backward()
+    assert lpcompile.coverage(model) == []  # what it says
+
+
+class Blocks(nn.Module):
+    """Blocks compiled with lowprec, called in a loop, and a product of its own."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = nn.ModuleList(
+            torch.compile(nn.Sequential(nn.Linear(8, 8), nn.ReLU()), backend="lowprec", options=EAGER_SR)
+            for _ in range(2)
+        )
+        self.w = nn.Parameter(torch.randn(8, 2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return x @ self.w
+
+
+def test_an_outer_lowprec_compile_traces_its_blocks_compiled_with_lowprec_into_one_graph():
+    """lowprec's own compile traces through its blocks compiled with lowprec, as Dynamo does
+    (one graph, the blocks rounded with its options); so does the pipeline's capture."""
+    torch._dynamo.reset()
+    model, records = Blocks(), Records()
+    torch.compile(model, backend="lowprec", options=EAGER_SR, fullgraph=True)(
+        torch.randn(4, 8)
+    ).sum().backward()
+    assert len(records.new) == 1
+    assert len(records.only().sites) == 3 * 4
+    names = ["blocks.0._orig_mod.0", "blocks.1._orig_mod.0", "w"]  # as model.named_modules() says
+    assert [row.layer for row in lpcompile.coverage(model)] == names
+    graph = capture_graph(model, torch.randn(1, 8))
+    assert len(graph.graph.find_nodes(op="call_function", target=torch._C._nn.linear)) == 2

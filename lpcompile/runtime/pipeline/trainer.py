@@ -72,6 +72,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lpcompile.backend.distributed import TRACES_THROUGH_LOWPREC
 from lpcompile.backend.state import REGISTRY, check_streams_state
 from lpcompile.config import LowPrecConfig
 from lpcompile.numerics.checks import check_count, check_positive
@@ -114,6 +115,8 @@ def capture_graph(model: nn.Module, *example_inputs: Any) -> torch.fx.GraphModul
         keep_grapharg(gm)  # Dynamo drops "grapharg" afterwards
         graphs.append(gm)
         return gm.forward
+
+    setattr(backend, TRACES_THROUGH_LOWPREC, True)  # (a block compiled with lowprec is the model's)
 
     def call(module, *args):
         return module(*args)
