@@ -41,6 +41,7 @@ from typing import Any
 
 import torch
 import torch._dynamo.trace_rules as trace_rules
+from torch._dynamo.backends.distributed import DDPOptimizer
 
 from lpcompile.config import LowPrecConfig
 from lpcompile.numerics.quantize import is_dtensor, is_rowwise
@@ -194,9 +195,12 @@ def compiling_for_lowprec() -> bool:
 
 def _backend_function(compiler_fn: Any) -> Any:
     """The backend function Dynamo's ``compiler_fn`` (or its callback) wraps, through
-    torch.compile's wrapper or a ``functools.partial``."""
+    torch.compile's wrapper, DDPOptimizer's (``torch.compile(DDP(model))``) or a
+    ``functools.partial``."""
     backend = torch._dynamo.eval_frame.innermost_backend(compiler_fn)
     backend = getattr(backend, "compiler_fn", backend)  # torch.compile's wrapper
+    if isinstance(getattr(backend, "__self__", None), DDPOptimizer):  # its compile_fn
+        return _backend_function(backend.__self__.backend_compile_fn)
     return getattr(backend, "func", backend)
 
 

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import fnmatch
+import inspect
 import os
 import sys
 import types
@@ -395,12 +396,30 @@ class CoverageWatches:
         self._apart: weakref.WeakSet[types.FunctionType] = weakref.WeakSet()
 
     def run_apart(self, compiled: Any) -> None:
-        """Mark ``compiled``, what torch.compile returned for lowprec (its wrapper of a module
-        or function), to run apart from the compiles of other backends that call it."""
+        """Have ``compiled``, what torch.compile returned for lowprec (its wrapper of a module
+        or function), run apart from the compiles of other backends that call it."""
         wrapper = compiled.forward if isinstance(compiled, OptimizedModule) else compiled
         if isinstance(wrapper, types.FunctionType):  # (a lazy module's forward is a method)
             self._apart.add(wrapper)
+
+    @contextlib.contextmanager
+    def compiling(self, compiler_fn: Any) -> Iterator[None]:
+        """Around Dynamo's compile of a frame with ``compiler_fn``: what was compiled for
+        lowprec is marked to run apart (:func:`set_apart`) unless ``compiler_fn`` traces
+        through it (lowprec's own, with its own options, as Dynamo does), and unmarked
+        again afterwards, as torch.compile made it (what a graph's guards read, what a
+        ``functools.wraps`` copies, what ``torch.export`` traces through)."""
+        if compiler_fn is None or traces_through_lowprec(compiler_fn):
+            yield
+            return
+        marked = [wrapper for wrapper in self._apart if not is_apart(wrapper)]
+        for wrapper in marked:
             set_apart(wrapper, True)
+        try:
+            yield
+        finally:
+            for wrapper in marked:
+                set_apart(wrapper, False)
 
     def start(self, root: torch.nn.Module) -> None:
         """Watch ``root``'s next forward, unless it has been watched already."""
@@ -447,17 +466,12 @@ class CoverageWatches:
         return call
 
     def start_compiling(self, compiling: types.FrameType) -> None:
-        """Where Dynamo, in ``compiling`` (its frame of ``_compile``), begins to compile a
-        frame: mark what was compiled for lowprec to run apart from it, unless it compiles
-        for lowprec (which traces through it, with its own options, as Dynamo does); and
-        watch the outermost module running where it compiles for lowprec."""
+        """Watch the outermost module running where Dynamo, in ``compiling`` (its frame of
+        ``_compile``), compiles a frame for lowprec."""
         compiler_fn = compiling.f_locals.get("compiler_fn")
-        if compiler_fn is None:
-            return
-        for wrapper in self._apart:
-            set_apart(wrapper, not traces_through_lowprec(compiler_fn))
-        if is_lowprec_backend(compiler_fn) and (root := outermost_module()) is not None:
-            self.start(root)
+        if compiler_fn is not None and is_lowprec_backend(compiler_fn):
+            if (root := outermost_module()) is not None:
+                self.start(root)
 
     def warn_past_limit(self, compiling: types.FrameType, limit_type: str) -> None:
         """Warn where Dynamo, in ``compiling`` (its frame of ``_compile``), hit its
@@ -531,6 +545,22 @@ def _has_hooks(module: torch.nn.Module) -> bool:
     return any(getattr(module, kind) for kind in kinds) or torch.nn.modules.module._has_any_global_hook()
 
 
+def _traced_in_place(module: torch.nn.Module, path: str = "") -> Iterator[str]:
+    """The FQNs of the modules inside ``module`` compiled with lowprec in place that a
+    compile of ``module`` with another backend traces into its graph (Dynamo calls their
+    ``forward``, not their compiled call, where they have no hooks), but not those inside
+    a module that runs apart (:func:`set_apart`)."""
+    for name, child in module.named_children():
+        fqn = f"{path}.{name}" if path else name
+        if isinstance(child, OptimizedModule):
+            if not compiled_with_lowprec(child):
+                yield from _traced_in_place(child._orig_mod, fqn)
+        elif child._compiled_call_impl is not None and not _has_hooks(child) and compiled_with_lowprec(child):
+            yield fqn
+        else:
+            yield from _traced_in_place(child, fqn)
+
+
 def compiled_over_warning(context: Any, fn: Any) -> str | None:
     """The warning where torch.compile's ``context`` (another backend's) compiles ``fn``, a
     module or function compiled with lowprec, or a module holding modules compiled with
@@ -549,18 +579,11 @@ def compiled_over_warning(context: Any, fn: Any) -> str | None:
             " backend: Dynamo traces through lowprec's compile, which never runs, and the model's"
             " products run unrounded, in its own precision. Compile the model once, with lowprec"
         )
-    model = fn._orig_mod if isinstance(fn, OptimizedModule) else fn
+    model = getattr(fn, "__self__", fn)  # (a method of the model: module.compile(), its forward)
+    model = model._orig_mod if isinstance(model, OptimizedModule) else model
     if not isinstance(model, torch.nn.Module):
         return None
-    inside = [
-        module_name(name)
-        for name, module in model.named_modules()
-        if name
-        and not isinstance(module, OptimizedModule)
-        and module._compiled_call_impl is not None
-        and not _has_hooks(module)
-        and compiled_with_lowprec(module)
-    ]
+    inside = list(_traced_in_place(model))
     if not inside:
         return None
     more = f" and {len(inside) - LISTED} more" if len(inside) > LISTED else ""
@@ -571,6 +594,11 @@ def compiled_over_warning(context: Any, fn: Any) -> str | None:
         " unrounded. Register torch.compile(module, backend='lowprec') in their place instead (another"
         " compile calls it apart, with a graph break), or compile the whole model with lowprec"
     )
+
+
+def is_apart(wrapper: types.FunctionType) -> bool:
+    """Whether ``wrapper`` is marked by :func:`set_apart`."""
+    return wrapper.__dict__.get("_torchdynamo_disable_msg") is RUN_APART
 
 
 def set_apart(wrapper: types.FunctionType, apart: bool) -> None:
@@ -624,9 +652,19 @@ def watch_frame_compiles(watches: CoverageWatches) -> None:
     lowprec (a model whose frames all compile to no graph, its forward only a
     ``torch.utils.checkpoint`` call whose body breaks the graph, never calls the backend,
     and would otherwise run in FP32 unnamed), and call ``watches.warn_past_limit`` where the
-    frame goes past the limit (once per process)."""
+    frame goes past the limit (once per process); and make Dynamo compile each frame within
+    ``watches.compiling`` its backend."""
     if hasattr(convert_frame.exceeds_recompile_limit, "lowprec_original"):
         return
+    compile_frame = convert_frame._compile
+    parameters = inspect.signature(compile_frame)
+
+    def _compile(*args: Any, **kwargs: Any) -> Any:
+        with watches.compiling(parameters.bind(*args, **kwargs).arguments.get("compiler_fn")):
+            return compile_frame(*args, **kwargs)
+
+    _compile.lowprec_original = compile_frame
+    convert_frame._compile = _compile
     original = convert_frame.exceeds_recompile_limit
 
     def exceeds_recompile_limit(*args: Any, **kwargs: Any) -> tuple[bool, str]:

@@ -18,6 +18,8 @@ from models import Records
 from torch import nn
 
 import lpcompile
+from lpcompile.backend import lowprec
+from lpcompile.backend.distributed import LOWPREC_BACKEND
 from lpcompile.backend.watch import sparse_tensors
 from lpcompile.runtime.pipeline import capture_graph
 
@@ -728,17 +730,34 @@ def test_a_fullgraph_compile_that_calls_lowprec_says_why_it_breaks():
         torch.compile(outer, backend="eager", fullgraph=True)(torch.randn(4, 8))
 
 
-def test_a_model_holding_blocks_compiled_in_place_is_named_where_another_backend_compiles_it():
+@pytest.mark.parametrize("how", ["wrapper", "in place", "forward"])
+def test_a_model_holding_blocks_compiled_in_place_is_named_where_another_backend_compiles_it(how):
     """Without hooks, Dynamo traces a module's ``forward``, not the compiled call of a module
     compiled in place: lowprec never runs, and the warning names the blocks and the fix."""
     torch._dynamo.reset()
     model, outer = _called_inside("block compiled in place", "lowprec")
-    with pytest.warns(
-        UserWarning, match=r"Scaled holds inner, compiled with lowprec in place .* Register torch"
-    ):
-        compiled = torch.compile(outer, backend="eager")
+    said = r"Scaled holds inner, compiled with lowprec in place .* Register torch.compile\(module"
+    with pytest.warns(UserWarning, match=said):
+        if how == "wrapper":
+            compiled = torch.compile(outer, backend="eager")
+        elif how == "in place":
+            compiled = outer
+            outer.compile(backend="eager")
+        else:
+            compiled = torch.compile(outer.forward, backend="eager")
     compiled(torch.randn(4, 8)).sum().backward()
     assert lpcompile.coverage(model) == []  # what it says
+
+
+def test_blocks_compiled_in_place_inside_a_block_that_runs_apart_are_not_named():
+    torch._dynamo.reset()
+    block = nn.Sequential(_called_inside("block compiled in place", "lowprec")[0])
+    outer = Scaled(torch.compile(block, backend="lowprec", options=EAGER_SR))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.compile(outer, backend="eager")(torch.randn(4, 8)).sum().backward()
+    assert not [str(w.message) for w in caught if "lowprec" in str(w.message)]
+    assert [row.layer for row in lpcompile.coverage(block)] == ["0.0", "0.2"]  # it ran apart
 
 
 class Blocks(nn.Module):
@@ -773,3 +792,25 @@ def test_an_outer_lowprec_compile_traces_its_blocks_compiled_with_lowprec_into_o
     assert [row.layer for row in lpcompile.coverage(model)] == names
     graph = capture_graph(model, torch.randn(1, 8))
     assert len(graph.graph.find_nodes(op="call_function", target=torch._C._nn.linear)) == 2
+
+
+def test_another_backends_compiles_leave_the_graphs_of_lowprecs_own_compiles_valid():
+    """The mark that runs a lowprec function apart is set only while another backend
+    compiles: a lowprec compile that traced through it is not compiled again."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    layer, graphs = nn.Linear(8, 8), []
+
+    def counted(gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
+        graphs.append(gm)
+        return lowprec(gm, example_inputs, EAGER_SR)
+
+    setattr(counted, LOWPREC_BACKEND, True)
+    inner = torch.compile(lambda x: layer(x).relu(), backend="lowprec", options=EAGER_SR)
+    step = torch.compile(lambda x: inner(x) * 2, backend=counted)
+    other = torch.compile(lambda x: inner(x) + 1, backend="eager", dynamic=False)
+    x = torch.randn(4, 8)
+    for rows in (2, 3, 5):
+        step(x)
+        other(torch.randn(rows, 8))  # another backend's compile, each time
+    assert len(graphs) == 1

@@ -88,6 +88,7 @@ def _one_bucket_and_whole(rank: int) -> dict:
     }
 
 
+@pytest.mark.slow
 def test_a_graph_in_one_bucket_compiles_with_inductor_and_trains_as_without_ddp_optimizer(tmp_path):
     """DDPOptimizer hands a graph that fits one bucket to the backend whole: its statistics
     under ``torch.cond`` compile with Inductor (``torch.cond``'s own Dynamo trace of the

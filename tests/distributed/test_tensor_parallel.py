@@ -459,6 +459,7 @@ def test_sequence_parallel_blocks_train_in_fp8_like_one_process(tmp_path):
             assert torch.allclose(run["full"][name], weight, atol=1e-6), name
 
 
+@pytest.mark.slow
 def test_saturation_counts_of_a_tensor_parallel_model_are_the_whole_tensors(tmp_path):
     """``saturation="count"`` on column- and row-parallel layers counts each site's whole
     tensor on every rank, forward and backward: the counts of the same model on one process

@@ -93,6 +93,9 @@ WRAPPINGS: dict[str, Callable[[], nn.Module]] = {
     "FSDP2 compiled whole, the root's own product": lambda: _compile(_sharded(OwnProduct())),
     "DDP per block, head left out": lambda: DDP(_blocks_compiled(Blocks(), head=False)),
     "compiled DDP": lambda: _compile(DDP(Deep())),
+    # lowprec's compile traces through the blocks compiled with lowprec (DDPOptimizer's
+    # compile is lowprec's): one graph, the root's own product in it
+    "compiled DDP, blocks compiled too": lambda: _compile(DDP(_blocks_compiled(OwnProduct(), head=False))),
     "DDP, 1 of 14 blocks compiled": lambda: DDP(_first_block_compiled(Deep(more=12))),
 }
 
@@ -116,6 +119,7 @@ def test_modules_no_lowprec_graph_reads_are_named_once(tmp_path):
         assert found.pop("FSDP2 compiled whole") == []
         assert found.pop("FSDP2 per block, tied head, root resharded") == []
         assert found.pop("compiled DDP") == []
+        assert found.pop("compiled DDP, blocks compiled too") == []
         head = "no lowprec graph read the parameters of head (Linear: weight) while"
         expected = {
             "FSDP2 per block, head left out": f"{head} FSDPBlocks ran under FSDP2:",

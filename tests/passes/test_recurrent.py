@@ -124,7 +124,7 @@ def test_a_sequence_length_made_symbolic_keeps_the_gate_products_on_the_grid():
 @pytest.mark.parametrize(
     ("executor", "recipe"),
     [
-        ("eager", "fp32"),
+        pytest.param("eager", "fp32", marks=pytest.mark.slow),
         pytest.param("eager", "fp8-e5m2-sr", marks=pytest.mark.slow),
         pytest.param("inductor", "fp8-e5m2-sr", marks=pytest.mark.slow),
     ],
