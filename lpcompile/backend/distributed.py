@@ -193,14 +193,20 @@ def compiling_for_lowprec() -> bool:
     return False
 
 
+def innermost_backend(compiler_fn: Any) -> Any:
+    """The backend Dynamo's ``compiler_fn`` (or its callback) compiles with, through
+    DDPOptimizer's (``torch.compile(DDP(model))``): torch.compile's wrapper of it."""
+    backend = torch._dynamo.eval_frame.innermost_backend(compiler_fn)
+    if isinstance(getattr(backend, "__self__", None), DDPOptimizer):  # its compile_fn
+        return innermost_backend(backend.__self__.backend_compile_fn)
+    return backend
+
+
 def _backend_function(compiler_fn: Any) -> Any:
     """The backend function Dynamo's ``compiler_fn`` (or its callback) wraps, through
-    torch.compile's wrapper, DDPOptimizer's (``torch.compile(DDP(model))``) or a
-    ``functools.partial``."""
-    backend = torch._dynamo.eval_frame.innermost_backend(compiler_fn)
+    :func:`innermost_backend`, torch.compile's wrapper or a ``functools.partial``."""
+    backend = innermost_backend(compiler_fn)
     backend = getattr(backend, "compiler_fn", backend)  # torch.compile's wrapper
-    if isinstance(getattr(backend, "__self__", None), DDPOptimizer):  # its compile_fn
-        return _backend_function(backend.__self__.backend_compile_fn)
     return getattr(backend, "func", backend)
 
 

@@ -45,6 +45,7 @@ from torch.utils.hooks import RemovableHandle
 
 from lpcompile.backend.distributed import (
     calling_selves,
+    innermost_backend,
     is_lowprec_backend,
     product_parameters,
     traces_through_lowprec,
@@ -407,8 +408,10 @@ class CoverageWatches:
         """Around Dynamo's compile of a frame with ``compiler_fn``: what was compiled for
         lowprec is marked to run apart (:func:`set_apart`) unless ``compiler_fn`` traces
         through it (lowprec's own, with its own options, as Dynamo does), and unmarked
-        again afterwards, as torch.compile made it (what a graph's guards read, what a
-        ``functools.wraps`` copies, what ``torch.export`` traces through)."""
+        afterwards: at rest, as torch.compile made it (what a graph's guards read, what a
+        ``functools.wraps`` copies, what ``torch.export`` traces through). A lowprec compile
+        inside another backend's (its backend calling lowprec's model) leaves the marks set:
+        lowprec's code that runs meanwhile reads the wrappers as marked."""
         if compiler_fn is None or traces_through_lowprec(compiler_fn):
             yield
             return
@@ -484,7 +487,7 @@ class CoverageWatches:
             return
         if found.get("one_graph") or torch._dynamo.config.fail_on_recompile_limit_hit:
             return  # Dynamo raises instead
-        backend = torch._dynamo.eval_frame.innermost_backend(compiler_fn)
+        backend = innermost_backend(compiler_fn)
         backends = self._past_limit.setdefault(code, [])
         if any(seen() is backend for seen in backends):
             return
@@ -555,8 +558,9 @@ def _traced_in_place(module: torch.nn.Module, path: str = "") -> Iterator[str]:
         if isinstance(child, OptimizedModule):
             if not compiled_with_lowprec(child):
                 yield from _traced_in_place(child._orig_mod, fqn)
-        elif child._compiled_call_impl is not None and not _has_hooks(child) and compiled_with_lowprec(child):
-            yield fqn
+        elif child._compiled_call_impl is not None and compiled_with_lowprec(child):
+            if not _has_hooks(child):  # (with hooks, Dynamo calls its compiled call: it runs apart)
+                yield fqn
         else:
             yield from _traced_in_place(child, fqn)
 
@@ -579,6 +583,8 @@ def compiled_over_warning(context: Any, fn: Any) -> str | None:
             " backend: Dynamo traces through lowprec's compile, which never runs, and the model's"
             " products run unrounded, in its own precision. Compile the model once, with lowprec"
         )
+    if getattr(fn, "__func__", None) is torch.nn.Module._wrapped_call_impl:
+        return None  # (torch.compile's wrapper compiling the call of the module it was given)
     model = getattr(fn, "__self__", fn)  # (a method of the model: module.compile(), its forward)
     model = model._orig_mod if isinstance(model, OptimizedModule) else model
     if not isinstance(model, torch.nn.Module):

@@ -737,7 +737,7 @@ def test_a_model_holding_blocks_compiled_in_place_is_named_where_another_backend
     torch._dynamo.reset()
     model, outer = _called_inside("block compiled in place", "lowprec")
     said = r"Scaled holds inner, compiled with lowprec in place .* Register torch.compile\(module"
-    with pytest.warns(UserWarning, match=said):
+    with pytest.warns(UserWarning, match=said) as record:
         if how == "wrapper":
             compiled = torch.compile(outer, backend="eager")
         elif how == "in place":
@@ -745,6 +745,7 @@ def test_a_model_holding_blocks_compiled_in_place_is_named_where_another_backend
             outer.compile(backend="eager")
         else:
             compiled = torch.compile(outer.forward, backend="eager")
+    assert len([w for w in record if "lowprec" in str(w.message)]) == 1
     compiled(torch.randn(4, 8)).sum().backward()
     assert lpcompile.coverage(model) == []  # what it says
 
@@ -814,3 +815,18 @@ def test_another_backends_compiles_leave_the_graphs_of_lowprecs_own_compiles_val
         step(x)
         other(torch.randn(rows, 8))  # another backend's compile, each time
     assert len(graphs) == 1
+
+
+def test_blocks_inside_a_block_compiled_in_place_with_a_hook_are_not_named():
+    """A block compiled in place with a hook runs apart (Dynamo calls its compiled call), and
+    with it the blocks compiled in place inside it."""
+    torch._dynamo.reset()
+    inner, _ = _called_inside("block compiled in place", "lowprec")
+    block = nn.Sequential(inner)
+    block.compile(backend="lowprec", options=EAGER_SR)
+    block.register_forward_pre_hook(lambda module, args: None)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.compile(Scaled(block), backend="eager")(torch.randn(4, 8)).sum().backward()
+    assert not [str(w.message) for w in caught if "lowprec" in str(w.message)]
+    assert [row.layer for row in lpcompile.coverage(block)] == ["0.0", "0.2"]
