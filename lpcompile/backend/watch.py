@@ -22,6 +22,13 @@ compiled ``torch._dynamo.config.recompile_limit`` times: each new input shape an
 anew. :func:`watch_frame_compiles` makes Dynamo's check warn, naming the model, where
 that frame was compiled for lowprec; the same check, which Dynamo runs as it begins each
 frame's compile, starts the watch of a model whose frames compile to no graph.
+
+Another backend's torch.compile whose trace calls a model or function compiled with lowprec
+would trace through lowprec's compile, unrounded. While another backend compiles a frame,
+torch.compile's wrappers made for lowprec are marked as ``torch.compiler.disable`` marks a
+function (:func:`set_apart`): Dynamo breaks that graph at the call, and lowprec's compile
+runs it. Given a model compiled with lowprec itself, torch.compile compiles what it wraps:
+:func:`compiled_over_warning` names it.
 """
 
 from __future__ import annotations
@@ -626,12 +633,11 @@ def set_apart(wrapper: types.FunctionType, apart: bool) -> None:
 
 
 def watch_torch_compile(watches: CoverageWatches) -> None:
-    """Make torch.compile mark what it compiles for lowprec to run apart from the compiles
+    """Make torch.compile record what it compiles for lowprec to run apart from the compiles
     of other backends that call it (``watches.run_apart``), and warn
-    (:func:`compiled_over_warning`)
-    where it is given a module or function compiled with lowprec to compile with another
-    backend: Dynamo compiles the model or function inside, through lowprec's compile, which
-    never runs."""
+    (:func:`compiled_over_warning`) where another backend is given a module or function
+    compiled with lowprec, or a model holding blocks compiled in place, which Dynamo
+    compiles through lowprec's compile, which never runs."""
     context = torch._dynamo.eval_frame.OptimizeContext
     if hasattr(context.__call__, "lowprec_original"):
         return
